@@ -1,0 +1,26 @@
+"""ampfunc: mixed-precision training as pure, composable transforms over PyTorch pytrees.
+
+    import ampfunc as af
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)),
+                            loss_scale=af.DynamicLossScale())
+
+See README.md for the user's loop and the fused fast path.
+"""
+
+__version__ = "0.1.0"
+
+from ampfunc import ops, tree  # noqa: F401
+from ampfunc.tree import all_finite, leaves_with_paths, select_tree, tree_cast, tree_map  # noqa: F401
+from ampfunc.transform import (  # noqa: F401
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    identity,
+    masked,
+    named_chain,
+    partition,
+)
+# -- loss scales and primitives (ampfunc/loss_scale.py, ampfunc/mixed.py)
+# -- policies (ampfunc/policy.py)
+# -- optimizers (ampfunc/optim/)

@@ -1,0 +1,226 @@
+"""Gradient transformations and the combinators that compose them (optax's model).
+
+A :class:`GradientTransformation` is a pair of pure functions:
+
+* ``init(params) -> state``: a pytree of tensors;
+* ``update(updates, state, params=None) -> (updates, new_state)``.
+
+``updates`` enter as gradients and leave as the deltas that :func:`apply_updates` adds to the
+parameters. Neither function mutates its inputs. Because every state is a pytree of tensors,
+a whole step can be skipped on the device with :func:`ampfunc.skip_or_apply`, saved with
+``torch.save`` and compiled by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from ampfunc.tree import (
+    PyTree,
+    check_same_structure,
+    leaves_with_paths,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "chain",
+    "named_chain",
+    "masked",
+    "partition",
+    "apply_updates",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
+
+    ``fused`` is optional metadata a native optimizer attaches (its kind and hyper-parameters)
+    so that :func:`ampfunc.mixed_precision` can run it as one fused kernel pass; transforms
+    without it always run through the generic (pure, per-transform) path.
+    """
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[..., tuple[PyTree, PyTree]]
+    fused: Any = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """Passes updates through unchanged. Costs nothing."""
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies ``transforms`` in order; the state is the tuple of their states."""
+    transforms = tuple(transforms)
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if len(state) != len(transforms):
+            raise ValueError(f"chain: state has {len(state)} entries for {len(transforms)} transforms")
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    fused = transforms[0].fused if len(transforms) == 1 else ("chain", tuple(t.fused for t in transforms))
+    return GradientTransformation(init, update, fused)
+
+
+def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain`, with a dict state keyed by the given names (handy for inspection)."""
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain: names must be unique, got {names}")
+    inner = chain(*(t for _, t in named))
+
+    def init(params):
+        return dict(zip(names, inner.init(params)))
+
+    def update(updates, state, params=None):
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise ValueError(f"named_chain: state lacks entries {missing}")
+        updates, new = inner.update(updates, tuple(state[n] for n in names), params)
+        return updates, dict(zip(names, new))
+
+    return GradientTransformation(init, update)
+
+
+def _resolve(tree_or_fn, params):
+    return tree_or_fn(params) if callable(tree_or_fn) else tree_or_fn
+
+
+def _mask_tree(tree: PyTree, mask_leaves: list[bool]) -> PyTree:
+    """``tree`` with the leaves whose mask is False replaced by ``None`` (an empty node)."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(spec, [x if m else None for x, m in zip(leaves, mask_leaves)])
+
+
+def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
+    try:
+        check_same_structure(mask, params, "mask", "params")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    out = []
+    for path, m in leaves_with_paths(mask):
+        if not isinstance(m, bool):
+            raise TypeError(f"{where}: mask leaf {path!r} is {m!r}; masks hold Python bools")
+        out.append(m)
+    return out
+
+
+def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
+    """Applies ``inner`` only to the leaves where ``mask`` is ``True``; the others pass through.
+
+    ``mask`` is a pytree of Python bools with the structure of the params, or a function of the
+    params returning one. ``inner`` sees (and keeps state for) only the selected leaves.
+    Example: weight decay on weights only, ``masked(add_decayed_weights(1e-2), is_weight)``.
+    """
+
+    def init(params):
+        ml = _mask_leaves(_resolve(mask, params), params, "masked")
+        return inner.init(_mask_tree(params, ml))
+
+    def update(updates, state, params=None):
+        ml = _mask_leaves(_resolve(mask, params if params is not None else updates), updates, "masked")
+        sub_updates = _mask_tree(updates, ml)
+        sub_params = None if params is None else _mask_tree(params, ml)
+        new_sub, state = inner.update(sub_updates, state, sub_params)
+        new_leaves = iter(tree_leaves(new_sub))
+        leaves, spec = tree_flatten(updates)
+        merged = [next(new_leaves) if m else u for u, m in zip(leaves, ml)]
+        return tree_unflatten(spec, merged), state
+
+    return GradientTransformation(init, update)
+
+
+def partition(transforms: Mapping[str, GradientTransformation],
+              labels: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
+    """Parameter groups: each leaf is handled by the transform its label names.
+
+    ``labels`` is a pytree of strings with the structure of the params (or a function of the
+    params returning one). The state is a dict label -> that transform's state. Example: no
+    weight decay on norms and biases, ``partition({"decay": adamw(1e-3, weight_decay=.1),
+    "no_decay": adamw(1e-3, weight_decay=0.)}, labels)``.
+    """
+    transforms = dict(transforms)
+
+    def _labels(tree, where):
+        lab = _resolve(labels, tree)
+        try:
+            check_same_structure(lab, tree, "labels", "params")
+        except ValueError as e:
+            raise ValueError(f"partition: {e}") from None
+        out = []
+        for path, l in leaves_with_paths(lab):
+            if l not in transforms:
+                raise ValueError(f"partition: leaf {path!r} has label {l!r}, not one of {sorted(transforms)}")
+            out.append(l)
+        return out
+
+    def init(params):
+        ls = _labels(params, "init")
+        return {k: t.init(_mask_tree(params, [l == k for l in ls])) for k, t in transforms.items()}
+
+    def update(updates, state, params=None):
+        ls = _labels(params if params is not None else updates, "update")
+        leaves, spec = tree_flatten(updates)
+        merged = list(leaves)
+        new_state = {}
+        for k, t in transforms.items():
+            m = [l == k for l in ls]
+            sub_u, new_state[k] = t.update(_mask_tree(updates, m), state[k],
+                                           None if params is None else _mask_tree(params, m))
+            it = iter(tree_leaves(sub_u))
+            for i, sel in enumerate(m):
+                if sel:
+                    merged[i] = next(it)
+        return tree_unflatten(spec, merged), new_state
+
+    return GradientTransformation(init, update)
+
+
+def _apply_leaf(p, u):
+    if u is None:
+        return p
+    if not isinstance(p, torch.Tensor):
+        return p
+    if p.dtype in (torch.float16, torch.bfloat16):
+        # Add in fp32 and round once, so a low-precision param moves by what fp32 says.
+        return (p.to(torch.float32) + u.to(torch.float32)).to(p.dtype)
+    return p + u.to(p.dtype)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates`` leaf by leaf, each result in its param's dtype. Pure.
+
+    Low-precision params are updated in fp32 and rounded once. One read of each tree and
+    one write.
+    """
+    check_same_structure(params, updates, "params", "updates")
+    return tree_map(_apply_leaf, params, updates)

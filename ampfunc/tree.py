@@ -1,0 +1,190 @@
+"""Pytree helpers over optree.
+
+Every tree function in ampfunc goes through this module so that one registry namespace
+(``"ampfunc"``) is used everywhere: loss scales and other ampfunc containers are registered
+there, while dicts, lists, tuples and NamedTuples work as in plain optree. ``None`` is an
+empty node (never a leaf), so ``None`` entries survive every map untouched.
+
+Leaf paths are printable strings such as ``"encoder.layers.0.weight"`` so that errors and
+diagnostics can name the leaf at fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+NAMESPACE = "ampfunc"
+
+PyTree = Any
+
+__all__ = [
+    "NAMESPACE",
+    "tree_map",
+    "tree_leaves",
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_structure",
+    "leaves_with_paths",
+    "path_to_str",
+    "check_same_structure",
+    "select_tree",
+    "all_finite",
+    "tree_cast",
+    "is_float_tensor",
+    "tree_zeros_like",
+    "tree_clone",
+]
+
+
+def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
+    """``fn`` applied leaf-wise over ``tree`` (and ``rest``, which must share its structure)."""
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def tree_leaves(tree: PyTree) -> list:
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def tree_flatten(tree: PyTree):
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def tree_unflatten(treespec, leaves):
+    return optree.tree_unflatten(treespec, leaves)
+
+
+def tree_structure(tree: PyTree):
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def _entry_to_str(entry) -> str:
+    if isinstance(entry, optree.NamedTupleEntry) or isinstance(entry, optree.StructSequenceEntry):
+        return str(entry.field)
+    if isinstance(entry, optree.DataclassEntry):
+        return str(entry.field)
+    return str(entry.entry)
+
+
+def path_to_str(accessor) -> str:
+    """``"layers.0.weight"`` for the accessor of a leaf; ``"<root>"`` for a bare leaf."""
+    parts = [_entry_to_str(e) for e in accessor]
+    return ".".join(parts) if parts else "<root>"
+
+
+def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
+    """``[(path, leaf), ...]`` in flattening order, paths as dotted strings."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [(path_to_str(a), leaf) for a, leaf in zip(accessors, leaves)]
+
+
+def check_same_structure(a: PyTree, b: PyTree, a_name: str = "a", b_name: str = "b") -> None:
+    """Raise ``ValueError`` naming the first leaf path at which ``a`` and ``b`` disagree.
+
+    Costs one flatten of each tree; never touches tensor data.
+    """
+    sa, sb = tree_structure(a), tree_structure(b)
+    if sa == sb:
+        return
+    pa = {p for p, _ in leaves_with_paths(a)}
+    pb = {p for p, _ in leaves_with_paths(b)}
+    only_a = sorted(pa - pb)
+    only_b = sorted(pb - pa)
+    detail = []
+    if only_a:
+        detail.append(f"leaves only in {a_name}: {only_a[:5]}")
+    if only_b:
+        detail.append(f"leaves only in {b_name}: {only_b[:5]}")
+    if not detail:
+        detail.append(f"{a_name} is {sa}, {b_name} is {sb}")
+    raise ValueError(f"{a_name} and {b_name} have different tree structures; " + "; ".join(detail))
+
+
+def _select_leaf(pred: torch.Tensor, path: str):
+    def select(x, y):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape:
+                raise ValueError(
+                    f"select_tree: leaf {path!r} has shape {tuple(x.shape)} in the new tree "
+                    f"and {tuple(y.shape)} in the old one"
+                )
+            p = pred if pred.device == x.device else pred.to(x.device, non_blocking=True)
+            return torch.where(p, x, y)
+        if x is y or x == y:
+            return x
+        raise ValueError(
+            f"select_tree: leaf {path!r} is not a tensor and differs between the trees "
+            f"({x!r} vs {y!r}); it cannot be selected without reading `pred` on the host"
+        )
+
+    return select
+
+
+def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
+    """Per leaf ``a if pred else b``, decided on the device (``torch.where``; no host sync).
+
+    ``pred`` is a 0-d bool tensor. Costs one read of each tree and one write of the result.
+    Non-tensor leaves must be equal in both trees.
+    """
+    check_same_structure(a, b, "new", "old")
+    if not isinstance(pred, torch.Tensor) or pred.numel() != 1:
+        raise TypeError(f"select_tree: pred must be a 0-d bool tensor, got {pred!r}")
+    pred = pred.reshape(()).to(torch.bool)
+    accessors, leaves_a, spec = optree.tree_flatten_with_accessor(a, namespace=NAMESPACE)
+    leaves_b = tree_leaves(b)
+    out = [_select_leaf(pred, path_to_str(acc))(x, y) for acc, x, y in zip(accessors, leaves_a, leaves_b)]
+    return tree_unflatten(spec, out)
+
+
+def is_float_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and torch.is_floating_point(x)
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """0-d bool tensor: every floating leaf of ``tree`` is finite. One read pass; no host sync.
+
+    Integer and bool leaves are finite by definition. Works across devices (the flag lives
+    on the device of the first floating leaf; CPU when there is none).
+    """
+    from ampfunc import ops
+
+    floats = [x for x in tree_leaves(tree) if is_float_tensor(x)]
+    return ops.all_finite(floats)
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any], bool] = is_float_tensor) -> PyTree:
+    """Floating tensor leaves cast to ``dtype`` (leaves already in it are returned as is)."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if predicate(x) else x, tree)
+
+
+def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    return tree_map(lambda x: torch.zeros_like(x, dtype=dtype) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def tree_clone(tree: PyTree) -> PyTree:
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def float_leaves_with_paths(tree: PyTree, what: str = "tree") -> tuple[list[str], list[torch.Tensor]]:
+    """Paths and leaves of ``tree``; raises ``TypeError`` naming the first non-floating tensor leaf."""
+    paths, leaves = [], []
+    for path, leaf in leaves_with_paths(tree):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} leaf {path!r} is {type(leaf).__name__}, expected a floating tensor")
+        if not torch.is_floating_point(leaf):
+            raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
+        paths.append(path)
+        leaves.append(leaf)
+    return paths, leaves
+
+
+def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in first-seen order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
