@@ -22,5 +22,18 @@ from ampfunc.transform import (  # noqa: F401
     partition,
 )
 # -- loss scales and primitives (ampfunc/loss_scale.py, ampfunc/mixed.py)
+from ampfunc.loss_scale import DynamicConfig, DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale  # noqa: F401
+from ampfunc.mixed import (  # noqa: F401
+    MixedPrecision,
+    MixedPrecisionState,
+    agree_finite,
+    loss_scale_of,
+    mixed_precision,
+    scale_loss,
+    skip_or_apply,
+    unscale,
+    unscale_and_check,
+    update_scale,
+)
 # -- policies (ampfunc/policy.py)
 # -- optimizers (ampfunc/optim/)

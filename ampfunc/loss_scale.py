@@ -1,0 +1,329 @@
+"""Loss scales: immutable pytrees of 0-d tensors plus static configuration (jmp's model).
+
+A loss scale multiplies the loss before the backward pass so that small fp16 gradients do not
+flush to zero, and divides the gradients afterwards. Three kinds:
+
+* :class:`NoOpLossScale` -- no scaling (fp32 or bf16 training);
+* :class:`StaticLossScale` -- a fixed factor;
+* :class:`DynamicLossScale` -- backs off when a step overflows and grows after
+  ``growth_interval`` clean steps, as ``torch.amp.GradScaler`` and apex do.
+
+Each is registered as a pytree node (optree namespace ``"ampfunc"`` and ``torch.utils._pytree``):
+its tensors are the children and its configuration is static metadata, so a loss scale can be
+selected with :func:`ampfunc.skip_or_apply`, saved with ``torch.save``, passed through
+``torch.func`` transforms and ``torch.compile``. Nothing here reads a tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ampfunc import ops
+from ampfunc.tree import NAMESPACE, PyTree, float_leaves_with_paths, tree_unflatten, tree_flatten
+
+__all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig"]
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"scale_loss: the loss must be a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"scale_loss: the loss must be a scalar (one element), got shape {tuple(loss.shape)}; "
+            "reduce it (e.g. .mean()) before scaling"
+        )
+    if not torch.is_floating_point(loss):
+        raise TypeError(f"scale_loss: the loss must be floating point, got dtype {loss.dtype}")
+    return loss
+
+
+def _scalar(value, dtype, device, name) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return value.detach().reshape(()).to(device=device if device is not None else value.device, dtype=dtype).clone()
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor, what: str):
+    """``(tree in fp32 times inv_scale, finite)``; errors name the non-floating leaf."""
+    _, leaves = float_leaves_with_paths(tree, what)
+    _, spec = tree_flatten(tree)
+    outs, finite = ops.unscale(leaves, inv_scale)
+    return tree_unflatten(spec, outs), finite
+
+
+class LossScale:
+    """Common interface: ``loss_scale``, ``inv_scale``, ``scale(loss)``, ``unscale(tree)``, ``adjust(finite)``."""
+
+    __slots__ = ()
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        raise AttributeError
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        """0-d fp32 ``1 / loss_scale``, the reciprocal taken in double (as GradScaler does)."""
+        return self.loss_scale.to(torch.float64).reciprocal().to(torch.float32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss.float() * loss_scale``: one scalar multiply."""
+        loss = _check_loss(loss)
+        return loss.to(torch.float32) * self.loss_scale.to(loss.device)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        """Every floating leaf as fp32 times ``inv_scale``: one read and one fp32 write per leaf."""
+        return _fp32_unscaled(tree, self.inv_scale, "unscale")[0]
+
+    def adjust(self, finite: torch.Tensor) -> "LossScale":
+        return self
+
+
+class NoOpLossScale(LossScale):
+    """No loss scaling: ``scale`` returns the loss unchanged, ``unscale`` only casts to fp32."""
+
+    __slots__ = ()
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32)
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return _check_loss(loss)
+
+    def to(self, device) -> "NoOpLossScale":
+        return self
+
+    def __repr__(self) -> str:
+        return "NoOpLossScale()"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is NoOpLossScale
+
+    def __hash__(self) -> int:
+        return hash(NoOpLossScale)
+
+
+class StaticLossScale(LossScale):
+    """A fixed loss scale (apex's ``static_loss_scale``); ``adjust`` returns it unchanged."""
+
+    __slots__ = ("_loss_scale",)
+
+    def __init__(self, loss_scale: float | torch.Tensor, device=None):
+        if not isinstance(loss_scale, torch.Tensor) and not (loss_scale > 0 and math.isfinite(loss_scale)):
+            raise ValueError(f"StaticLossScale: loss_scale must be finite and > 0, got {loss_scale!r}")
+        self._loss_scale = _scalar(loss_scale, torch.float32, device, "StaticLossScale: loss_scale")
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return self._loss_scale
+
+    def to(self, device) -> "StaticLossScale":
+        return StaticLossScale(self._loss_scale.to(device))
+
+    def __repr__(self) -> str:
+        return f"StaticLossScale({self._loss_scale!r})"
+
+    def __getstate__(self):
+        return {"loss_scale": self._loss_scale}
+
+    def __setstate__(self, state):
+        self._loss_scale = state["loss_scale"]
+
+
+class DynamicConfig(NamedTuple):
+    """The static (hashable) settings of a :class:`DynamicLossScale`."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    hysteresis: int = 1
+
+    def validate(self) -> "DynamicConfig":
+        def bad(name, value, rule):
+            raise ValueError(f"DynamicLossScale: {name} must be {rule}, got {value!r}")
+
+        if not (self.growth_factor > 1.0) or not math.isfinite(self.growth_factor):
+            bad("growth_factor", self.growth_factor, "a finite number > 1")
+        if not (0.0 < self.backoff_factor < 1.0):
+            bad("backoff_factor", self.backoff_factor, "in (0, 1)")
+        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
+            bad("growth_interval", self.growth_interval, "an integer >= 1")
+        if not (self.min_scale >= 0.0) or not math.isfinite(self.min_scale):
+            bad("min_scale", self.min_scale, "a finite number >= 0")
+        if not (self.max_scale >= self.min_scale) or self.max_scale <= 0:
+            bad("max_scale", self.max_scale, f"> 0 and >= min_scale ({self.min_scale})")
+        if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
+            bad("hysteresis", self.hysteresis, "an integer >= 1")
+        return self._replace(growth_interval=int(self.growth_interval), hysteresis=int(self.hysteresis),
+                             growth_factor=float(self.growth_factor), backoff_factor=float(self.backoff_factor),
+                             min_scale=float(self.min_scale), max_scale=float(self.max_scale))
+
+
+class DynamicLossScale(LossScale):
+    """A loss scale that adapts to overflows.
+
+    After a step whose gradients are not all finite, the scale is multiplied by
+    ``backoff_factor`` (floored at ``min_scale``) -- once ``hysteresis`` consecutive such steps
+    have been seen; every finite step refills the hysteresis counter (DeepSpeed's consecutive
+    hysteresis). After ``growth_interval`` consecutive finite steps the scale is multiplied by
+    ``growth_factor`` (capped at ``max_scale``). With ``min_scale=0, max_scale=inf,
+    hysteresis=1`` the sequence of scales equals ``torch.amp.GradScaler``'s step for step,
+    rounding included (products in double, stored in fp32; a growth that would overflow fp32 is
+    not applied). apex's ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
+    ``DynamicLossScale(2.**32, growth_interval=1000, min_scale=1, max_scale=inf)``.
+
+    Tensors (all 0-d, on ``device``): ``loss_scale`` (fp32), ``growth_tracker`` (int32, clean
+    steps since the last change), ``hysteresis_tracker`` (int32, overflows still tolerated).
+    """
+
+    __slots__ = ("_loss_scale", "_growth_tracker", "_hysteresis_tracker", "_config")
+
+    def __init__(self, init_scale: float | torch.Tensor = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, min_scale: float = 1.0,
+                 max_scale: float = 2.0**24, hysteresis: int = 1, device=None):
+        config = DynamicConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+                               hysteresis).validate()
+        if not isinstance(init_scale, torch.Tensor) and not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"DynamicLossScale: init_scale must be finite and > 0, got {init_scale!r}")
+        scale = _scalar(init_scale, torch.float32, device, "DynamicLossScale: init_scale")
+        self._set(scale, torch.zeros((), dtype=torch.int32, device=scale.device),
+                  torch.full((), config.hysteresis, dtype=torch.int32, device=scale.device), config)
+
+    def _set(self, loss_scale, growth_tracker, hysteresis_tracker, config):
+        self._loss_scale = loss_scale
+        self._growth_tracker = growth_tracker
+        self._hysteresis_tracker = hysteresis_tracker
+        self._config = config
+
+    @classmethod
+    def from_tensors(cls, loss_scale, growth_tracker, hysteresis_tracker, config: DynamicConfig) -> "DynamicLossScale":
+        """Builds one from its parts without copying (used by unflattening and in-place updates)."""
+        obj = cls.__new__(cls)
+        obj._set(loss_scale, growth_tracker, hysteresis_tracker, config)
+        return obj
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return self._loss_scale
+
+    @property
+    def growth_tracker(self) -> torch.Tensor:
+        return self._growth_tracker
+
+    @property
+    def hysteresis_tracker(self) -> torch.Tensor:
+        return self._hysteresis_tracker
+
+    @property
+    def config(self) -> DynamicConfig:
+        return self._config
+
+    growth_factor = property(lambda self: self._config.growth_factor)
+    backoff_factor = property(lambda self: self._config.backoff_factor)
+    growth_interval = property(lambda self: self._config.growth_interval)
+    min_scale = property(lambda self: self._config.min_scale)
+    max_scale = property(lambda self: self._config.max_scale)
+    hysteresis = property(lambda self: self._config.hysteresis)
+
+    def replace(self, **config) -> "DynamicLossScale":
+        """The same tensors with some settings changed (e.g. ``growth_interval=500``)."""
+        return DynamicLossScale.from_tensors(self._loss_scale, self._growth_tracker, self._hysteresis_tracker,
+                                             self._config._replace(**config).validate())
+
+    def adjust(self, finite: torch.Tensor) -> "DynamicLossScale":
+        """The next loss scale after a step whose gradients were ``finite`` (0-d bool tensor).
+
+        Pure; a handful of 0-d kernels on the scale's device, no host sync.
+        """
+        if not isinstance(finite, torch.Tensor):
+            finite = torch.tensor(bool(finite))
+        s, g, h = ops.update_scale(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
+                                   **self._config._asdict())
+        return DynamicLossScale.from_tensors(s, g, h, self._config)
+
+    def adjust_(self, finite: torch.Tensor) -> "DynamicLossScale":
+        """In-place :meth:`adjust` (the donating fast path); returns ``self``."""
+        ops.update_scale_(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
+                          **self._config._asdict())
+        return self
+
+    def to(self, device) -> "DynamicLossScale":
+        return DynamicLossScale.from_tensors(self._loss_scale.to(device), self._growth_tracker.to(device),
+                                             self._hysteresis_tracker.to(device), self._config)
+
+    def __repr__(self) -> str:
+        c = self._config
+        return (f"DynamicLossScale(loss_scale={self._loss_scale!r}, growth_tracker={self._growth_tracker!r}, "
+                f"hysteresis_tracker={self._hysteresis_tracker!r}, growth_factor={c.growth_factor}, "
+                f"backoff_factor={c.backoff_factor}, growth_interval={c.growth_interval}, "
+                f"min_scale={c.min_scale}, max_scale={c.max_scale}, hysteresis={c.hysteresis})")
+
+    def __getstate__(self):
+        return {"loss_scale": self._loss_scale, "growth_tracker": self._growth_tracker,
+                "hysteresis_tracker": self._hysteresis_tracker, "config": tuple(self._config)}
+
+    def __setstate__(self, state):
+        self._set(state["loss_scale"], state["growth_tracker"], state["hysteresis_tracker"],
+                  DynamicConfig(*state["config"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# pytree registration: tensors are children, configuration is metadata.
+# ----------------------------------------------------------------------------------------------
+
+_DYN_FIELDS = ("loss_scale", "growth_tracker", "hysteresis_tracker")
+
+
+def _dyn_flatten(ls: DynamicLossScale):
+    return (ls._loss_scale, ls._growth_tracker, ls._hysteresis_tracker), ls._config, _DYN_FIELDS
+
+
+def _dyn_unflatten(config, children):
+    return DynamicLossScale.from_tensors(*children, config)
+
+
+def _static_flatten(ls: StaticLossScale):
+    return (ls._loss_scale,), None, ("loss_scale",)
+
+
+def _static_unflatten(_, children):
+    obj = StaticLossScale.__new__(StaticLossScale)
+    obj._loss_scale = children[0]
+    return obj
+
+
+def _noop_flatten(ls):
+    return (), None, ()
+
+
+def _noop_unflatten(_, children):
+    return NoOpLossScale()
+
+
+for _cls, _flat, _unflat in ((DynamicLossScale, _dyn_flatten, _dyn_unflatten),
+                             (StaticLossScale, _static_flatten, _static_unflatten),
+                             (NoOpLossScale, _noop_flatten, _noop_unflatten)):
+    optree.register_pytree_node(_cls, _flat, _unflat, namespace=NAMESPACE)
+    torch_pytree.register_pytree_node(
+        _cls,
+        (lambda f: lambda x: f(x)[:2])(_flat),
+        (lambda u: lambda children, ctx: u(ctx, tuple(children)))(_unflat),
+        serialized_type_name=f"ampfunc.{_cls.__name__}",
+    )
+
+# torch.load(weights_only=True) (the default) accepts ampfunc states.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([DynamicLossScale, StaticLossScale, NoOpLossScale, DynamicConfig])
