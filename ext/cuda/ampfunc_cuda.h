@@ -1,0 +1,184 @@
+/*
+ * ampfunc CUDA kernels: a torch-free C ABI.
+ *
+ * Every launcher takes host arrays of raw device pointers (one array per tensor list, all the
+ * same length n, entry i of each list belonging to the same leaf), the leaves' element counts,
+ * a dtype code, device pointers to the scalars that must stay on the device (flags, scales,
+ * step counters: reading them on the host would sync), hyper-parameters by value, and the
+ * stream to enqueue on. Nothing is read back to the host and nothing is allocated, so every
+ * launcher is safe inside CUDA-graph capture.
+ *
+ * Layout: the lists are packed into kernel arguments in chunks of AMPFUNC_CUDA_CHUNK elements
+ * (multi-tensor apply); one launch covers as many leaves and chunks as fit in one kernel
+ * argument block, so a flat buffer is one launch and a tree of many leaves is a few.
+ *
+ * Requirements the caller checks (the torch glue does, with errors naming the leaf):
+ *   - every pointer is to contiguous, non-overlapping memory on the device current on the
+ *     calling thread, and stays alive until the stream reaches the kernels;
+ *   - numels[i] >= 0 (0-element leaves are skipped); n >= 0;
+ *   - "fp32 list" means float*, the dtype code applies to the lists documented as such.
+ * Unaligned pointers are fine (a scalar path is taken); 16-byte-aligned ones get vector loads.
+ *
+ * Return value: 0 on success, else a cudaError_t code (cudaErrorInvalidValue for bad arguments);
+ * ampfunc_cuda_error_string() turns it into text.
+ *
+ * Flags: `finite` is a one-byte bool on the device (torch.bool storage): nonzero = every
+ * element seen was finite. Outputs taking `accumulate`: 0 overwrites the output (the flag is
+ * first set to true, the sum to 0), nonzero combines with what is already there (flag AND-ed,
+ * sum added) so that a caller can cover several (dtype) groups with several calls.
+ *
+ * Arithmetic: everything in fp32 ("opmath"), in the order of torch.optim's single-tensor
+ * implementations (see each launcher); bias corrections in double from the fp32 step count.
+ */
+#ifndef AMPFUNC_CUDA_H
+#define AMPFUNC_CUDA_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* dtype codes */
+#define AMPFUNC_FP32 0
+#define AMPFUNC_FP16 1
+#define AMPFUNC_BF16 2
+
+/* Elements per multi-tensor-apply chunk (one thread block per chunk). */
+#define AMPFUNC_CUDA_CHUNK 65536
+
+/* Version of this ABI; bumped only by backward-compatible additions. */
+#define AMPFUNC_CUDA_ABI_VERSION 1
+int ampfunc_cuda_abi_version(void);
+
+const char* ampfunc_cuda_error_string(int status);
+
+/* ------------------------------------------------------------------------------------------
+ * Read-only check: non-finite flag and sum of squares in one read of the tensors.
+ *
+ * For each element x (of dtype `dtype`), in fp32: y = scale ? x * (*scale) : x; sums y*y and
+ * notes whether x is finite. Block partials (fp32) land in `workspace`; one final kernel adds
+ * them in a fixed order (in double, rounded once to fp32), so the result is deterministic
+ * run to run (no atomics).
+ *   finite          out, 1 byte (may be NULL)   all elements finite        (accumulate rule)
+ *   sumsq           out, fp32 (may be NULL)     sum of squares             (accumulate rule)
+ *   leaf_nonfinite  out, n bytes (may be NULL)  1 where leaf i holds a non-finite value, else 0
+ *                                               (always overwritten, whatever `accumulate`)
+ *   workspace       scratch on the device, at least ampfunc_cuda_check_workspace_bytes() bytes
+ *                   (needs no initialisation; may be NULL when that size is 0)
+ * Cost: one read of every element, a few bytes per 64K-element chunk, two launches + one per
+ * argument block.
+ * ------------------------------------------------------------------------------------------ */
+int64_t ampfunc_cuda_check_workspace_bytes(int n, const int64_t* numels);
+
+int ampfunc_cuda_check(int n, const void* const* tensors, const int64_t* numels, int dtype,
+                       const float* scale, uint8_t* finite, float* sumsq, uint8_t* leaf_nonfinite,
+                       void* workspace, int64_t workspace_bytes, int accumulate, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------
+ * Unscale, as torch._amp_foreach_non_finite_check_and_unscale_ (bf16 included):
+ * per element, in fp32, out = x * (*inv_scale); finiteness is judged on the input x.
+ *   ampfunc_cuda_unscale_: in place, the product rounded to `dtype`.
+ *   ampfunc_cuda_unscale:  out of place into the fp32 list `outs` (may alias `tensors` only
+ *                          when dtype is fp32).
+ *   finite: out, 1 byte, accumulate rule (may be NULL).
+ * Cost: one read and one write of every element; one launch per argument block (+ a 1-byte
+ * memset when !accumulate).
+ * ------------------------------------------------------------------------------------------ */
+int ampfunc_cuda_unscale_(int n, void* const* tensors, const int64_t* numels, int dtype,
+                          const float* inv_scale, uint8_t* finite, int accumulate, cudaStream_t stream);
+
+int ampfunc_cuda_unscale(int n, const void* const* tensors, void* const* outs, const int64_t* numels,
+                         int dtype, const float* inv_scale, uint8_t* finite, int accumulate,
+                         cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------
+ * Fused optimizer steps over fp32 master parameters.
+ *
+ * Shared arguments:
+ *   grads / grad_dtype   the gradients (fp32, fp16 or bf16), read only.
+ *   params               fp32 master parameters, updated in place.
+ *   model_copies         optional (NULL) list written with the new parameter rounded to
+ *                        model_dtype (fp16 or bf16; fp32 allowed) in the same pass.
+ *   grad_scale           optional device fp32: every gradient is first multiplied by it
+ *                        (pass inv_scale * clip_coef, folded on the device).
+ *   finite               optional device bool: when it is 0 the kernels exit before writing
+ *                        anything (params, state, model copies and the step untouched).
+ *   lr_tensor            optional device fp32 overriding hyper->lr (schedules under graphs).
+ *   step                 device fp32: the number of steps taken before this one; the update
+ *                        uses t = *step + 1. When increment_step is nonzero the launcher then
+ *                        enqueues *step += 1 (only if finite). A caller covering several dtype
+ *                        groups that share one step passes increment_step = 1 on the last call.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct AmpfuncAdamHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  int adamw;    /* 1: decoupled weight decay p *= 1 - lr*wd (AdamW); 0: g += wd*p (Adam) */
+  int amsgrad;  /* 1: max_exp_avg_sqs must be given */
+  int maximize; /* 1: g = -g */
+} AmpfuncAdamHyper;
+
+/* Adam / AdamW, the order of torch.optim.adam._single_tensor_adam in fp32:
+ *   g = grad * grad_scale; if maximize: g = -g
+ *   if adamw: p = p * (1 - lr*wd)  else if wd: g = g + wd*p
+ *   m = m + (1-beta1) * (g - m)                        (lerp)
+ *   v = v * beta2 + (1-beta2) * g * g
+ *   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t               (double, t from the fp32 step)
+ *   vmax = max(vmax, v) if amsgrad
+ *   denom = sqrt(v or vmax) / sqrt(bc2) + eps
+ *   p = p - (lr / bc1) * m / denom;  copy = round(p)
+ * exp_avgs, exp_avg_sqs, max_exp_avg_sqs: fp32 lists.
+ * Cost: reads g, p, m, v (+vmax); writes p, m, v (+vmax, +copy): one pass. */
+int ampfunc_cuda_adam_step(int n, const void* const* grads, int grad_dtype, void* const* params,
+                           void* const* exp_avgs, void* const* exp_avg_sqs, void* const* max_exp_avg_sqs,
+                           void* const* model_copies, int model_dtype, const int64_t* numels,
+                           const float* grad_scale, const uint8_t* finite, const float* lr_tensor,
+                           float* step, int increment_step, const AmpfuncAdamHyper* hyper,
+                           cudaStream_t stream);
+
+typedef struct AmpfuncSgdHyper {
+  double lr;
+  double momentum;
+  double dampening;
+  double weight_decay;
+  int nesterov;
+  int maximize;
+} AmpfuncSgdHyper;
+
+/* SGD, the order of torch.optim.sgd._single_tensor_sgd in fp32:
+ *   g = grad * grad_scale; if maximize: g = -g; if wd: g = g + wd*p
+ *   if momentum: buf = (t == 1) ? g : buf*momentum + (1-dampening)*g
+ *                g = nesterov ? g + momentum*buf : buf
+ *   p = p - lr*g;  copy = round(p)
+ * momentum_bufs: fp32 list, required when momentum != 0 (ignored otherwise); `step` may be
+ * NULL only when momentum == 0 (then the buffers are never "first"). */
+int ampfunc_cuda_sgd_step(int n, const void* const* grads, int grad_dtype, void* const* params,
+                          void* const* momentum_bufs, void* const* model_copies, int model_dtype,
+                          const int64_t* numels, const float* grad_scale, const uint8_t* finite,
+                          const float* lr_tensor, float* step, int increment_step,
+                          const AmpfuncSgdHyper* hyper, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------
+ * Dynamic loss-scale update, one thread, same rule as ampfunc.ops._ref_update_scale:
+ *   finite:  tracker+1 >= growth_interval ? (scale = grown if finite(grown) else scale,
+ *            tracker = 0) : tracker += 1;  hysteresis_tracker = hysteresis
+ *            where grown = min(fp32(scale * growth_factor), max_scale)  (product in double)
+ *   else:    tracker = 0; if hysteresis_tracker <= 1: scale = max(fp32(scale*backoff_factor),
+ *            min_scale); hysteresis_tracker = max(hysteresis_tracker - 1, 1)
+ * scale: fp32, trackers: int32, finite: bool; all 0-d device tensors, updated in place.
+ * ------------------------------------------------------------------------------------------ */
+int ampfunc_cuda_update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                              const uint8_t* finite, double growth_factor, double backoff_factor,
+                              int64_t growth_interval, double min_scale, double max_scale,
+                              int64_t hysteresis, cudaStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* AMPFUNC_CUDA_H */
