@@ -1,0 +1,182 @@
+"""Loss scales: the scale sequence, its rounding, hysteresis, limits, validation and pytree-ness."""
+
+import io
+import math
+import random
+
+import pytest
+import torch
+
+import ampfunc as af
+from ampfunc.tree import leaves_with_paths, select_tree
+
+
+def _grad_scaler_sequence(overflows, **kw):
+    """Scales produced by the real torch.amp.GradScaler for a given overflow pattern."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", **kw)
+    scales = []
+    for overflow in overflows:
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if overflow:
+            p.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _ampfunc_sequence(overflows, **kw):
+    ls = af.DynamicLossScale(min_scale=0.0, max_scale=math.inf, **kw)
+    scales = []
+    for overflow in overflows:
+        ls = af.update_scale(ls, torch.tensor(not overflow))
+        scales.append(ls.loss_scale.item())
+    return scales
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dynamic_scale_reproduces_grad_scaler_for_any_factors(seed):
+    rng = random.Random(seed)
+    kw = dict(init_scale=rng.choice([2.0**16, 1000.0, 3.3e4]),
+              growth_factor=rng.choice([2.0, 1.7, 3.0, 1.0001]),
+              backoff_factor=rng.choice([0.5, 0.37, 0.9, 0.125]),
+              growth_interval=rng.choice([1, 2, 3, 7]))
+    overflows = [rng.random() < 0.3 for _ in range(60)]
+    ours = _ampfunc_sequence(overflows, **kw)
+    theirs = _grad_scaler_sequence(overflows, **kw)
+    assert ours == theirs  # exact: same fp32 values, step for step
+
+
+def test_growth_that_would_overflow_fp32_is_not_applied_like_grad_scaler():
+    kw = dict(init_scale=2.0**120, growth_factor=16.0, backoff_factor=0.5, growth_interval=1)
+    overflows = [False] * 4 + [True] + [False] * 3
+    ours = _ampfunc_sequence(overflows, **kw)
+    assert ours == _grad_scaler_sequence(overflows, **kw)
+    assert all(math.isfinite(s) for s in ours)
+
+
+def test_torch_reference_sequence_from_its_test_suite():
+    # growth 2, backoff .25, interval 2, scale 4: two clean steps -> 8, then an overflow -> 2.
+    ls = af.DynamicLossScale(4.0, growth_factor=2.0, backoff_factor=0.25, growth_interval=2, min_scale=0.0)
+    ls = ls.adjust(torch.tensor(True))
+    assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (4.0, 1)
+    ls = ls.adjust(torch.tensor(True))
+    assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (8.0, 0)
+    ls = ls.adjust(torch.tensor(False))
+    assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (2.0, 0)
+
+
+def test_min_and_max_scale_clamp_the_sequence():
+    ls = af.DynamicLossScale(4.0, growth_interval=1, min_scale=1.0, max_scale=16.0)
+    for _ in range(5):
+        ls = ls.adjust(torch.tensor(True))
+    assert ls.loss_scale.item() == 16.0
+    for _ in range(10):
+        ls = ls.adjust(torch.tensor(False))
+    assert ls.loss_scale.item() == 1.0
+
+
+def test_hysteresis_tolerates_k_minus_one_consecutive_overflows_and_refills_on_finite_steps():
+    ls = af.DynamicLossScale(1024.0, hysteresis=3, growth_interval=100)
+    seq = []
+    for finite in [False, False, True, False, False, False, False]:
+        ls = ls.adjust(torch.tensor(finite))
+        seq.append((ls.loss_scale.item(), ls.hysteresis_tracker.item()))
+    assert seq == [(1024.0, 2), (1024.0, 1), (1024.0, 3),  # refilled by the finite step
+                   (1024.0, 2), (1024.0, 1), (512.0, 1), (256.0, 1)]
+
+
+def test_overflow_resets_growth_progress():
+    ls = af.DynamicLossScale(8.0, growth_interval=3)
+    for finite in [True, True, False, True, True]:
+        ls = ls.adjust(torch.tensor(finite))
+    assert ls.loss_scale.item() == 4.0 and ls.growth_tracker.item() == 2
+
+
+def test_inv_scale_is_the_double_reciprocal_stored_in_fp32():
+    ls = af.DynamicLossScale(3.0)
+    assert ls.inv_scale.dtype == torch.float32
+    assert ls.inv_scale.item() == torch.tensor(1 / 3.0, dtype=torch.float64).float().item()
+
+
+@pytest.mark.parametrize("kwargs, setting", [
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(growth_factor=0.5), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(init_scale=0.0), "init_scale"),
+    (dict(init_scale=-2.0), "init_scale"),
+    (dict(init_scale=math.inf), "init_scale"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(min_scale=-1.0), "min_scale"),
+    (dict(min_scale=4.0, max_scale=2.0), "max_scale"),
+    (dict(hysteresis=0), "hysteresis"),
+])
+def test_invalid_settings_raise_naming_the_setting(kwargs, setting):
+    with pytest.raises(ValueError, match=setting):
+        af.DynamicLossScale(**kwargs)
+
+
+def test_static_scale_rejects_non_positive_and_never_changes():
+    with pytest.raises(ValueError, match="loss_scale"):
+        af.StaticLossScale(0.0)
+    ls = af.StaticLossScale(128.0)
+    assert ls.adjust(torch.tensor(False)).loss_scale.item() == 128.0
+    assert af.scale_loss(torch.tensor(2.0, dtype=torch.float16), ls).dtype == torch.float32
+
+
+def test_noop_scale_leaves_the_loss_and_casts_grads_to_fp32():
+    ls = af.NoOpLossScale()
+    loss = torch.tensor(1.5, dtype=torch.bfloat16)
+    assert af.scale_loss(loss, ls) is loss
+    g, finite = af.unscale_and_check({"w": torch.ones(2, dtype=torch.bfloat16)}, ls)
+    assert g["w"].dtype == torch.float32 and bool(finite)
+
+
+def test_loss_scale_is_a_pytree_with_named_leaves_and_static_config():
+    ls = af.DynamicLossScale(hysteresis=2)
+    assert [p for p, _ in leaves_with_paths({"ls": ls})] == [
+        "ls.loss_scale", "ls.growth_tracker", "ls.hysteresis_tracker"]
+    new = ls.adjust(torch.tensor(False))
+    kept = select_tree(torch.tensor(False), new, ls)
+    assert isinstance(kept, af.DynamicLossScale) and kept.config == ls.config
+    assert kept.hysteresis_tracker.item() == 2
+
+
+def test_loss_scale_flows_through_torch_pytree():
+    import torch.utils._pytree as pytree
+    leaves, spec = pytree.tree_flatten(af.DynamicLossScale(8.0))
+    assert [x.item() for x in leaves] == [8.0, 0, 1]
+    assert pytree.tree_unflatten(leaves, spec).loss_scale.item() == 8.0
+
+
+def test_save_and_load_with_weights_only_round_trips():
+    ls = af.DynamicLossScale(512.0, growth_interval=7, hysteresis=2).adjust(torch.tensor(False))
+    buf = io.BytesIO()
+    torch.save({"ls": ls, "static": af.StaticLossScale(4.0), "noop": af.NoOpLossScale()}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert back["ls"].config == ls.config
+    assert torch.equal(back["ls"].hysteresis_tracker, ls.hysteresis_tracker)
+    assert back["static"].loss_scale.item() == 4.0 and isinstance(back["noop"], af.NoOpLossScale)
+
+
+def test_update_scale_over_a_dict_of_per_loss_scales():
+    scales = {"a": af.DynamicLossScale(8.0), "b": af.DynamicLossScale(8.0)}
+    scales = af.update_scale(scales, {"a": torch.tensor(True), "b": torch.tensor(False)})
+    assert scales["a"].loss_scale.item() == 8.0 and scales["b"].loss_scale.item() == 4.0
+
+
+def test_adjust_in_place_matches_pure_adjust():
+    a = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
+    b = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
+    for finite in [True, False, False, True, True, True, False]:
+        f = torch.tensor(finite)
+        a = a.adjust(f)
+        assert b.adjust_(f) is b
+        assert torch.equal(a.loss_scale, b.loss_scale)
+        assert torch.equal(a.growth_tracker, b.growth_tracker)
+        assert torch.equal(a.hysteresis_tracker, b.hysteresis_tracker)

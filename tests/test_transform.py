@@ -1,0 +1,80 @@
+"""Combinators: chain, named_chain, masked, partition, apply_updates."""
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import ampfunc as af
+
+
+class CountState(NamedTuple):
+    count: torch.Tensor
+
+
+def scale_by(c):
+    def init(params):
+        return CountState(torch.zeros((), dtype=torch.int32))
+
+    def update(updates, state, params=None):
+        return af.tree_map(lambda u: u * c, updates), CountState(state.count + 1)
+
+    return af.GradientTransformation(init, update)
+
+
+def test_chain_applies_in_order_and_keeps_one_state_per_transform():
+    tx = af.chain(scale_by(2.0), scale_by(3.0))
+    state = tx.init({"w": torch.ones(1)})
+    u, state = tx.update({"w": torch.ones(1)}, state)
+    assert u["w"].item() == 6.0 and [s.count.item() for s in state] == [1, 1]
+
+
+def test_chain_rejects_non_transforms_by_position():
+    with pytest.raises(TypeError, match="argument 1"):
+        af.chain(scale_by(1.0), lambda g: g)
+
+
+def test_named_chain_exposes_states_by_name():
+    tx = af.named_chain(("clip", scale_by(1.0)), ("opt", scale_by(-0.1)))
+    state = tx.init({"w": torch.ones(1)})
+    assert set(state) == {"clip", "opt"}
+    with pytest.raises(ValueError, match="unique"):
+        af.named_chain(("a", scale_by(1.0)), ("a", scale_by(1.0)))
+
+
+def test_masked_applies_inner_only_to_selected_leaves():
+    params = {"w": torch.ones(2), "b": torch.ones(2)}
+    tx = af.masked(scale_by(10.0), lambda p: {"w": True, "b": False})
+    state = tx.init(params)
+    u, state = tx.update({"w": torch.ones(2), "b": torch.ones(2)}, state, params)
+    assert torch.equal(u["w"], torch.full((2,), 10.0)) and torch.equal(u["b"], torch.ones(2))
+
+
+def test_masked_mask_must_hold_bools():
+    with pytest.raises(TypeError, match="'w'"):
+        af.masked(scale_by(1.0), {"w": 1}).init({"w": torch.ones(1)})
+
+
+def test_partition_routes_each_label_to_its_transform():
+    params = {"w": torch.ones(1), "norm": {"weight": torch.ones(1)}}
+    labels = {"w": "decay", "norm": {"weight": "no_decay"}}
+    tx = af.partition({"decay": scale_by(-1.0), "no_decay": scale_by(0.5)}, labels)
+    state = tx.init(params)
+    u, state = tx.update(params, state, params)
+    assert u["w"].item() == -1.0 and u["norm"]["weight"].item() == 0.5
+    with pytest.raises(ValueError, match=r"'norm\.weight'.*'other'"):
+        af.partition({"decay": scale_by(1.0)}, {"w": "decay", "norm": {"weight": "other"}}).init(params)
+
+
+def test_apply_updates_keeps_each_param_dtype_and_rounds_low_precision_once():
+    params = {"h": torch.tensor([1.0], dtype=torch.float16), "f": torch.tensor([1.0])}
+    updates = {"h": torch.tensor([1e-4]), "f": torch.tensor([1e-4])}
+    out = af.apply_updates(params, updates)
+    assert out["h"].dtype == torch.float16 and out["f"].dtype == torch.float32
+    assert out["h"].item() == torch.tensor(1.0 + 1e-4).half().item()
+    assert torch.equal(params["h"], torch.tensor([1.0], dtype=torch.float16))  # pure
+
+
+def test_apply_updates_names_structure_mismatch():
+    with pytest.raises(ValueError, match="'b'"):
+        af.apply_updates({"w": torch.ones(1), "b": torch.ones(1)}, {"w": torch.ones(1)})
