@@ -156,3 +156,8 @@ def nonfinite_leaves(grads: PyTree) -> list[str]:
         return []
     _, _, bad = ops.check([x for _, x in pairs], per_leaf=True)
     return [path for (path, _), is_bad in zip(pairs, bad.tolist()) if is_bad]
+
+
+# torch.load(weights_only=True) (the default) accepts stats saved with the training state.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([StepStats])
