@@ -36,4 +36,16 @@ from ampfunc.mixed import (  # noqa: F401
     update_scale,
 )
 # -- policies (ampfunc/policy.py)
+from ampfunc import monitor, policy  # noqa: F401
+from ampfunc.policy import (  # noqa: F401
+    NORM_LAYER_TYPES,
+    Policy,
+    buffers_of,
+    cast_floating,
+    cast_params,
+    get_policy,
+    norm_layers,
+    params_of,
+)
+from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate  # noqa: F401
 # -- optimizers (ampfunc/optim/)
