@@ -38,6 +38,7 @@ from ampfunc.mixed import (  # noqa: F401
 # -- policies (ampfunc/policy.py)
 from ampfunc import monitor, policy  # noqa: F401
 from ampfunc.policy import (  # noqa: F401
+    BATCH_NORM_TYPES,
     NORM_LAYER_TYPES,
     Policy,
     buffers_of,

@@ -39,6 +39,7 @@ __all__ = [
     "cast_params",
     "norm_layers",
     "NORM_LAYER_TYPES",
+    "BATCH_NORM_TYPES",
 ]
 
 PyTree = Any
@@ -322,6 +323,12 @@ def _norm_layer_types() -> tuple[type, ...]:
 #: the modern normalizations, whose statistics need fp32 range and precision just as much.
 NORM_LAYER_TYPES: tuple[type, ...] = _norm_layer_types()
 
+#: Only the batch norms: exactly what apex O2 keeps fp32. cuDNN's batch norm takes fp16/bf16
+#: activations with fp32 weights, so this set works on CUDA without autocast.
+BATCH_NORM_TYPES: tuple[type, ...] = tuple(
+    t for t in NORM_LAYER_TYPES if issubclass(t, torch.nn.modules.batchnorm._BatchNorm)
+)
+
 
 class NormLayerPaths(frozenset):
     """A frozenset of leaf paths (what :func:`norm_layers` returns); usable as ``keep=``."""
@@ -338,6 +345,12 @@ def norm_layers(model: torch.nn.Module, types: Iterable[type] | None = None) -> 
     tuple to replace it, e.g. ``NORM_LAYER_TYPES + (MyNorm,)``. Paths are spelled as
     :func:`params_of` / :func:`buffers_of` spell them, so the result can be passed as
     ``cast_params(..., keep=norm_layers(model))``. Walks the module tree once; no tensor work.
+
+    Running such a model means feeding fp16/bf16 activations to fp32 norm weights. CPU kernels
+    and CUDA batch norm accept that; CUDA ``layer_norm`` does not without autocast (it raises
+    "expected scalar type Half but found Float", pytorch/pytorch#135969). On CUDA either run
+    the forward under ``policy.autocast("cuda")`` (which computes layer/group norm in fp32) or
+    keep only the batch norms: ``norm_layers(model, types=BATCH_NORM_TYPES)`` (apex O2's rule).
     """
     _check_module(model, "norm_layers")
     types = NORM_LAYER_TYPES if types is None else tuple(types)

@@ -330,6 +330,11 @@ def test_norm_layers_counts_subclasses_and_custom_types():
         af.norm_layers(model, types=(int,))
 
 
+def test_norm_layers_with_batch_norm_types_keeps_only_what_apex_o2_keeps():
+    assert af.norm_layers(ConvNet(), types=af.BATCH_NORM_TYPES) == {
+        "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+
+
 def test_norm_layers_of_a_model_without_norms_is_empty():
     assert af.norm_layers(nn.Linear(2, 2)) == frozenset()
 
