@@ -1,0 +1,316 @@
+"""torch.func interop: loss-scaled ``value_and_grad`` and a whole train step users can compile.
+
+``value_and_grad`` is flax's ``DynamicScale.value_and_grad`` for PyTorch: it differentiates the
+*scaled* loss with ``torch.func.grad`` and hands back the loss as ``loss_fn`` computed it, the
+fp32 gradients divided by the scale, and a 0-d bool ``finite`` flag. Nothing reads a tensor back
+to the host, so it composes with ``torch.vmap`` (per-example gradients) and
+``torch.compile(fullgraph=True)``.
+
+``make_train_step`` builds the whole step -- cast to the compute dtype, forward through
+``functional_call`` (buffers such as BatchNorm running statistics updated functionally),
+backward, unscale and check, the optimizer transform (clipping included), the skip and the
+loss-scale update -- as one pure function of a :class:`TrainState`::
+
+    train = af.make_train_step(model, loss_fn, af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)),
+                               af.get_policy("p=f32,c=f16,o=f32"), loss_scale=af.DynamicLossScale())
+    state = train.init()
+    step = torch.compile(train.step, fullgraph=True)
+    for x, y in loader:
+        state, out = step(state, x, y)        # out.loss, out.finite, out.loss_scale
+    af.copy_to_module(model, state.params, state.buffers)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+from torch.func import functional_call
+
+from ampfunc.loss_scale import LossScale, NoOpLossScale
+from ampfunc.mixed import MixedPrecision, skip_or_apply, unscale_and_check, update_scale
+from ampfunc.transform import GradientTransformation, apply_updates
+from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+__all__ = [
+    "ValueAndGrad",
+    "value_and_grad",
+    "clip_per_example",
+    "TrainState",
+    "StepOutput",
+    "TrainStep",
+    "make_train_step",
+    "copy_to_module",
+]
+
+
+class ValueAndGrad(NamedTuple):
+    """What :func:`value_and_grad` returns.
+
+    ``value``: the loss as ``loss_fn`` returned it, not scaled (``(loss, aux)`` with
+    ``has_aux``); ``grads``: fp32 gradients of the unscaled loss (the structure of the
+    differentiated argument(s)); ``finite``: 0-d bool, ``True`` when every gradient element of
+    the scaled loss was finite (under ``vmap``: one flag per example).
+    """
+
+    value: Any
+    grads: PyTree
+    finite: torch.Tensor
+
+
+def _is_batched(x) -> bool:
+    return isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x)
+
+
+def _unscale_and_check_batched(grads: PyTree, ls: LossScale) -> tuple[PyTree, torch.Tensor]:
+    """Under ``vmap``: the same numbers as :func:`unscale_and_check` from batchable ops.
+
+    The fused unscale op mutates a shared overflow flag in place, which ``vmap`` cannot
+    batch; here each example gets its own flag. ``g.float() * inv_scale`` is the product the
+    fused op takes (fp32), so results agree bit for bit with the unbatched path.
+    """
+    float_leaves_with_paths(grads, "value_and_grad: grads")
+    inv = ls.inv_scale
+    leaves, spec = tree_flatten(grads)
+    outs = [g.to(torch.float32) * inv.to(g.device) for g in leaves]
+    if not leaves:
+        return grads, torch.ones((), dtype=torch.bool)
+    finite = torch.stack([g.isfinite().all() for g in leaves]).all()
+    return tree_unflatten(spec, outs), finite
+
+
+def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+                   group=None) -> Callable[..., ValueAndGrad]:
+    """``loss_fn`` differentiated under a loss scale: ``vg(loss_scale, *args, **kwargs) -> ValueAndGrad``.
+
+    ``vg`` computes ``loss_fn(*args, **kwargs)``, differentiates ``scale_loss(loss, loss_scale)``
+    with respect to ``args[argnums]`` (``torch.func.grad``), and unscales the gradients to fp32
+    while checking them (one pass: :func:`ampfunc.unscale_and_check`). ``loss_fn`` returns a
+    scalar loss, or ``(loss, aux)`` with ``has_aux=True``; ``aux`` comes back untouched (use it
+    for updated BatchNorm buffers, metrics, ...). The loss is returned as computed, never
+    divided back, so it is exact.
+
+    With ``group`` (a ``torch.distributed`` process group) the fp32 gradients are averaged over
+    the ranks of the group (data parallelism without DDP; flax's ``axis_name``) and every rank
+    gets the same ``finite`` flag. Costs two all-reduces (the gradients, one flag).
+
+    Composes with ``torch.vmap``: ``vmap(vg, in_dims=(None, None, 0, 0))(ls, params, x, y)``
+    gives per-example fp32 grads and one ``finite`` flag per example (see
+    :func:`clip_per_example`). No host sync anywhere.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"value_and_grad: loss_fn must be callable, got {type(loss_fn).__name__}")
+
+    def scaled(loss_scale, *args, **kwargs):
+        out = loss_fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("value_and_grad(has_aux=True): loss_fn must return (loss, aux), "
+                                f"got {type(out).__name__}")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"value_and_grad: loss_fn must return a tensor loss, got {type(loss).__name__}")
+        # torch.func.grad hands aux back only if it is a pytree of tensors: no None in it.
+        return loss_scale.scale(loss), ((loss.detach(), aux) if has_aux else (loss.detach(),))
+
+    def vg(loss_scale, *args, **kwargs) -> ValueAndGrad:
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError("value_and_grad: the first argument of the returned function is the loss scale "
+                            f"(e.g. af.DynamicLossScale()), got {type(loss_scale).__name__}")
+        # argnums counts loss_fn's arguments; loss_scale sits in front of them here.
+        shifted = tuple(a + 1 for a in argnums) if isinstance(argnums, tuple) else argnums + 1
+        grads, value = torch.func.grad(scaled, shifted, has_aux=True)(loss_scale, *args, **kwargs)
+        if any(_is_batched(g) for g in tree_leaves(grads)):
+            if group is not None:
+                raise ValueError("value_and_grad: group= cannot be used under vmap (one collective per example)")
+            grads32, finite = _unscale_and_check_batched(grads, loss_scale)
+        else:
+            grads32, finite = unscale_and_check(grads, loss_scale, group=group)
+            if group is not None:
+                from ampfunc.dist import all_reduce_mean
+
+                grads32 = all_reduce_mean(grads32, group)
+        return ValueAndGrad(value if has_aux else value[0], grads32, finite)
+
+    return vg
+
+
+def clip_per_example(grads: PyTree, max_norm: float, reduce: str = "mean") -> tuple[PyTree, torch.Tensor]:
+    """DP-SGD's per-example clipping: ``(reduced clipped grads, per-example norms)``.
+
+    ``grads`` holds per-example gradients, the example index on dim 0 of every leaf (what
+    ``vmap`` over :func:`value_and_grad` returns). Each example's gradient is scaled by
+    ``min(1, max_norm / (norm_i + 1e-6))`` where ``norm_i`` is its L2 norm over all leaves
+    (accumulated in fp32; ``torch.nn.utils.clip_grad_norm_`` per example), then the examples
+    are averaged (``reduce="mean"``), summed (``"sum"``, where DP-SGD adds its noise) or kept
+    (``"none"``). One read of the grads for the norms and one for the scaled reduction.
+    """
+    if reduce not in ("mean", "sum", "none"):
+        raise ValueError(f"clip_per_example: reduce must be 'mean', 'sum' or 'none', got {reduce!r}")
+    if not max_norm > 0:
+        raise ValueError(f"clip_per_example: max_norm must be > 0, got {max_norm!r}")
+    paths, leaves = float_leaves_with_paths(grads, "clip_per_example: grads")
+    if not leaves:
+        raise ValueError("clip_per_example: grads has no leaves")
+    n = leaves[0].shape[0] if leaves[0].dim() else None
+    for path, g in zip(paths, leaves):
+        if g.dim() == 0 or g.shape[0] != n:
+            raise ValueError(f"clip_per_example: leaf {path!r} has shape {tuple(g.shape)}; every leaf needs the "
+                             f"example index on dim 0 (batch of {n})")
+    sumsq = sum(g.to(torch.float32).reshape(n, -1).square().sum(1) for g in leaves)
+    norms = sumsq.sqrt()
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+
+    def clip(g):
+        c = (g.to(torch.float32) * coef.reshape((n,) + (1,) * (g.dim() - 1)))
+        if reduce == "mean":
+            return c.mean(0)
+        if reduce == "sum":
+            return c.sum(0)
+        return c
+
+    _, spec = tree_flatten(grads)
+    return tree_unflatten(spec, [clip(g) for g in leaves]), norms
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole step
+# ----------------------------------------------------------------------------------------------
+
+
+class TrainState(NamedTuple):
+    """Everything a step changes, as one pytree of tensors (``torch.save``-able, compilable).
+
+    ``params`` in the policy's param dtype, ``buffers`` (BatchNorm statistics, ...),
+    ``opt_state`` of the optimizer transform, ``loss_scale`` for the next loss.
+    """
+
+    params: PyTree
+    buffers: PyTree
+    opt_state: PyTree
+    loss_scale: LossScale
+
+
+class StepOutput(NamedTuple):
+    """Per-step results, all tensors on the params' device: ``loss`` (unscaled), ``finite``
+    (the step was applied), ``loss_scale`` (the scale the step used), ``aux`` (from ``loss_fn``)."""
+
+    loss: torch.Tensor
+    finite: torch.Tensor
+    loss_scale: torch.Tensor
+    aux: Any
+
+
+class TrainStep(NamedTuple):
+    """``init() -> TrainState`` from the module's current weights; ``step(state, *batch) ->
+    (state, StepOutput)``, pure, no host sync: ``torch.compile(step, fullgraph=True)`` compiles
+    it whole."""
+
+    init: Callable[[], TrainState]
+    step: Callable[..., tuple[TrainState, StepOutput]]
+
+
+def _reject_mixed_precision(tx, where: str):
+    if isinstance(tx, MixedPrecision):
+        raise TypeError(
+            f"{where} runs the mixed-precision step itself (unscale, check, skip, scale update): pass the "
+            "optimizer transform and the loss scale separately, e.g. tx=tx.inner, loss_scale=af.DynamicLossScale()")
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"{where}: tx must be a GradientTransformation, got {type(tx).__name__}")
+
+
+def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
+                    loss_scale: LossScale | None = None, has_aux: bool = False, keep=None,
+                    group=None) -> TrainStep:
+    """A pure, compilable train step for ``model``: ``train.init()`` and ``train.step(state, *batch)``.
+
+    ``loss_fn(forward, *batch)`` returns the loss (or ``(loss, aux)`` with ``has_aux``);
+    ``forward(*inputs, **kwargs)`` runs ``model`` through ``functional_call`` with the step's
+    params cast to ``policy.compute_dtype`` (leaves named by ``keep`` -- by default the norm
+    layers, :func:`ampfunc.norm_layers` -- stay as stored), its floating inputs cast to the compute
+    dtype and its output cast to ``policy.output_dtype``. Buffers are passed as they are, on
+    fresh copies, so BatchNorm's running statistics come back updated in the new state (as the
+    module's forward would update them, skipped steps included, like a ``GradScaler`` loop).
+
+    One step: forward and backward of the scaled loss (``torch.func.grad``), unscale and check
+    (``group``: all ranks agree and the grads are averaged), ``tx.update`` (clipping, the
+    optimizer), ``apply_updates``, the skip of params and optimizer state on the device when
+    ``finite`` is False, and the loss-scale update. ``tx`` is the optimizer transform (not a
+    :func:`ampfunc.mixed_precision` wrapper: this function is that wrapper); ``loss_scale``
+    defaults to :class:`NoOpLossScale`; ``policy`` defaults to full fp32. Params live in the
+    policy's param dtype (fp32 master weights by default; the compute copy is a cast inside the
+    step, as jmp does).
+    """
+    from ampfunc.policy import Policy, buffers_of, cast_params, norm_layers, params_of
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
+    _reject_mixed_precision(tx, "make_train_step")
+    policy = Policy() if policy is None else policy
+    if isinstance(policy, str):
+        from ampfunc.policy import get_policy
+
+        policy = get_policy(policy)
+    loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(f"make_train_step: loss_scale must be a loss scale, got {type(loss_scale).__name__}")
+    keep = norm_layers(model) if keep is None else keep
+    compute_dtype = policy.compute_dtype
+
+    def init() -> TrainState:
+        params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
+        buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
+        device = next((p.device for p in params.values()), torch.device("cpu"))
+        return TrainState(params, buffers, tx.init(params), loss_scale.to(device))
+
+    def loss_of(params, buffers, *batch):
+        # Fresh buffers: BatchNorm updates its running statistics in place, and a pure step must
+        # not touch the state it was given.
+        buffers = tree_map(lambda b: b.clone(), buffers)
+        compute_params = cast_params(params, compute_dtype, keep=keep)
+
+        def forward(*inputs, **kwargs):
+            inputs, kwargs = policy.cast_to_compute((inputs, kwargs))
+            out = functional_call(model, (compute_params, buffers), inputs, kwargs)
+            return policy.cast_to_output(out)
+
+        out = loss_fn(forward, *batch)
+        loss, aux = out if has_aux else (out, ())
+        return loss, (buffers, aux)
+
+    grad_fn = value_and_grad(loss_of, has_aux=True, group=group)
+
+    def step(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
+        ls = state.loss_scale
+        (loss, (new_buffers, aux)), grads, finite = grad_fn(ls, state.params, state.buffers, *batch)
+        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        new_params = apply_updates(state.params, updates)
+        params, opt_state = skip_or_apply(finite, (new_params, new_opt_state), (state.params, state.opt_state))
+        new_state = TrainState(params, new_buffers, opt_state, update_scale(ls, finite))
+        return new_state, StepOutput(loss, finite, ls.loss_scale, aux if has_aux else None)
+
+    return TrainStep(init, step)
+
+
+def copy_to_module(model: torch.nn.Module, params: PyTree, buffers: PyTree | None = None) -> None:
+    """Writes ``params`` (and ``buffers``) into ``model``'s tensors in place, by path.
+
+    For evaluating or saving a model trained functionally. Each value is cast to the
+    module tensor's dtype. Unknown paths raise ``KeyError`` naming them, before anything is
+    written. One copy per tensor.
+    """
+    targets = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    items = list(leaves_with_paths(params)) + (list(leaves_with_paths(buffers)) if buffers is not None else [])
+    unknown = [p for p, _ in items if p not in targets]
+    if unknown:
+        raise KeyError(f"copy_to_module: the model has no parameter or buffer named {unknown[:5]}")
+    for path, value in items:
+        if tuple(value.shape) != tuple(targets[path].shape):
+            raise ValueError(f"copy_to_module: {path!r} has shape {tuple(value.shape)}, the model's is "
+                             f"{tuple(targets[path].shape)}")
+    with torch.no_grad():
+        for path, value in items:
+            targets[path].copy_(value)
