@@ -290,6 +290,11 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def buffers_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{"bn.running_mean": tensor, ...}``: the module's buffers, detached (no copy), as
     :func:`params_of`. Pass ``{**params, **buffers}`` to ``functional_call`` to run with both.
+
+    BatchNorm in training mode updates its running statistics in place, and those updates
+    write through to the module's buffers. Under ``torch.func.grad`` pass the buffers as an
+    argument of the transformed function, not through a closure: torch.func refuses in-place
+    updates of captured tensors.
     """
     _check_module(model, "buffers_of")
     return {name: b.detach() for name, b in model.named_buffers()}
@@ -410,6 +415,10 @@ def cast_params(params: PyTree, dtype: DTypeLike, keep: Keep = None) -> PyTree:
     and bool leaves and non-tensors are returned as they are. Pure and differentiable (usable
     inside ``torch.func.grad``: the grads of fp32 params come back fp32). Cost: one cast per
     leaf whose dtype changes; leaves already in ``dtype`` are returned as is.
+
+    A cast leaf is a new tensor, so in-place updates a forward makes to it (BatchNorm's
+    running statistics) never reach the original; kept leaves are the originals, which is one
+    more reason to keep norm buffers (``norm_layers`` names them).
     """
     dtype = parse_dtype(dtype, "cast_params dtype")
     kept = _keep_predicate(keep)

@@ -411,6 +411,21 @@ def test_cast_params_inside_grad_gives_fp32_grads_for_fp32_params():
     assert all(torch.isfinite(v).all() for v in g.values())
 
 
+def test_cast_params_kept_batchnorm_buffers_receive_running_stat_updates_under_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    params, buffers = af.params_of(model), af.buffers_of(model)
+
+    def loss_fn(p, b, x):
+        p = af.cast_params({**p, **b}, BF16, keep=af.norm_layers(model))
+        return functional_call(model, p, (x.to(BF16),)).float().square().sum()
+
+    grad(loss_fn)(params, buffers, torch.randn(8, 4))
+    assert model[1].num_batches_tracked.item() == 1
+    assert model[1].running_mean.abs().sum() > 0
+    assert model[1].running_mean.dtype == F32
+
+
 def test_cast_params_rejects_bad_dtype_and_bad_keep():
     with pytest.raises(ValueError, match="int8"):
         af.cast_params({"w": torch.ones(1)}, torch.int8)
