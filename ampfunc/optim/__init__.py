@@ -1,0 +1,52 @@
+"""Optimizers and gradient transforms: native pure optimizers with torch.optim's math, an adapter
+for any torch.optim optimizer, clipping, gradient accumulation and learning-rate schedules.
+
+Every name here is a :class:`~ampfunc.transform.GradientTransformation` factory (or a schedule)
+and is re-exported at the top level: ``af.adamw(1e-3)``, ``af.from_torch(torch.optim.RMSprop)``.
+"""
+
+from ampfunc.optim.accumulate import AccumulateState, accumulate
+from ampfunc.optim.adam import AdamState, adam, adamw
+from ampfunc.optim.base import FusedSpec
+from ampfunc.optim.clip import clip_by_global_norm, global_norm
+from ampfunc.optim.from_torch import TorchOptimizerState, from_torch
+from ampfunc.optim.schedule import (
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from ampfunc.optim.sgd import SgdState, sgd
+from ampfunc.optim.transforms import (
+    ScaleByScheduleState,
+    add_decayed_weights,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+)
+
+__all__ = [
+    "FusedSpec",
+    "SgdState",
+    "sgd",
+    "AdamState",
+    "adam",
+    "adamw",
+    "TorchOptimizerState",
+    "from_torch",
+    "clip_by_global_norm",
+    "global_norm",
+    "AccumulateState",
+    "accumulate",
+    "constant_schedule",
+    "linear_schedule",
+    "cosine_decay_schedule",
+    "warmup_cosine_decay_schedule",
+    "exponential_decay",
+    "ScaleByScheduleState",
+    "scale",
+    "scale_by_schedule",
+    "scale_by_learning_rate",
+    "add_decayed_weights",
+]

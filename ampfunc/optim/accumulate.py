@@ -1,0 +1,77 @@
+"""Gradient accumulation (optax ``MultiSteps``-like), with non-finite mini-steps dropped."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ampfunc import ops
+from ampfunc.optim.base import checked_inputs, step_device
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import PyTree, select_tree, tree_flatten, tree_map, tree_structure, tree_unflatten
+
+__all__ = ["AccumulateState", "accumulate"]
+
+
+class AccumulateState(NamedTuple):
+    """``mini_step``: 0-d int32, finite mini-steps summed since the inner transform last ran.
+    ``grad_sum``: fp32 pytree like the params, their sum. ``inner``: the inner transform's state."""
+
+    mini_step: torch.Tensor
+    grad_sum: PyTree
+    inner: Any
+
+
+def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransformation:
+    """Runs ``inner`` on the mean of every ``every_k`` finite mini-step gradients.
+
+    Each call adds the gradients to an fp32 sum and returns zero updates, except the call that
+    completes ``every_k`` finite mini-steps: it returns ``inner``'s updates for the mean
+    ``sum / every_k`` (the same as ``loss / k`` per micro-batch in a torch loop) and resets the
+    sum. A mini-step whose gradients hold any inf/NaN is dropped: it is not summed in and it does
+    **not** advance ``mini_step``, so every applied update averages exactly ``every_k`` good
+    mini-batches (the same as when :func:`ampfunc.mixed_precision` skips that call and restores
+    this state). Only ``inner``'s state advances when it applies, so its step count and
+    schedule count applied updates, not mini-steps.
+
+    All decisions are made on the device (no host sync); the price is that ``inner.update``
+    runs on every call and its result is selected with ``torch.where``. Extra memory: one fp32
+    copy of the gradients.
+    """
+    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+        raise ValueError(f"accumulate: every_k must be an int >= 1, got {every_k!r}")
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"accumulate: inner is {type(inner).__name__}, not a GradientTransformation")
+
+    def init(params):
+        grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+        mini_step = torch.zeros((), dtype=torch.int32, device=step_device(params))
+        return AccumulateState(mini_step, grad_sum, inner.init(params))
+
+    def update(grads, state, params=None):
+        if not isinstance(state, AccumulateState):
+            raise TypeError(f"accumulate: state is {type(state).__name__}, expected AccumulateState")
+        _, gs, _ = checked_inputs(grads, params, state.grad_sum, "state.grad_sum", "accumulate")
+        finite = ops.all_finite(gs).to(state.mini_step.device)
+        sums = tree_flatten(state.grad_sum)[0]
+        new_sums = []
+        for g, s in zip(gs, sums):
+            f = finite if finite.device == g.device else finite.to(g.device, non_blocking=True)
+            # where (not multiply) so that a NaN in a dropped mini-step cannot leak into the sum
+            new_sums.append(s + torch.where(f, g.to(torch.float32), 0.0))
+        mini_step = state.mini_step + finite.to(torch.int32)
+        apply = mini_step >= every_k
+        mean = tree_unflatten(tree_structure(state.grad_sum), [s / every_k for s in new_sums])
+        inner_updates, inner_state = inner.update(mean, state.inner, params)
+        updates = tree_map(lambda u: torch.where(apply.to(u.device), u, torch.zeros((), dtype=u.dtype, device=u.device)),
+                           inner_updates)
+        kept = [torch.where(apply.to(s.device), torch.zeros((), dtype=s.dtype, device=s.device), s) for s in new_sums]
+        new_state = AccumulateState(
+            torch.where(apply, torch.zeros_like(mini_step), mini_step),
+            tree_unflatten(tree_structure(state.grad_sum), kept),
+            select_tree(apply, inner_state, state.inner),
+        )
+        return updates, new_state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,141 @@
+"""Adam and AdamW, with torch.optim's names, defaults and arithmetic.
+
+The update reproduces ``torch.optim.Adam`` / ``AdamW`` (single-tensor path) operation for
+operation in fp32, with one difference in *where* the bias corrections are computed: torch
+reads the step count back to the host (``.item()``) and computes them in Python doubles; here
+they are computed in float64 on the device from ``state.step``, then rounded to fp32 as torch
+rounds its Python scalars. On CPU the trajectories agree to the last bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ampfunc.optim.base import FusedSpec, ScalarOrSchedule, check_lr, check_nonneg, checked_inputs, lr_at, on, step_device
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+
+class AdamState(NamedTuple):
+    """``step``: 0-d float32, the number of applied steps (on the params' device).
+    ``exp_avg``, ``exp_avg_sq``: fp32 pytrees like the params.
+    ``max_exp_avg_sq``: fp32 pytree like the params with ``amsgrad``, else ``None``."""
+
+    step: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    max_exp_avg_sq: Optional[PyTree]
+
+
+def _check_hparams(where, lr, betas, eps, weight_decay):
+    check_lr(lr, where)
+    check_nonneg(eps, "epsilon")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    check_nonneg(weight_decay, "weight_decay")
+
+
+def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
+    _check_hparams(kind, lr, betas, eps, weight_decay)
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    hparams = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                   maximize=maximize)
+
+    def init(params):
+        float_leaves_with_paths(params, "params")
+        zeros = lambda: tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)  # noqa: E731
+        step = torch.zeros((), dtype=torch.float32, device=step_device(params))
+        return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)
+
+    def update(grads, state, params=None):
+        if not isinstance(state, AdamState):
+            raise TypeError(f"{kind}: state is {type(state).__name__}, expected AdamState (from {kind}(...).init)")
+        if weight_decay != 0 and params is None:
+            raise ValueError(f"{kind}: weight_decay != 0 needs params; call update(grads, state, params)")
+        if amsgrad and state.max_exp_avg_sq is None:
+            raise ValueError(f"{kind}: amsgrad=True but state.max_exp_avg_sq is None; "
+                             f"was the state made without amsgrad?")
+        paths, gs, ps = checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)
+        checked_inputs(grads, None, state.exp_avg_sq, "state.exp_avg_sq", kind)
+        ms = tree_flatten(state.exp_avg)[0]
+        vs = tree_flatten(state.exp_avg_sq)[0]
+        vmaxs = tree_flatten(state.max_exp_avg_sq)[0] if amsgrad else [None] * len(gs)
+
+        lr_t = lr_at(lr, state.step)
+        step = state.step + 1
+        # Bias corrections in float64 on the device (torch: Python doubles after a host read).
+        step64 = step.to(torch.float64)
+        bc1 = 1 - torch.pow(beta1, step64)
+        bc2 = 1 - torch.pow(beta2, step64)
+        lr64 = lr_t if isinstance(lr_t, float) else lr_t.to(torch.float64)
+        neg_step_size = (-(lr64 / bc1)).to(torch.float32)
+        bc2_sqrt = bc2.sqrt().to(torch.float32)
+        decay = None
+        if decoupled and weight_decay != 0:
+            decay = 1 - lr_t * weight_decay  # float, or 0-d fp32 tensor for a schedule
+
+        deltas, new_m, new_v, new_vmax = [], [], [], []
+        for i, g in enumerate(gs):
+            dev = g.device
+            g = g.to(torch.float32)
+            if maximize:
+                g = -g
+            p = ps[i].to(torch.float32) if ps is not None else None
+            new_p = p
+            if weight_decay != 0:
+                if decoupled:
+                    new_p = p * on(decay, dev)
+                else:
+                    g = g.add(p, alpha=weight_decay)
+            m = torch.lerp(ms[i], g, 1 - beta1)
+            v = torch.addcmul(vs[i] * beta2, g, g, value=1 - beta2)
+            new_m.append(m)
+            new_v.append(v)
+            if amsgrad:
+                vmax = torch.maximum(vmaxs[i], v)
+                new_vmax.append(vmax)
+                denom = vmax.sqrt() / on(bc2_sqrt, dev) + eps
+            else:
+                denom = v.sqrt() / on(bc2_sqrt, dev) + eps
+            # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == p + (-step_size * m) / denom
+            step_term = (on(neg_step_size, dev) * m) / denom
+            if new_p is None:
+                deltas.append(step_term)
+            else:
+                deltas.append((new_p + step_term) - p)
+
+        spec = tree_structure(grads)
+        unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
+        new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v),
+                              unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
+        return tree_unflatten(spec, deltas), new_state
+
+    return GradientTransformation(init, update, FusedSpec(kind, hparams))
+
+
+def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+         weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
+    """Adam as ``torch.optim.Adam`` computes it (L2 weight decay added to the gradient).
+
+    Per leaf, with ``g`` the fp32 gradient and ``t`` the new step count:
+    ``g += weight_decay * p``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) g^2``;
+    (``vmax = max(vmax, v)`` and ``v := vmax`` with ``amsgrad``);
+    ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+    ``lr`` is a float or a schedule of the step count. State: :class:`AdamState`. Cost per step:
+    one read of grads and params, one read and write of each fp32 moment; no host sync.
+    """
+    return _make("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+
+
+def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
+    """AdamW as ``torch.optim.AdamW`` computes it: :func:`adam` with decoupled weight decay,
+    ``p *= 1 - lr * weight_decay`` before the Adam step. Same state and cost as :func:`adam`."""
+    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)

@@ -1,0 +1,117 @@
+"""Shared pieces of the optimizer family: the fused-kernel spec and input checks.
+
+:class:`FusedSpec` is the metadata a native optimizer (or clipping) attaches to its
+:class:`~ampfunc.transform.GradientTransformation` as ``fused``; :func:`ampfunc.mixed_precision`
+reads it to run the whole step as one fused kernel pass. Transforms without it run through the
+generic pure path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import torch
+
+from ampfunc.tree import PyTree, check_same_structure, float_leaves_with_paths, tree_leaves
+
+__all__ = ["FusedSpec", "Schedule", "ScalarOrSchedule"]
+
+Schedule = Callable[[torch.Tensor], Union[torch.Tensor, float]]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class FusedSpec(NamedTuple):
+    """What a fused kernel needs to run a transform: its ``kind`` and constructor arguments.
+
+    ``kind`` is one of ``"sgd"``, ``"adam"``, ``"adamw"``, ``"clip_by_global_norm"``;
+    ``hparams`` holds the arguments the transform was built with (``lr`` may be a schedule,
+    a callable of the step count).
+    """
+
+    kind: str
+    hparams: dict
+
+
+def check_lr(lr: Any, where: str) -> None:
+    """``ValueError`` for a negative/NaN float lr (torch's message); schedules pass unchecked."""
+    if callable(lr):
+        return
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(
+            f"{where}: lr must be a Python float or a schedule (a callable of the step count), "
+            f"not a tensor; wrap it: lr=lambda count: lr_tensor"
+        )
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise TypeError(f"{where}: lr must be a float or a schedule, got {type(lr).__name__}")
+    if not lr >= 0.0:  # also rejects NaN
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_nonneg(value: Any, what: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{what} must be a float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {what} value: {value}")
+
+
+def lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> Union[float, torch.Tensor]:
+    """The learning rate for the step taken when ``count`` steps have been applied.
+
+    A float is returned as is (so the update uses exactly torch's scalar arithmetic); a schedule
+    is evaluated on the device and returned as a 0-d float32 tensor. No host sync.
+    """
+    if not callable(lr):
+        return float(lr)
+    value = lr(count)
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    return value.to(device=count.device, dtype=torch.float32).reshape(())
+
+
+def checked_inputs(grads: PyTree, params: PyTree | None, slot: PyTree | None, slot_name: str,
+                   where: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor] | None]:
+    """Paths and leaves of ``grads`` (and ``params``), after checking them against each other.
+
+    Raises ``ValueError`` naming the leaf path where ``grads``, ``params`` and the state slot
+    ``slot`` disagree in structure or shape, and ``TypeError`` naming a non-floating leaf. Costs
+    flattening only; never touches tensor data.
+    """
+    try:
+        if params is not None:
+            check_same_structure(grads, params, "grads", "params")
+        if slot is not None:
+            check_same_structure(grads, slot, "grads", slot_name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    paths, g = float_leaves_with_paths(grads, "grads")
+    p = None
+    if params is not None:
+        _, p = float_leaves_with_paths(params, "params")
+        for path, gi, pi in zip(paths, g, p):
+            if gi.shape != pi.shape:
+                raise ValueError(f"{where}: leaf {path!r} has shape {tuple(gi.shape)} in grads "
+                                 f"and {tuple(pi.shape)} in params")
+    if slot is not None:
+        for path, gi, si in zip(paths, g, tree_leaves(slot)):
+            if gi.shape != si.shape:
+                raise ValueError(f"{where}: leaf {path!r} has shape {tuple(gi.shape)} in grads "
+                                 f"and {tuple(si.shape)} in {slot_name}")
+    return paths, g, p
+
+
+def step_device(params: PyTree) -> torch.device:
+    """Where a transform keeps its 0-d counters: the device of the first leaf (CPU if none)."""
+    leaves = [x for x in tree_leaves(params) if isinstance(x, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def on(x: Any, device: torch.device) -> Any:
+    """``x`` on ``device`` when it is a tensor elsewhere (0-d scalars; non-blocking)."""
+    if isinstance(x, torch.Tensor) and x.device != device:
+        return x.to(device, non_blocking=True)
+    return x
+
+
+def is_finite_float(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

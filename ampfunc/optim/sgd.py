@@ -1,0 +1,99 @@
+"""Stochastic gradient descent, with torch.optim.SGD's names, defaults and arithmetic.
+
+The update reproduces ``torch.optim.SGD`` (single-tensor path) operation for operation in fp32,
+so a trajectory matches torch's to the last bit on CPU, and within fp32 rounding elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ampfunc.optim.base import FusedSpec, ScalarOrSchedule, check_lr, check_nonneg, checked_inputs, lr_at, on, step_device
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
+
+__all__ = ["SgdState", "sgd"]
+
+
+class SgdState(NamedTuple):
+    """``step``: 0-d float32, the number of applied steps (on the params' device).
+    ``momentum_buffer``: fp32 pytree like the params, or ``None`` when ``momentum == 0``."""
+
+    step: torch.Tensor
+    momentum_buffer: Optional[PyTree]
+
+
+def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+        nesterov: bool = False, maximize: bool = False) -> GradientTransformation:
+    """SGD as ``torch.optim.SGD`` computes it, as a pure transform.
+
+    Per leaf, with ``g`` the fp32 gradient: ``g = -g`` if ``maximize``; ``g += weight_decay * p``;
+    with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
+    after (decided on the device from ``state.step``, no host sync); ``g = g + momentum * buf``
+    with ``nesterov`` else ``g = buf``; the update is ``-lr * g``, returned as the delta
+    ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result.
+
+    ``lr`` is a float or a schedule (callable of the step count, see ``ampfunc.optim.schedule``),
+    evaluated at the number of steps applied before this one. ``params`` must be passed to
+    ``update`` when ``weight_decay != 0``. State: :class:`SgdState` (fp32 buffer: one read and one
+    write of it per step, plus one read of grads and params).
+    """
+    check_lr(lr, "sgd")
+    check_nonneg(momentum, "momentum")
+    check_nonneg(dampening, "dampening")
+    check_nonneg(weight_decay, "weight_decay")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    hparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                   nesterov=nesterov, maximize=maximize)
+
+    def init(params):
+        float_leaves_with_paths(params, "params")
+        step = torch.zeros((), dtype=torch.float32, device=step_device(params))
+        buf = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params) if momentum != 0 else None
+        return SgdState(step, buf)
+
+    def update(grads, state, params=None):
+        if not isinstance(state, SgdState):
+            raise TypeError(f"sgd: state is {type(state).__name__}, expected SgdState (from sgd(...).init)")
+        if weight_decay != 0 and params is None:
+            raise ValueError("sgd: weight_decay != 0 needs params; call update(grads, state, params)")
+        if momentum != 0 and state.momentum_buffer is None:
+            raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
+                             "was the state made by an sgd without momentum?")
+        paths, gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
+        bufs = tree_flatten(state.momentum_buffer)[0] if momentum != 0 else [None] * len(gs)
+        lr_t = lr_at(lr, state.step)
+        first = state.step == 0
+        deltas, new_bufs = [], []
+        for i, g in enumerate(gs):
+            dev = g.device
+            g = g.to(torch.float32)
+            if maximize:
+                g = -g
+            p = ps[i].to(torch.float32) if ps is not None else None
+            if weight_decay != 0:
+                g = g.add(p, alpha=weight_decay)
+            if momentum != 0:
+                buf = bufs[i]
+                # torch starts the buffer as a copy of the first gradient; the choice is made
+                # on the device so that no step reads the count back to the host.
+                buf = torch.where(on(first, dev), g, torch.add(buf * momentum, g, alpha=1 - dampening))
+                new_bufs.append(buf)
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            lr_i = on(lr_t, dev)
+            if p is None:
+                deltas.append(g * (-lr_i) if isinstance(lr_i, float) else -(g * lr_i))
+                continue
+            if isinstance(lr_i, float):
+                new_p = p.add(g, alpha=-lr_i)
+            else:
+                new_p = torch.addcmul(p, g, lr_i, value=-1)
+            deltas.append(new_p - p)
+        spec = tree_structure(grads)
+        new_buf = tree_unflatten(tree_structure(state.momentum_buffer), new_bufs) if momentum != 0 else None
+        return tree_unflatten(spec, deltas), SgdState(state.step + 1, new_buf)
+
+    return GradientTransformation(init, update, FusedSpec("sgd", hparams))
