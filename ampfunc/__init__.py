@@ -50,3 +50,27 @@ from ampfunc.policy import (  # noqa: F401
 )
 from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate  # noqa: F401
 # -- optimizers (ampfunc/optim/)
+from ampfunc import optim  # noqa: F401
+from ampfunc.optim import (  # noqa: F401
+    AccumulateState,
+    AdamState,
+    FusedSpec,
+    SgdState,
+    TorchOptimizerState,
+    accumulate,
+    adam,
+    adamw,
+    add_decayed_weights,
+    clip_by_global_norm,
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    from_torch,
+    global_norm,
+    linear_schedule,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    sgd,
+    warmup_cosine_decay_schedule,
+)
