@@ -27,7 +27,7 @@ import optree
 import torch
 
 from ampfunc.loss_scale import LossScale
-from ampfunc.tree import NAMESPACE, leaves_with_paths, tree_flatten, tree_unflatten
+from ampfunc.tree import NAMESPACE, path_to_str, tree_unflatten
 
 __all__ = [
     "Policy",
@@ -421,13 +421,12 @@ def cast_params(params: PyTree, dtype: DTypeLike, keep: Keep = None) -> PyTree:
     more reason to keep norm buffers (``norm_layers`` names them).
     """
     dtype = parse_dtype(dtype, "cast_params dtype")
-    kept = _keep_predicate(keep)
-    leaves, spec = tree_flatten(params)
-    paths = [p for p, _ in leaves_with_paths(params)]
+    kept = None if keep is None else _keep_predicate(keep)
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(params, namespace=NAMESPACE)
     out = []
-    for path, leaf in zip(paths, leaves):
+    for accessor, leaf in zip(accessors, leaves):
         if isinstance(leaf, torch.Tensor) and torch.is_floating_point(leaf) and leaf.dtype != dtype \
-                and not kept(path, leaf):
+                and (kept is None or not kept(path_to_str(accessor), leaf)):
             leaf = leaf.to(dtype)
         out.append(leaf)
     return tree_unflatten(spec, out)
