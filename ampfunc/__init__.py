@@ -74,3 +74,16 @@ from ampfunc.optim import (  # noqa: F401
     sgd,
     warmup_cosine_decay_schedule,
 )
+# -- torch.func / compile / distributed
+from ampfunc import dist  # noqa: F401,E402
+from ampfunc.functional import (  # noqa: F401,E402
+    StepOutput,
+    TrainState,
+    TrainStep,
+    ValueAndGrad,
+    clip_per_example,
+    copy_to_module,
+    make_train_step,
+    value_and_grad,
+)
+from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402

@@ -1,0 +1,291 @@
+"""Distributed helpers on ``torch.distributed``: launching, reductions, sharded norms and state.
+
+Three rules make a mixed-precision step correct across processes, and each has a helper here:
+
+* every rank skips the same steps, so the loss scale stays identical everywhere:
+  ``unscale_and_check(grads, ls, group=pg)`` all-reduces the overflow flag (the collective is
+  :func:`ampfunc.agree_finite`: a MAX all-reduce of one float, on the device, no host sync);
+* under sharding (FSDP2's ``fully_shard``, DTensor) each rank holds only its shards, so the
+  global gradient norm for clipping is the all-reduced sum of the local sums of squares:
+  :func:`global_norm`, :func:`clip_by_global_norm`;
+* sharded optimizer state is saved and loaded per rank: :func:`save_sharded`, :func:`load_sharded`.
+
+Plain tensors passed with a ``group`` are taken to be *local shards* of a tensor sharded over
+that group (what :class:`ampfunc.ModuleTrainer` hands its transforms under FSDP2). Under DDP the
+gradients are replicated: pass no ``group`` to the norm (it would count every rank's copy).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ampfunc import ops
+from ampfunc.mixed import agree_finite
+from ampfunc.transform import EmptyState, GradientTransformation
+from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
+
+__all__ = [
+    "DistEnv",
+    "init_from_env",
+    "agree_finite",
+    "all_reduce_mean",
+    "is_dtensor",
+    "local_shards",
+    "global_norm",
+    "clip_by_global_norm",
+    "save_sharded",
+    "load_sharded",
+]
+
+try:  # public since torch 2.5; torch 2.4 has it under _tensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - depends on the torch version and build
+    try:
+        from torch.distributed._tensor import DTensor  # type: ignore
+        from torch.distributed._tensor.placement_types import Partial, Replicate, Shard  # type: ignore
+    except ImportError:  # a torch built without distributed: no leaf is ever a DTensor
+        DTensor = Partial = Replicate = Shard = ()  # type: ignore  # isinstance(x, ()) is False
+
+
+class DistEnv(NamedTuple):
+    """Where this process stands: ``rank``, ``world_size``, ``local_rank``, its ``device`` and
+    the ``group`` to pass to ampfunc (``None`` when running as a single process)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: Any
+
+
+def init_from_env(backend: str | None = None, device_type: str | None = None) -> DistEnv:
+    """Joins the process group that ``torchrun`` describes in the environment, if any.
+
+    With ``WORLD_SIZE`` unset or 1 nothing is initialized and ``group`` is ``None``: the same
+    script runs as a single process. Otherwise ``init_process_group`` is called (``nccl`` when
+    CUDA is available, else ``gloo``, unless ``backend`` says), each process takes the GPU of its
+    ``LOCAL_RANK``, and ``group`` is the world group. Reads ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` as torchrun sets them.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
+    if world_size <= 1:
+        return DistEnv(0, 1, 0, device, None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if device_type == "cuda" else "gloo"))
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.group.WORLD)
+
+
+def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
+    """A new tree: each floating leaf averaged over the ranks of ``group``.
+
+    Leaves are packed into one flat buffer per (device, dtype) so the cost is one all-reduce per
+    group of leaves, not one per leaf. Integer leaves and ``None`` pass through. Inputs are not
+    modified. No host sync (the collective is enqueued like any kernel).
+    """
+    world = dist.get_world_size(group)
+    leaves, spec = tree_flatten(tree)
+    out = list(leaves)
+    buckets: dict = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
+            buckets.setdefault((x.device, x.dtype), []).append(i)
+    for idx in buckets.values():
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat / world
+        offset = 0
+        for i in idx:
+            n = leaves[i].numel()
+            out[i] = flat[offset:offset + n].view_as(leaves[i])
+            offset += n
+    return tree_unflatten(spec, out)
+
+
+def is_dtensor(x: Any) -> bool:
+    return isinstance(x, DTensor)
+
+
+def local_shards(tree: PyTree) -> PyTree:
+    """``tree`` with every DTensor leaf replaced by its local shard (``to_local()``; no copy)."""
+    return tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, tree)
+
+
+def _sharded_mesh_dims(path: str, x: DTensor) -> tuple[int, ...]:
+    dims = []
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Shard):
+            dims.append(i)
+        elif isinstance(p, Partial):
+            raise ValueError(f"global_norm: leaf {path!r} is a DTensor with a Partial placement on mesh dim {i}; "
+                             "its local values are partial sums, not shards. Reduce it first "
+                             "(x.redistribute(placements=[Replicate()]) or Shard)")
+        elif not isinstance(p, Replicate):
+            raise ValueError(f"global_norm: leaf {path!r} has an unsupported placement {p!r}")
+    return tuple(dims)
+
+
+def global_norm(tree: PyTree, group=None) -> torch.Tensor:
+    """0-d fp32: the L2 norm over all leaves of ``tree`` as if every sharded leaf were whole.
+
+    DTensor leaves (FSDP2 params and grads, ``distribute_tensor``) contribute the sum of squares
+    of their local shard, all-reduced over the mesh dimensions they are sharded on (replicated
+    dimensions count once). Plain tensor leaves are local: with ``group`` their sum of squares
+    is all-reduced over it (local shards of a tensor sharded over ``group``); without, they
+    count as they are. The result is the same on every rank and equals the single-process norm
+    of the whole tensors (up to fp32 summation order). Cost: one read of the shards and one
+    all-reduce of one float per sharding layout; no host sync.
+    """
+    plain: list[torch.Tensor] = []
+    by_layout: dict = {}
+    for path, x in leaves_with_paths(tree):
+        if isinstance(x, DTensor):
+            key = (id(x.device_mesh), _sharded_mesh_dims(path, x))
+            by_layout.setdefault(key, (x.device_mesh, key[1], []))[2].append(x.to_local())
+        elif isinstance(x, torch.Tensor):
+            if not torch.is_floating_point(x):
+                raise TypeError(f"global_norm: leaf {path!r} has dtype {x.dtype}, expected a floating dtype")
+            plain.append(x)
+    total = None
+    if plain or not by_layout:
+        total = ops.check(plain)[1]
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    for mesh, dims, locals_ in by_layout.values():
+        sumsq = ops.check(locals_)[1]
+        for d in dims:
+            dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
+        total = sumsq if total is None else total + sumsq.to(total.device)
+    return total.sqrt()
+
+
+def _scale_leaf(coef: torch.Tensor):
+    def scale(u):
+        if isinstance(u, DTensor):
+            local = u.to_local()
+            return DTensor.from_local(local * coef.to(local.device, local.dtype), u.device_mesh, u.placements,
+                                      run_check=False, shape=u.shape, stride=u.stride())
+        if isinstance(u, torch.Tensor):
+            return u * coef.to(u.device, u.dtype)
+        return u
+
+    return scale
+
+
+def clip_by_global_norm(max_norm: float, group=None) -> GradientTransformation:
+    """Scales the updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the *global* norm.
+
+    ``torch.nn.utils.clip_grad_norm_``'s rule, with the norm from :func:`global_norm`: correct
+    when the updates are DTensors (FSDP2) or, with ``group``, local shards of tensors sharded
+    over ``group``. Every rank computes the same coefficient, so the clipped whole gradient
+    equals the single-process result. Stateless; no host sync; one all-reduce of one float.
+    (The single-process ``ampfunc.clip_by_global_norm`` is the fused one; use this one when the
+    updates are sharded.)
+    """
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}")
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates, group)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return tree_map(_scale_leaf(coef), updates), state
+
+    return GradientTransformation(init, update)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded state on disk: one file per rank
+# ----------------------------------------------------------------------------------------------
+
+
+def _rank_and_world(group) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _shard_file(directory: str, rank: int, world: int) -> str:
+    return os.path.join(directory, f"shard-{rank:05d}-of-{world:05d}.pt")
+
+
+def save_sharded(tree: PyTree, directory: str, *, group=None) -> str:
+    """Writes this rank's part of ``tree`` to ``directory/shard-RRRRR-of-WWWWW.pt``; returns the path.
+
+    Every rank calls it with its own tree (optimizer state over local shards, ``params_of`` of
+    an FSDP2 module, a loss scale...). DTensor leaves are stored as their local shards; the file
+    holds the leaves in flattening order with their paths, so it loads with
+    ``torch.load(weights_only=True)`` and needs no pickled classes. The write goes to a temporary
+    file renamed into place; all ranks then meet at a barrier, so on return every shard exists.
+    """
+    rank, world = _rank_and_world(group)
+    os.makedirs(directory, exist_ok=True)
+    items = leaves_with_paths(tree)
+    payload = {
+        "format": "ampfunc.sharded/1",
+        "rank": rank,
+        "world_size": world,
+        "paths": [p for p, _ in items],
+        "leaves": [x.to_local().detach().clone() if isinstance(x, DTensor)
+                   else x.detach() if isinstance(x, torch.Tensor) else x for _, x in items],
+    }
+    path = _shard_file(directory, rank, world)
+    tmp = path + f".tmp{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    if world > 1:
+        dist.barrier(group)
+    return path
+
+
+def load_sharded(directory: str, like: PyTree, *, group=None) -> PyTree:
+    """This rank's tree saved by :func:`save_sharded`, rebuilt with the structure of ``like``.
+
+    ``like`` is a tree of the same shape (a freshly initialized state, ``params_of(model)``):
+    its structure, loss-scale settings and DTensor layouts are reused, the saved tensors fill it
+    (moved to ``like``'s devices; DTensor leaves rewrapped around the loaded local shard). The
+    world size and every leaf path and shape must match, else ``ValueError`` names what differs
+    and nothing is returned.
+    """
+    rank, world = _rank_and_world(group)
+    path = _shard_file(directory, rank, world)
+    if not os.path.exists(path):
+        found = sorted(f for f in os.listdir(directory) if f.startswith("shard-")) if os.path.isdir(directory) else []
+        raise FileNotFoundError(f"load_sharded: no shard for rank {rank} of {world} in {directory!r} "
+                                f"(found {found[:4]}); it must be loaded with the world size it was saved with")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    like_items = leaves_with_paths(like)
+    like_paths = [p for p, _ in like_items]
+    if payload["paths"] != like_paths:
+        missing = sorted(set(like_paths) - set(payload["paths"]))[:5]
+        extra = sorted(set(payload["paths"]) - set(like_paths))[:5]
+        raise ValueError(f"load_sharded: {path} does not match `like`: leaves missing from the file {missing}, "
+                         f"leaves only in the file {extra}")
+    out = []
+    for (p, ref), saved in zip(like_items, payload["leaves"]):
+        if isinstance(ref, torch.Tensor):
+            local_ref = ref.to_local() if isinstance(ref, DTensor) else ref
+            if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(local_ref.shape):
+                got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                raise ValueError(f"load_sharded: leaf {p!r} was saved with shape {got}, `like` has local shape "
+                                 f"{tuple(local_ref.shape)}")
+            value = saved.to(device=local_ref.device, dtype=local_ref.dtype)
+            if isinstance(ref, DTensor):
+                value = DTensor.from_local(value, ref.device_mesh, ref.placements, run_check=False,
+                                           shape=ref.shape, stride=ref.stride())
+            out.append(value)
+        else:
+            out.append(saved)
+    return tree_unflatten(tree_structure(like), out)

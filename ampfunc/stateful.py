@@ -1,0 +1,150 @@
+"""Stateful interop: the pure transforms driving a plain ``nn.Module`` trained with ``.backward()``.
+
+For users with no functional code. The gradients are read from ``param.grad``, the step is the
+pure mixed-precision step of :mod:`ampfunc.mixed`, and the new values are written back in place
+into the module's parameters -- one call per step::
+
+    trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=af.DynamicLossScale())
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        trainer.scale(loss).backward()
+        finite = trainer.step()            # 0-d bool tensor; no host sync
+
+Works with DDP (gradients already averaged; pass ``group`` so ranks agree on skipping even if
+their gradients differ) and FSDP2 (``fully_shard``: DTensor params and grads; the trainer works
+on the local shards, so its optimizer state is sharded too; clip with
+``af.dist.clip_by_global_norm(max_norm, group)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ampfunc.functional import _reject_mixed_precision
+from ampfunc.loss_scale import LossScale, NoOpLossScale
+from ampfunc.mixed import scale_loss, skip_or_apply, unscale_and_check, update_scale
+from ampfunc.transform import GradientTransformation, apply_updates
+from ampfunc.tree import PyTree, check_same_structure, tree_leaves, tree_map
+
+__all__ = ["TrainerState", "ModuleTrainer"]
+
+
+class TrainerState(NamedTuple):
+    """``master``: fp32 copy of the (local shards of the) params when any is fp16/bf16, else
+    ``None``; ``opt_state``: the optimizer's state; ``loss_scale``: the scale for the next loss."""
+
+    master: Any
+    opt_state: Any
+    loss_scale: LossScale
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor (FSDP2): the local shard, which aliases the parameter's storage, so an in-place
+    # write into it updates the sharded parameter.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class ModuleTrainer:
+    """Runs ``tx`` (an optimizer transform) on ``model``'s parameters, one ``step()`` per step.
+
+    ``step()`` reads every trainable parameter's ``.grad`` (gradients of the *scaled* loss:
+    use :meth:`scale`), unscales and checks them (``group``: all ranks agree), runs ``tx`` in
+    fp32 against the parameters -- or an fp32 master copy the trainer keeps when the module is
+    fp16/bf16 (apex O2) -- skips the step on the device if any gradient was not finite, writes
+    the result into the parameters in place, advances the loss scale, and clears the grads.
+    Returns the ``finite`` flag; never syncs with the host.
+
+    A parameter without ``.grad`` (unused this step) gets a zero gradient, so the optimizer
+    state keeps a fixed structure (``torch.optim`` would skip it instead; with weight decay or
+    momentum the two differ for that parameter). ``state`` (a :class:`TrainerState` pytree) can
+    be saved and loaded with ``torch.save`` or, sharded, with ``af.dist.save_sharded``.
+    """
+
+    def __init__(self, model: torch.nn.Module, tx: GradientTransformation, *, loss_scale: LossScale | None = None,
+                 group=None, master_dtype: torch.dtype = torch.float32, set_grads_to_none: bool = True):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ModuleTrainer: model must be a torch.nn.Module, got {type(model).__name__}")
+        _reject_mixed_precision(tx, "ModuleTrainer")
+        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(f"ModuleTrainer: loss_scale must be a loss scale, got {type(loss_scale).__name__}")
+        self.model = model
+        self.tx = tx
+        self.group = group
+        self.set_grads_to_none = set_grads_to_none
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self._named:
+            raise ValueError("ModuleTrainer: the model has no parameter with requires_grad=True")
+        for name, p in self._named:
+            if not torch.is_floating_point(p):
+                raise TypeError(f"ModuleTrainer: parameter {name!r} has dtype {p.dtype}, expected a floating dtype")
+        params = self._params()
+        master = None
+        if any(p.dtype != master_dtype for p in params.values()):
+            master = tree_map(lambda p: p.detach().to(master_dtype, copy=True), params)
+        ref = master if master is not None else params
+        device = next(iter(params.values())).device
+        self._state = TrainerState(master, tx.init(ref), loss_scale.to(device))
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TrainerState:
+        return self._state
+
+    @state.setter
+    def state(self, new: TrainerState) -> None:
+        if not isinstance(new, TrainerState):
+            raise TypeError(f"ModuleTrainer.state must be a TrainerState, got {type(new).__name__}")
+        check_same_structure(new, self._state, "new state", "current state")
+        self._state = new
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The loss scale for the next backward pass."""
+        return self._state.loss_scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp32): call ``.backward()`` on this."""
+        return scale_loss(loss, self._state.loss_scale)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {n: _local(p.detach()) for n, p in self._named}
+
+    def _grads(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        grads = {}
+        for n, p in self._named:
+            g = p.grad
+            grads[n] = torch.zeros_like(params[n]) if g is None else _local(g)
+        return grads
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step from the current ``.grad`` s; returns the 0-d bool ``finite`` flag."""
+        state = self._state
+        params = self._params()
+        grads = self._grads(params)
+        grads32, finite = unscale_and_check(grads, state.loss_scale, group=self.group)
+        ref = state.master if state.master is not None else params
+        updates, new_opt = self.tx.update(grads32, state.opt_state, ref)
+        new_ref = apply_updates(ref, updates)
+        new_ref, new_opt = skip_or_apply(finite, (new_ref, new_opt), (ref, state.opt_state))
+        with torch.no_grad():
+            for p, new in zip(tree_leaves(params), tree_leaves(new_ref)):
+                p.copy_(new)
+        self._state = TrainerState(new_ref if state.master is not None else None, new_opt,
+                                   update_scale(state.loss_scale, finite))
+        if self.set_grads_to_none:
+            for _, p in self._named:
+                p.grad = None
+        return finite
+
+    def state_dict(self) -> dict:
+        """``{"trainer": state}``: pass to :meth:`load_state_dict` (``torch.save``-able)."""
+        return {"trainer": self._state}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd["trainer"]
