@@ -1,0 +1,31 @@
+"""Migration facades: scripts written for ``torch.amp`` or NVIDIA apex run on ampfunc with an import change.
+
+==========================================  ===================================================
+was                                         now
+==========================================  ===================================================
+``torch.amp.GradScaler``                    ``ampfunc.compat.torch_amp.GradScaler``
+``torch.autocast`` / ``torch.amp.autocast`` ``ampfunc.compat.torch_amp.autocast`` (+ ``policy=``)
+``torch.amp.custom_fwd`` / ``custom_bwd``   ``ampfunc.compat.torch_amp.custom_fwd`` / ``custom_bwd``
+``apex.fp16_utils``                         ``ampfunc.compat.apex.fp16_utils``
+``apex.amp``                                ``ampfunc.compat.apex.amp``
+==========================================  ===================================================
+
+Every facade is a stateful shell over the pure core (:mod:`ampfunc.loss_scale`,
+:mod:`ampfunc.mixed`, :mod:`ampfunc.policy`, :mod:`ampfunc.ops`): the facades hold loss-scale
+pytrees and replace them each step; none re-implements the scale-update rule.
+"""
+
+from ampfunc.compat import torch_amp  # noqa: F401
+from ampfunc.compat.torch_amp import GradScaler, autocast, custom_bwd, custom_fwd  # noqa: F401
+
+
+def __getattr__(name):
+    # apex's facades are imported on first use: torch.amp users do not pay for them.
+    if name == "apex":
+        import importlib
+
+        return importlib.import_module("ampfunc.compat.apex")
+    raise AttributeError(f"module 'ampfunc.compat' has no attribute {name!r}")
+
+
+__all__ = ["GradScaler", "autocast", "custom_fwd", "custom_bwd", "torch_amp", "apex"]

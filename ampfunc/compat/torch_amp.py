@@ -1,0 +1,552 @@
+"""``torch.amp``-compatible ``GradScaler``, ``autocast`` and ``custom_fwd``/``custom_bwd``.
+
+Migration is an import change::
+
+    from ampfunc.compat.torch_amp import GradScaler, autocast   # was: from torch.amp import ...
+
+    scaler = GradScaler("cuda")
+    with autocast("cuda", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)                     # optional, e.g. before clip_grad_norm_
+    scaler.step(optimizer)
+    scaler.update()
+
+:class:`GradScaler` keeps torch's constructor, methods, properties, errors and ``state_dict``
+keys. It is a stateful shell over ampfunc's pure core: its only numeric state is a
+:class:`ampfunc.DynamicLossScale` (configured ``min_scale=0, max_scale=inf, hysteresis=1`` by
+default, which reproduces torch's scale sequence step for step), replaced by
+:func:`ampfunc.update_scale` at each :meth:`GradScaler.update`. Gradients are unscaled in place
+by :func:`ampfunc.ops.unscale_`, the same door every ampfunc primitive uses. Beyond torch it
+offers ``min_scale``/``max_scale``/``hysteresis``, bf16 gradients, and
+``step(..., return_found_inf=True)`` which reports whether the step was taken as a device
+tensor (no host sync on the path of optimizers with ``_step_supports_amp_scaling``, e.g.
+``torch.optim.Adam(fused=True)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from collections import abc, defaultdict
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+
+from ampfunc import ops
+from ampfunc.loss_scale import DynamicConfig, DynamicLossScale
+from ampfunc.mixed import scale_loss, update_scale
+from ampfunc.policy import Policy, get_policy
+
+__all__ = ["GradScaler", "OptState", "autocast", "custom_fwd", "custom_bwd"]
+
+
+class OptState(Enum):
+    """Where an optimizer is in the current iteration (torch's names)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    # Module-level (not a lambda) so that the defaultdict can be pickled, as in torch.
+    # "finite" is a 0-d bool tensor on the scale's device once this optimizer's grads were
+    # checked, None while no check was recorded.
+    return {"stage": OptState.READY, "finite": None}
+
+
+def _is_scalar_float(t: torch.Tensor) -> bool:
+    return t.numel() == 1 and t.dim() == 0 and torch.is_floating_point(t)
+
+
+class GradScaler:
+    """``torch.amp.GradScaler`` with the same API, on ampfunc's pure loss-scale primitives.
+
+    Args (as torch): ``device`` (``"cuda"``, ``"cpu"``, ...; with ``"cuda"`` and no CUDA the
+    scaler warns and disables itself, as torch does), ``init_scale=2.**16``,
+    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled=True``.
+
+    Keyword-only extras: ``min_scale=0.0`` (floor of the backoff; torch has none),
+    ``max_scale=inf`` (cap of the growth), ``hysteresis=1`` (overflowing steps tolerated
+    before backing off). With the defaults the scale sequence equals torch's exactly.
+
+    Costs: ``scale``/``unscale_``/``update`` never sync with the host. ``step`` reads one flag
+    back to decide whether to call ``optimizer.step()`` (as torch does), except for optimizers
+    that set ``_step_supports_amp_scaling`` (torch's fused optimizers), which receive
+    ``grad_scale``/``found_inf`` tensors and skip on the device. ``get_scale``,
+    ``state_dict`` and pickling read the scale back (one sync).
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 min_scale: float = 0.0, max_scale: float = math.inf, hysteresis: int = 1) -> None:
+        self._device = device
+        self._enabled = enabled
+        if device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                          stacklevel=2)
+            self._enabled = False
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = float(init_scale)
+            self._init_growth_tracker = 0
+            self._init_hysteresis_tracker = int(hysteresis)
+            # Validated here so that a bad setting fails at construction, naming the setting.
+            self._config = DynamicConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+                                         hysteresis).validate()
+            # The loss scale lives on the device of the first tensor passed to scale(), as in
+            # torch; until then it is None.
+            self._ls: DynamicLossScale | None = None
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+
+    # -- the loss scale -----------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        """The current :class:`ampfunc.DynamicLossScale` (``None`` before the first ``scale()``)."""
+        return self._ls if self._enabled else None
+
+    def _settings(self) -> DynamicConfig:
+        return self._ls.config if self._ls is not None else self._config
+
+    def _set_setting(self, **change) -> None:
+        self._config = self._settings()._replace(**change).validate()
+        if self._ls is not None:
+            self._ls = self._ls.replace(**change)
+
+    def _lazy_init(self, device: torch.device) -> None:
+        c = self._config
+        self._ls = DynamicLossScale.from_tensors(
+            torch.full((), self._init_scale, dtype=torch.float32, device=device),
+            torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device),
+            torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device),
+            c,
+        )
+
+    def _check_initialized(self, funcname: str) -> DynamicLossScale:
+        if self._ls is None:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        return self._ls
+
+    # -- scale --------------------------------------------------------------------------------
+
+    def scale(self, outputs):
+        """``outputs`` times the current scale: a tensor, or a (nested) list/tuple/dict of them.
+
+        A scalar floating loss goes through :func:`ampfunc.scale_loss` (``loss.float() * scale``,
+        so the product is fp32 even for an fp16 loss); other tensors are multiplied as torch
+        does (``t * scale``, keeping ``t``'s dtype). Returns ``outputs`` unchanged when disabled.
+        No host sync.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._ls is None:
+                self._lazy_init(outputs.device)
+            return self._scale_one(outputs)
+
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                if self._ls is None:
+                    self._lazy_init(value.device)
+                return self._scale_one(value)
+            if isinstance(value, abc.Mapping):
+                return type(value)((k, apply(v)) for k, v in value.items())
+            if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
+                mapped = map(apply, value)
+                if isinstance(value, (list, tuple)):
+                    if hasattr(value, "_fields"):  # NamedTuple
+                        return type(value)(*mapped)
+                    return type(value)(mapped)
+                return mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    def _scale_one(self, t: torch.Tensor) -> torch.Tensor:
+        if _is_scalar_float(t):
+            return scale_loss(t, self._ls)
+        return t * self._ls.loss_scale.to(device=t.device, non_blocking=True)
+
+    # -- unscale ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
+        grads = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, param in enumerate(group["params"]):
+                if not isinstance(param, torch.Tensor):
+                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] is {type(param).__name__}, "
+                                    "expected a tensor")
+                if param.grad is None:
+                    continue
+                if not allow_fp16 and param.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if param.grad.is_sparse:
+                    if param.grad.dtype is torch.float16:
+                        # Coalescing may itself overflow, so check the coalesced values (torch's rule).
+                        param.grad = param.grad.coalesce()
+                    grads.append(param.grad._values())
+                else:
+                    grads.append(param.grad)
+        return grads
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale, in place, and records whether they are finite.
+
+        As torch: at most once per optimizer per iteration, after all gradients are accumulated;
+        a second call raises ``RuntimeError``, as does a call after :meth:`step`. fp16 gradients
+        raise ``ValueError("Attempting to unscale FP16 gradients.")`` (in-place fp16 unscaling
+        loses precision); fp32 and bf16 gradients are accepted. One read and one write of the
+        gradients (:func:`ampfunc.ops.unscale_`), no host sync.
+        """
+        if not self._enabled:
+            return
+        ls = self._check_initialized("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        grads = self._grads_of(optimizer, allow_fp16=False)
+        with torch.no_grad():
+            state["finite"] = self._on_scale_device(ops.unscale_(grads, ls.inv_scale)) if grads else None
+        state["stage"] = OptState.UNSCALED
+
+    def _on_scale_device(self, flag: torch.Tensor) -> torch.Tensor:
+        return flag.to(self._ls.loss_scale.device, non_blocking=True).reshape(())
+
+    # -- step ---------------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, return_found_inf: bool = False, **kwargs: Any):
+        """Unscales (unless :meth:`unscale_` already did) and calls ``optimizer.step()`` if the grads are finite.
+
+        Returns what ``optimizer.step(*args, **kwargs)`` returned (``None`` when skipped). With
+        ``return_found_inf=True`` returns ``(retval, found_inf)``, ``found_inf`` a 0-d fp32
+        tensor on the scale's device, ``1.`` when the step was skipped and ``0.`` when it was
+        taken; it costs no host sync of its own.
+
+        Optimizers with ``_step_supports_amp_scaling`` (torch's fused Adam/AdamW/SGD) get
+        ``optimizer.grad_scale`` and ``optimizer.found_inf`` and unscale and skip on the device:
+        the finiteness check is a read-only pass and nothing is read back to the host. Other
+        optimizers need the flag on the host to decide whether to step: one sync, as torch.
+
+        A ``closure`` raises ``RuntimeError`` (the closure would run the backward pass after
+        the gradients were checked), as in torch.
+        """
+        if not self._enabled:
+            retval = optimizer.step(*args, **kwargs)
+            return (retval, torch.zeros(())) if return_found_inf else retval
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        ls = self._check_initialized("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            retval, found_inf = self._fused_step(optimizer, state, ls, args, kwargs)
+        else:
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            if state["finite"] is None:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            retval = None
+            # The one host read of the step: a plain optimizer cannot skip on the device.
+            if bool(state["finite"]):
+                retval = optimizer.step(*args, **kwargs)
+            found_inf = (~state["finite"]).to(torch.float32)
+        state["stage"] = OptState.STEPPED
+        return (retval, found_inf) if return_found_inf else retval
+
+    def _fused_step(self, optimizer, state, ls, args, kwargs):
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            # Legacy contract (apex FusedAdam capturable, old torch fused optimizers): the
+            # optimizer pulls the scale and the inf checks from the scaler itself.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning, stacklevel=3)
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            if state["finite"] is None:
+                self._check_inf_per_device(optimizer)
+            return retval, (~state["finite"]).to(torch.float32)
+        if state["stage"] is OptState.READY:
+            grads = self._grads_of(optimizer, allow_fp16=True)
+            if not grads:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            # Read-only check: the optimizer divides by grad_scale itself.
+            state["finite"] = self._on_scale_device(ops.all_finite(grads))
+            optimizer.grad_scale = ls.loss_scale * getattr(optimizer, "grad_scale", 1)
+        else:
+            # Already unscaled by unscale_(): keep whatever grad_scale the user set (None -> no unscale).
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+        if state["finite"] is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        found_inf = (~state["finite"]).to(torch.float32)
+        optimizer.found_inf = found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        return retval, found_inf
+
+    # torch's private hooks used by the legacy fused-optimizer contract.
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._ls.loss_scale if self._ls is not None else None
+
+    def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        self._check_initialized("_check_inf_per_device")
+        grads = self._grads_of(optimizer, allow_fp16=True)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["finite"] = self._on_scale_device(ops.all_finite(grads)) if grads else None
+        return self._found_inf_per_device(optimizer)
+
+    def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        finite = self._per_optimizer_states[id(optimizer)]["finite"]
+        return {} if finite is None else {finite.device: (~finite).to(torch.float32).reshape(1)}
+
+    # -- update -------------------------------------------------------------------------------
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Advances the scale: back off if any optimizer's step overflowed, else count towards growth.
+
+        ``new_scale`` (a number or a 1-element tensor without grad on this scaler's device
+        type) sets the scale instead, leaving the growth tracker as it is (torch's rule). Call
+        once per iteration, after every ``step``. Pure update of the held loss scale
+        (:func:`ampfunc.update_scale`); no host sync.
+        """
+        if not self._enabled:
+            return
+        ls = self._check_initialized("update")
+        if new_scale is not None:
+            if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+                value = torch.full((), float(new_scale), dtype=torch.float32, device=ls.loss_scale.device)
+            else:
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                if not isinstance(new_scale, torch.Tensor):
+                    raise AssertionError(reason)
+                if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
+                    raise AssertionError(reason)
+                value = new_scale.detach().reshape(()).to(device=ls.loss_scale.device, dtype=torch.float32,
+                                                          copy=True)
+            self._ls = DynamicLossScale.from_tensors(value, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
+        else:
+            flags = [s["finite"] for s in self._per_optimizer_states.values() if s["finite"] is not None]
+            if not flags:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+            self._ls = update_scale(ls, finite)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    # -- getters and setters ------------------------------------------------------------------
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (``1.0`` when disabled). Syncs with the device."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._ls is None else float(self._ls.loss_scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._settings().growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._set_setting(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._settings().backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._set_setting(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._settings().growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Unlike torch, a growth interval lowered below the current tracker still triggers growth
+        at the next clean step (ampfunc compares with ``>=``; torch's ``==`` never fires again)."""
+        self._set_setting(growth_interval=new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._ls is None else int(self._ls.growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        return self._init_hysteresis_tracker if self._ls is None else int(self._ls.hysteresis_tracker.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _non_torch_settings(self) -> dict[str, Any]:
+        c = self._settings()
+        if (c.min_scale, c.max_scale, c.hysteresis) == (0.0, math.inf, 1):
+            return {}
+        return {"min_scale": c.min_scale, "max_scale": c.max_scale, "hysteresis": c.hysteresis,
+                "_hysteresis_tracker": self._get_hysteresis_tracker()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``); ``{}`` when disabled. The extras
+        ``min_scale``, ``max_scale``, ``hysteresis``, ``_hysteresis_tracker`` appear only when
+        they differ from torch's behaviour, so a default scaler's checkpoint loads into
+        ``torch.amp.GradScaler`` and back. Call after :meth:`update`. Syncs with the device.
+        """
+        if not self._enabled:
+            return {}
+        c = self._settings()
+        return {"scale": self.get_scale(), "growth_factor": c.growth_factor, "backoff_factor": c.backoff_factor,
+                "growth_interval": c.growth_interval, "_growth_tracker": self._get_growth_tracker(),
+                **self._non_torch_settings()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a :meth:`state_dict` of this class or of ``torch.amp.GradScaler``; a no-op when disabled."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        change = {"growth_factor": float(state_dict["growth_factor"]),
+                  "backoff_factor": float(state_dict["backoff_factor"]),
+                  "growth_interval": int(state_dict["growth_interval"])}
+        for key in ("min_scale", "max_scale", "hysteresis"):
+            if key in state_dict:
+                change[key] = state_dict[key]
+        self._config = self._settings()._replace(**change).validate()
+        self._init_scale = float(state_dict["scale"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._config.hysteresis))
+        if self._ls is not None:
+            self._lazy_init(self._ls.loss_scale.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                     "of an iteration, or at the end after scaler.update().")
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_config"] = self._settings()
+            state["_ls"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return f"GradScaler(device={self._device!r}, enabled=False)"
+        return f"GradScaler(device={self._device!r}, loss_scale={self._ls!r}, config={self._settings()})"
+
+
+# ----------------------------------------------------------------------------------------------
+# autocast and custom autograd functions
+# ----------------------------------------------------------------------------------------------
+
+
+def autocast(device_type: str = "cuda", dtype: torch.dtype | None = None, enabled: bool = True,
+             cache_enabled: bool | None = None, *, policy: Policy | str | None = None) -> torch.autocast:
+    """``torch.autocast``, optionally driven by an ampfunc :class:`~ampfunc.Policy`.
+
+    Without ``policy`` this is exactly ``torch.autocast(device_type, dtype, enabled,
+    cache_enabled)``. With ``policy`` (a :class:`Policy` or a spec such as ``"c=f16"``) the
+    region runs in the policy's compute dtype, and is a disabled region when that dtype is
+    fp32/fp64 (``policy.autocast(device_type)``). Usable as a context manager and a decorator.
+    """
+    if policy is None:
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    if dtype is not None:
+        raise ValueError("autocast: pass either dtype or policy, not both "
+                         f"(got dtype={dtype} and policy={policy})")
+    pol = get_policy(policy)
+    extra = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
+    if not enabled:
+        return torch.autocast(device_type, enabled=False, **extra)
+    return pol.autocast(device_type, **extra)
+
+
+def _device_type_of(args, kwargs) -> str:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    return v.device.type
+    return "cpu"
+
+
+def _cast_dtype(cast_inputs) -> torch.dtype | None:
+    if cast_inputs is None or isinstance(cast_inputs, torch.dtype):
+        return cast_inputs
+    if isinstance(cast_inputs, (Policy, str)):
+        return get_policy(cast_inputs).compute_dtype
+    raise TypeError(f"custom_fwd: cast_inputs must be a torch.dtype, a Policy or a policy string, "
+                    f"got {type(cast_inputs).__name__}")
+
+
+def custom_fwd(fwd: Callable | None = None, *, device_type: str | None = None, cast_inputs=None):
+    """Decorator for the ``forward`` of a ``torch.autograd.Function`` (``torch.amp.custom_fwd``).
+
+    With ``device_type`` it is ``torch.amp.custom_fwd(fwd, device_type=..., cast_inputs=...)``.
+    Without it the device type is taken from the first tensor argument at each call (so the
+    same Function runs under CPU or CUDA autocast), and remembered for :func:`custom_bwd`.
+    ``cast_inputs`` may be a dtype, a :class:`Policy` or a policy spec (its compute dtype):
+    inside an autocast region, floating inputs are cast to it and ``forward`` runs with
+    autocast off; outside autocast it has no effect.
+    """
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    dtype = _cast_dtype(cast_inputs)
+    if device_type is not None:
+        return torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=dtype)
+    per_device: dict[str, Callable] = {}
+
+    @functools.wraps(fwd)
+    def forward(ctx, *args, **kwargs):
+        dt = _device_type_of(args, kwargs)
+        fn = per_device.get(dt)
+        if fn is None:
+            fn = per_device[dt] = torch.amp.custom_fwd(fwd, device_type=dt, cast_inputs=dtype)
+        ctx._ampfunc_device_type = dt
+        return fn(ctx, *args, **kwargs)
+
+    return forward
+
+
+def custom_bwd(bwd: Callable | None = None, *, device_type: str | None = None):
+    """Decorator for the ``backward`` of a ``torch.autograd.Function`` (``torch.amp.custom_bwd``):
+    runs it with the autocast state its forward ran with. Without ``device_type`` the device
+    type recorded by :func:`custom_fwd` is used (else that of the first gradient)."""
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+    if device_type is not None:
+        return torch.amp.custom_bwd(bwd, device_type=device_type)
+    per_device: dict[str, Callable] = {}
+
+    @functools.wraps(bwd)
+    def backward(ctx, *grads):
+        dt = getattr(ctx, "_ampfunc_device_type", None) or _device_type_of(grads, {})
+        fn = per_device.get(dt)
+        if fn is None:
+            fn = per_device[dt] = torch.amp.custom_bwd(bwd, device_type=dt)
+        return fn(ctx, *grads)
+
+    return backward
