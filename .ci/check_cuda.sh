@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Compile-only check of the CUDA kernels (ext/cuda/*.cu) for sm_80 and sm_90 with plain nvcc:
+# no GPU needed, no torch headers involved. Exits non-zero when any file fails to compile;
+# skips (exit 0, with a message) when nvcc is not on the machine.
+set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [ -z "$NVCC" ]; then
+  echo "check_cuda: nvcc not found, CUDA compile check skipped"
+  exit 0
+fi
+shopt -s nullglob
+sources=("$root"/ext/cuda/*.cu)
+if [ ${#sources[@]} -eq 0 ]; then
+  echo "check_cuda: no .cu files under ext/cuda" >&2
+  exit 1
+fi
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+echo "check_cuda: $("$NVCC" --version | tail -1)"
+# -Werror=all-warnings: a warning in a kernel is a defect here, not noise.
+flags=(-std=c++17 -O3 -Werror all-warnings
+       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+       -I "$root/ext/cuda")
+status=0
+pids=()
+for src in "${sources[@]}"; do
+  name="$(basename "$src" .cu)"
+  ( "$NVCC" "${flags[@]}" -c "$src" -o "$tmp/$name.o" >"$tmp/$name.log" 2>&1 ) &
+  pids+=("$!")
+done
+for i in "${!sources[@]}"; do
+  name="$(basename "${sources[$i]}" .cu)"
+  if wait "${pids[$i]}"; then
+    echo "check_cuda: ok     ext/cuda/$name.cu (sm_80, sm_90)"
+  else
+    echo "check_cuda: FAILED ext/cuda/$name.cu" >&2
+    cat "$tmp/$name.log" >&2
+    status=1
+  fi
+done
+# The header must also stand alone in a host-only C++ translation unit (the torch glue).
+cuda_inc="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
+[ -f "$cuda_inc/cuda_runtime.h" ] || cuda_inc=/usr/local/cuda/include
+if command -v "${CXX:-g++}" >/dev/null 2>&1 && [ -f "$cuda_inc/cuda_runtime.h" ]; then
+  printf '#include "ampfunc_cuda.h"\nint main(void) { return ampfunc_cuda_abi_version == 0; }\n' >"$tmp/h.cpp"
+  if "${CXX:-g++}" -std=c++17 -fsyntax-only -I "$root/ext/cuda" -I "$cuda_inc" "$tmp/h.cpp" 2>"$tmp/h.log"; then
+    echo "check_cuda: ok     ext/cuda/ampfunc_cuda.h (host C++)"
+  else
+    echo "check_cuda: FAILED ext/cuda/ampfunc_cuda.h does not compile as host C++" >&2
+    cat "$tmp/h.log" >&2
+    status=1
+  fi
+fi
+exit $status
