@@ -1,0 +1,527 @@
+// The one torch glue file of ampfunc: implementations of the ops that ampfunc/ops.py defines
+// (schemas, fake kernels and the plain-torch reference live there, so the ops exist even when
+// this extension is not built). This file validates arguments (errors name the argument and
+// the index of the tensor at fault), makes non-contiguous tensors contiguous (and writes the
+// results back), and dispatches CPU tensors to ext/cpu/kernels.cpp and, when built with
+// AMPFUNC_WITH_CUDA, CUDA tensors to the raw-pointer launchers of ext/cuda/ampfunc_cuda.h.
+//
+// Nothing here reads a CUDA tensor back to the host: flags, scales and step counters are
+// passed to the CUDA launchers as device pointers. On the CPU they are plain memory.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+#ifdef AMPFUNC_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/ampfunc_cuda.h"
+#endif
+
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// ---------------------------------------------------------------------------------------------
+// validation
+// ---------------------------------------------------------------------------------------------
+
+void check_list(const char* op, const char* what, TensorList ts, const at::Device& device, bool fp32_only,
+                bool allow_fp64 = false) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Tensor& t = ts[i];
+    TORCH_CHECK(t.defined(), "ampfunc.", op, ": ", what, "[", i, "] is undefined (None)");
+    TORCH_CHECK(t.device() == device, "ampfunc.", op, ": ", what, "[", i, "] is on ", t.device(), " but ",
+                "the other tensors of the call are on ", device, "; call once per device (ampfunc.flat groups ",
+                "leaves by device and dtype)");
+    if (fp32_only) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfunc.", op, ": ", what, "[", i, "] has dtype ",
+                  t.scalar_type(), "; the fused kernels keep ", what, " in float32");
+    } else {
+      TORCH_CHECK(kernel_dtype(t.scalar_type()) || (allow_fp64 && t.scalar_type() == at::kDouble), "ampfunc.",
+                  op, ": ", what, "[", i, "] has dtype ", t.scalar_type(),
+                  "; the kernels take float32, float16 and bfloat16", allow_fp64 ? " (and float64 here)" : "");
+    }
+  }
+}
+
+void check_same_numel(const char* op, const char* what, TensorList ts, const char* ref_what, TensorList ref) {
+  TORCH_CHECK(ts.size() == ref.size(), "ampfunc.", op, ": ", what, " has ", ts.size(), " tensors but ", ref_what,
+              " has ", ref.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    TORCH_CHECK(ts[i].numel() == ref[i].numel(), "ampfunc.", op, ": ", what, "[", i, "] has ", ts[i].numel(),
+                " elements but ", ref_what, "[", i, "] has ", ref[i].numel());
+  }
+}
+
+void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarType dtype, const at::Device& device) {
+  TORCH_CHECK(t.defined() && t.numel() == 1, "ampfunc.", op, ": ", what, " must be a one-element tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "ampfunc.", op, ": ", what, " has dtype ", t.scalar_type(), ", expected ",
+              dtype);
+  TORCH_CHECK(t.device() == device, "ampfunc.", op, ": ", what, " is on ", t.device(), " but the tensors are on ",
+              device);
+}
+
+// Contiguous working copies of a list; the ones that had to be copied are written back by
+// write_back() (for the lists a kernel updates in place).
+struct Work {
+  std::vector<Tensor> tensors;
+  std::vector<std::pair<Tensor, Tensor>> copies;  // (original, contiguous copy)
+  explicit Work(TensorList ts) {
+    tensors.reserve(ts.size());
+    for (const Tensor& t : ts) {
+      if (t.is_contiguous()) {
+        tensors.push_back(t);
+      } else {
+        tensors.push_back(t.contiguous());
+        copies.emplace_back(t, tensors.back());
+      }
+    }
+  }
+  void write_back() {
+    for (auto& oc : copies) oc.first.copy_(oc.second);
+  }
+};
+
+at::Device device_of(TensorList ts, const Tensor& fallback) {
+  return ts.empty() ? fallback.device() : ts[0].device();
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU
+// ---------------------------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> check_cpu(TensorList tensors, bool per_leaf) {
+  const at::Device dev(at::kCPU);
+  check_list("check", "tensors", tensors, dev, false, /*allow_fp64=*/true);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  Tensor leaf = at::zeros({per_leaf ? n : 0}, at::TensorOptions().dtype(at::kBool));
+  std::vector<Tensor> fast;
+  std::vector<int64_t> fast_idx;
+  bool finite = true;
+  double sumsq = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor& t = tensors[i];
+    if (kernel_dtype(t.scalar_type())) {
+      fast.push_back(t.is_contiguous() ? t : t.contiguous());
+      fast_idx.push_back(i);
+    } else {  // float64: rare; plain ATen in double
+      const bool ok = at::isfinite(t).all().item<bool>();
+      finite = finite && ok;
+      if (per_leaf && !ok) leaf[i].fill_(true);
+      sumsq += t.square().sum().item<double>();
+    }
+  }
+  std::vector<uint8_t> flags(per_leaf ? fast.size() : 0, 0);
+  const auto r = ampfunc::cpu::check(fast, per_leaf ? flags.data() : nullptr);
+  finite = finite && r.finite;
+  sumsq += r.sumsq;
+  if (per_leaf) {
+    bool* lp = leaf.data_ptr<bool>();
+    for (size_t k = 0; k < fast.size(); ++k) lp[fast_idx[k]] = flags[k] != 0;
+  }
+  return {at::scalar_tensor(finite, at::kBool), at::scalar_tensor(static_cast<float>(sumsq), at::kFloat), leaf};
+}
+
+Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
+  const at::Device dev(at::kCPU);
+  check_list("unscale_", "tensors", tensors, dev, false);
+  check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
+  Work w(tensors);
+  const bool finite = ampfunc::cpu::unscale(w.tensors, w.tensors, inv_scale.item<float>());
+  w.write_back();
+  return at::scalar_tensor(finite, at::kBool);
+}
+
+std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(TensorList tensors, const Tensor& inv_scale) {
+  const at::Device dev(at::kCPU);
+  check_list("unscale", "tensors", tensors, dev, false);
+  check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
+  Work w(tensors);
+  std::vector<Tensor> outs;
+  outs.reserve(tensors.size());
+  for (const Tensor& t : tensors) outs.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  const bool finite = ampfunc::cpu::unscale(w.tensors, outs, inv_scale.item<float>());
+  return {outs, at::scalar_tensor(finite, at::kBool)};
+}
+
+void check_step_args(const char* op, TensorList params, TensorList grads, TensorList model_params,
+                     const Tensor& step, const Tensor& grad_scale, const Tensor& finite, const at::Device& dev) {
+  check_list(op, "params", params, dev, /*fp32_only=*/true);
+  check_list(op, "grads", grads, dev, false);
+  check_same_numel(op, "grads", grads, "params", params);
+  if (!model_params.empty()) {
+    check_list(op, "model_params", model_params, dev, false);
+    check_same_numel(op, "model_params", model_params, "params", params);
+  }
+  check_scalar(op, "step", step, at::kFloat, dev);
+  check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
+  check_scalar(op, "finite", finite, at::kBool, dev);
+}
+
+void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+                   const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
+                   double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+  const at::Device dev(at::kCPU);
+  check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
+  if (momentum != 0.0) {
+    check_list("sgd_step_", "momentum_buffers", momentum_buffers, dev, true);
+    check_same_numel("sgd_step_", "momentum_buffers", momentum_buffers, "params", params);
+  }
+  if (!finite.item<bool>()) return;  // the skipped step: nothing is written
+  Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
+  float* step_ptr = step.data_ptr<float>();
+  ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
+                           static_cast<float>(lr),
+                           static_cast<float>(weight_decay),
+                           static_cast<float>(momentum),
+                           static_cast<float>(dampening),
+                           nesterov,
+                           maximize,
+                           *step_ptr == 0.f};
+  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, m.tensors, h);
+  p.write_back();
+  b.write_back();
+  m.write_back();
+  *step_ptr += 1.f;
+}
+
+void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                    TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+                    const Tensor& grad_scale, const Tensor& finite, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev(at::kCPU);
+  check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
+  check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
+  check_same_numel("adam_step_", "exp_avgs", exp_avgs, "params", params);
+  check_list("adam_step_", "exp_avg_sqs", exp_avg_sqs, dev, true);
+  check_same_numel("adam_step_", "exp_avg_sqs", exp_avg_sqs, "params", params);
+  if (amsgrad) {
+    check_list("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
+    check_same_numel("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
+  }
+  if (!finite.item<bool>()) return;  // the skipped step: nothing is written
+  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+      m(model_params);
+  float* step_ptr = step.data_ptr<float>();
+  const float next_step = *step_ptr + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
+  ampfunc::cpu::AdamHyper h{grad_scale.item<float>(), lr, beta1, beta2, eps, weight_decay,
+                            static_cast<double>(next_step), amsgrad, decoupled_weight_decay, maximize};
+  ampfunc::cpu::adam_step(p.tensors, g.tensors, m1.tensors, m2.tensors, vmax.tensors, m.tensors, h);
+  p.write_back();
+  m1.write_back();
+  m2.write_back();
+  vmax.write_back();
+  m.write_back();
+  *step_ptr = next_step;
+}
+
+void check_scale_args(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
+                      const Tensor& finite, int64_t growth_interval, int64_t hysteresis) {
+  const at::Device dev = scale.device();
+  check_scalar("update_scale_", "scale", scale, at::kFloat, dev);
+  check_scalar("update_scale_", "growth_tracker", growth_tracker, at::kInt, dev);
+  check_scalar("update_scale_", "hysteresis_tracker", hysteresis_tracker, at::kInt, dev);
+  check_scalar("update_scale_", "finite", finite, at::kBool, dev);
+  TORCH_CHECK(growth_interval >= 1, "ampfunc.update_scale_: growth_interval must be >= 1, got ", growth_interval);
+  TORCH_CHECK(hysteresis >= 1, "ampfunc.update_scale_: hysteresis must be >= 1, got ", hysteresis);
+}
+
+void update_scale__cpu(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
+                       const Tensor& finite, double growth_factor, double backoff_factor, int64_t growth_interval,
+                       double min_scale, double max_scale, int64_t hysteresis) {
+  check_scale_args(scale, growth_tracker, hysteresis_tracker, finite, growth_interval, hysteresis);
+  ampfunc::cpu::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                             hysteresis_tracker.data_ptr<int32_t>(), finite.item<bool>(),
+                             {growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis});
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA
+// ---------------------------------------------------------------------------------------------
+
+#ifdef AMPFUNC_WITH_CUDA
+
+int cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return AMPFUNC_FP32;
+    case at::kHalf: return AMPFUNC_FP16;
+    case at::kBFloat16: return AMPFUNC_BF16;
+    default: TORCH_CHECK(false, "ampfunc: unsupported dtype ", t);
+  }
+}
+
+void cuda_ok(const char* op, int status) {
+  TORCH_CHECK(status == 0, "ampfunc.", op, " (CUDA): ", ampfunc_cuda_error_string(status));
+}
+
+// Leaves grouped by (dtype of list A, dtype of list B); indices in call order.
+template <typename Key>
+std::vector<std::pair<Key, std::vector<int64_t>>> group_by(int64_t n, const std::function<Key(int64_t)>& key) {
+  std::vector<std::pair<Key, std::vector<int64_t>>> groups;
+  for (int64_t i = 0; i < n; ++i) {
+    const Key k = key(i);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == k; });
+    if (it == groups.end()) groups.push_back({k, {i}}); else it->second.push_back(i);
+  }
+  return groups;
+}
+
+// Pointer arrays of a group of leaves across several lists, with runs of leaves that are
+// adjacent in memory in every list (views tiling one flat buffer) merged into one entry, so a
+// flat buffer is one leaf for the launcher whatever the number of views.
+struct Packed {
+  std::vector<std::vector<void*>> ptrs;  // per list
+  std::vector<int64_t> numels;
+};
+
+Packed pack(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<int64_t>& idx, bool merge) {
+  Packed pk;
+  pk.ptrs.resize(lists.size());
+  for (int64_t i : idx) {
+    const int64_t numel = (*lists[0])[i].numel();
+    if (numel == 0) continue;
+    bool adjacent = merge && !pk.numels.empty();
+    for (size_t l = 0; adjacent && l < lists.size(); ++l) {
+      const Tensor& t = (*lists[l])[i];
+      char* end = static_cast<char*>(pk.ptrs[l].back()) + pk.numels.back() * t.element_size();
+      adjacent = static_cast<char*>(t.data_ptr()) == end;
+    }
+    if (adjacent) {
+      pk.numels.back() += numel;
+    } else {
+      for (size_t l = 0; l < lists.size(); ++l) pk.ptrs[l].push_back((*lists[l])[i].data_ptr());
+      pk.numels.push_back(numel);
+    }
+  }
+  return pk;
+}
+
+std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf) {
+  TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
+  const at::Device dev = tensors[0].device();
+  check_list("check", "tensors", tensors, dev, false);
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  Work w(tensors);
+  auto opts = at::TensorOptions().device(dev);
+  Tensor finite = at::empty({}, opts.dtype(at::kBool));
+  Tensor sumsq = at::empty({}, opts.dtype(at::kFloat));
+  Tensor leaf = at::zeros({per_leaf ? n : 0}, opts.dtype(at::kBool));
+  auto groups = group_by<at::ScalarType>(n, [&](int64_t i) { return w.tensors[i].scalar_type(); });
+  bool first = true;
+  for (auto& [dtype, idx] : groups) {
+    Packed pk = pack({&w.tensors}, idx, /*merge=*/!per_leaf);
+    if (pk.numels.empty()) continue;
+    const int m = static_cast<int>(pk.numels.size());
+    const int64_t ws_bytes = ampfunc_cuda_check_workspace_bytes(m, pk.numels.data());
+    Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, opts.dtype(at::kByte));
+    Tensor group_leaf = per_leaf ? at::empty({m}, opts.dtype(at::kBool)) : Tensor();
+    cuda_ok("check", ampfunc_cuda_check(m, pk.ptrs[0].data(), pk.numels.data(), cuda_dtype(dtype), nullptr,
+                                        reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq.data_ptr<float>(),
+                                        per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
+                                        ws.data_ptr(), ws_bytes, first ? 0 : 1, stream.stream()));
+    first = false;
+    if (per_leaf) {
+      std::vector<int64_t> nonempty;
+      for (int64_t i : idx) if (w.tensors[i].numel() > 0) nonempty.push_back(i);
+      leaf.index_copy_(0, at::tensor(nonempty, at::kLong).to(dev, /*non_blocking=*/true), group_leaf);
+    }
+  }
+  if (first) {  // every tensor was empty
+    finite.fill_(true);
+    sumsq.zero_();
+  }
+  return {finite, sumsq, leaf};
+}
+
+Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
+  const at::Device dev = device_of(tensors, inv_scale);
+  check_list("unscale_", "tensors", tensors, dev, false);
+  check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  Work w(tensors);
+  Tensor finite = at::ones({}, at::TensorOptions().device(dev).dtype(at::kBool));
+  auto groups = group_by<at::ScalarType>(w.tensors.size(), [&](int64_t i) { return w.tensors[i].scalar_type(); });
+  for (auto& [dtype, idx] : groups) {
+    Packed pk = pack({&w.tensors}, idx, true);
+    if (pk.numels.empty()) continue;
+    cuda_ok("unscale_", ampfunc_cuda_unscale_(static_cast<int>(pk.numels.size()), pk.ptrs[0].data(),
+                                              pk.numels.data(), cuda_dtype(dtype), inv_scale.data_ptr<float>(),
+                                              reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), 1,
+                                              stream.stream()));
+  }
+  w.write_back();
+  return finite;
+}
+
+std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const Tensor& inv_scale) {
+  const at::Device dev = device_of(tensors, inv_scale);
+  check_list("unscale", "tensors", tensors, dev, false);
+  check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  Work w(tensors);
+  std::vector<Tensor> outs;
+  for (const Tensor& t : tensors) outs.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  Tensor finite = at::ones({}, at::TensorOptions().device(dev).dtype(at::kBool));
+  auto groups = group_by<at::ScalarType>(w.tensors.size(), [&](int64_t i) { return w.tensors[i].scalar_type(); });
+  for (auto& [dtype, idx] : groups) {
+    Packed pk = pack({&w.tensors, &outs}, idx, false);
+    if (pk.numels.empty()) continue;
+    cuda_ok("unscale", ampfunc_cuda_unscale(static_cast<int>(pk.numels.size()), pk.ptrs[0].data(), pk.ptrs[1].data(),
+                                            pk.numels.data(), cuda_dtype(dtype), inv_scale.data_ptr<float>(),
+                                            reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), 1, stream.stream()));
+  }
+  return {outs, finite};
+}
+
+void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
+                    double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+  const at::Device dev = device_of(params, step);
+  check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
+  const bool has_buf = momentum != 0.0;
+  if (has_buf) {
+    check_list("sgd_step_", "momentum_buffers", momentum_buffers, dev, true);
+    check_same_numel("sgd_step_", "momentum_buffers", momentum_buffers, "params", params);
+  }
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList()), m(model_params);
+  const bool has_model = !m.tensors.empty();
+  AmpfuncSgdHyper h{lr, momentum, dampening, weight_decay, nesterov ? 1 : 0, maximize ? 1 : 0};
+  using Key = std::pair<int, int>;
+  auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
+    return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
+  });
+  std::vector<const std::vector<Tensor>*> lists{&p.tensors, &g.tensors};
+  if (has_buf) lists.push_back(&b.tensors);
+  if (has_model) lists.push_back(&m.tensors);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    Packed pk = pack(lists, groups[k].second, true);
+    const int nn = static_cast<int>(pk.numels.size());
+    cuda_ok("sgd_step_", ampfunc_cuda_sgd_step(
+                             nn, pk.ptrs[1].data(), groups[k].first.first, pk.ptrs[0].data(),
+                             has_buf ? pk.ptrs[2].data() : nullptr, has_model ? pk.ptrs.back().data() : nullptr,
+                             groups[k].first.second, pk.numels.data(), grad_scale.data_ptr<float>(),
+                             reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), nullptr,
+                             step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
+  }
+  if (groups.empty()) {  // no leaves: only the step counter moves (when finite)
+    step.add_(finite.to(at::kFloat));
+  }
+  p.write_back();
+  b.write_back();
+  m.write_back();
+}
+
+void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                     TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+                     const Tensor& grad_scale, const Tensor& finite, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev = device_of(params, step);
+  check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
+  check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
+  check_same_numel("adam_step_", "exp_avgs", exp_avgs, "params", params);
+  check_list("adam_step_", "exp_avg_sqs", exp_avg_sqs, dev, true);
+  check_same_numel("adam_step_", "exp_avg_sqs", exp_avg_sqs, "params", params);
+  if (amsgrad) {
+    check_list("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
+    check_same_numel("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
+  }
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+      m(model_params);
+  const bool has_model = !m.tensors.empty();
+  AmpfuncAdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay ? 1 : 0, amsgrad ? 1 : 0,
+                     maximize ? 1 : 0};
+  using Key = std::pair<int, int>;
+  auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
+    return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
+  });
+  std::vector<const std::vector<Tensor>*> lists{&p.tensors, &g.tensors, &m1.tensors, &m2.tensors};
+  if (amsgrad) lists.push_back(&vmax.tensors);
+  if (has_model) lists.push_back(&m.tensors);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    Packed pk = pack(lists, groups[k].second, true);
+    const int nn = static_cast<int>(pk.numels.size());
+    cuda_ok("adam_step_", ampfunc_cuda_adam_step(
+                              nn, pk.ptrs[1].data(), groups[k].first.first, pk.ptrs[0].data(), pk.ptrs[2].data(),
+                              pk.ptrs[3].data(), amsgrad ? pk.ptrs[4].data() : nullptr,
+                              has_model ? pk.ptrs.back().data() : nullptr, groups[k].first.second,
+                              pk.numels.data(), grad_scale.data_ptr<float>(),
+                              reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), nullptr,
+                              step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
+  }
+  if (groups.empty()) step.add_(finite.to(at::kFloat));
+  p.write_back();
+  m1.write_back();
+  m2.write_back();
+  vmax.write_back();
+  m.write_back();
+}
+
+void update_scale__cuda(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
+                        const Tensor& finite, double growth_factor, double backoff_factor, int64_t growth_interval,
+                        double min_scale, double max_scale, int64_t hysteresis) {
+  check_scale_args(scale, growth_tracker, hysteresis_tracker, finite, growth_interval, hysteresis);
+  c10::cuda::CUDAGuard guard(scale.device());
+  cuda_ok("update_scale_", ampfunc_cuda_update_scale(
+                               scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                               hysteresis_tracker.data_ptr<int32_t>(),
+                               reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), growth_factor,
+                               backoff_factor, growth_interval, min_scale, max_scale, hysteresis,
+                               c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+#endif  // AMPFUNC_WITH_CUDA
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
+  m.impl("check", &check_cpu);
+  m.impl("unscale_", &unscale__cpu);
+  m.impl("unscale", &unscale_cpu);
+  m.impl("sgd_step_", &sgd_step__cpu);
+  m.impl("adam_step_", &adam_step__cpu);
+  m.impl("update_scale_", &update_scale__cpu);
+}
+
+#ifdef AMPFUNC_WITH_CUDA
+TORCH_LIBRARY_IMPL(ampfunc, CUDA, m) {
+  m.impl("check", &check_cuda);
+  m.impl("unscale_", &unscale__cuda);
+  m.impl("unscale", &unscale_cuda);
+  m.impl("sgd_step_", &sgd_step__cuda);
+  m.impl("adam_step_", &adam_step__cuda);
+  m.impl("update_scale_", &update_scale__cuda);
+}
+#endif
+
+// A symbol the loader can look for to tell which backends this build carries.
+extern "C" int ampfunc_ext_has_cuda() {
+#ifdef AMPFUNC_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,410 @@
+// CPU kernels; see kernels.h for what each computes.
+//
+// Why the vector code looks like this: each kernel processes kW = 2 * Vectorized<float>::size()
+// elements per iteration (one Vectorized<Half/BFloat16> converts to two float vectors), and
+// the tail of a segment uses partial loads/stores (zero-filled lanes that are never stored), so
+// there is one code path per kernel and the scalar tail cannot drift from the vector math.
+// The order of floating-point operations follows torch.optim's single-tensor CPU path
+// (including its fmadd in add(alpha=) and lerp) so results agree with torch to the last bits
+// in most elements.
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
+    !defined(CPU_CAPABILITY_AVX512)
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <mutex>
+
+namespace ampfunc {
+namespace cpu {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kVF = fVec::size();
+constexpr int64_t kW = 2 * kVF;
+// Elements per parallel task: large enough to amortise scheduling, small enough that two
+// cores split a 1M-element tree evenly.
+constexpr int64_t kGrain = 1 << 15;
+
+static_assert(at::vec::Vectorized<at::Half>::size() == kW, "Half vector must convert to two float vectors");
+static_assert(at::vec::Vectorized<at::BFloat16>::size() == kW, "BFloat16 vector must convert to two float vectors");
+
+enum class Kind : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+Kind kind_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return Kind::F32;
+    case at::kHalf: return Kind::F16;
+    case at::kBFloat16: return Kind::BF16;
+    default: TORCH_CHECK(false, "ampfunc cpu kernel: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// ---- loads and stores of kW elements (n of them valid, n <= kW) as two float vectors ----
+
+inline void load2(const float* p, int64_t n, fVec& a, fVec& b) {
+  if (n >= kW) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + kVF);
+  } else {
+    a = fVec::loadu(p, std::min<int64_t>(n, kVF));
+    b = n > kVF ? fVec::loadu(p + kVF, n - kVF) : fVec(0.f);
+  }
+}
+
+template <typename T>
+inline void load2(const T* p, int64_t n, fVec& a, fVec& b) {
+  auto v = n >= kW ? at::vec::Vectorized<T>::loadu(p) : at::vec::Vectorized<T>::loadu(p, n);
+  std::tie(a, b) = at::vec::convert_to_float<T>(v);
+}
+
+inline void store2(float* p, int64_t n, const fVec& a, const fVec& b) {
+  if (n >= kW) {
+    a.store(p);
+    b.store(p + kVF);
+  } else {
+    a.store(p, std::min<int64_t>(n, kVF));
+    if (n > kVF) b.store(p + kVF, n - kVF);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
+  auto v = at::vec::convert_from_float<T>(a, b);
+  if (n >= kW) v.store(p); else v.store(p, n);
+}
+
+// Calls fn(kind, ptr-as-void, ...) with the typed pointer for a tensor of float/half/bf16.
+template <typename Fn>
+inline void with_typed(const at::Tensor& t, Fn&& fn) {
+  switch (kind_of(t)) {
+    case Kind::F32: fn(t.data_ptr<float>()); break;
+    case Kind::F16: fn(t.data_ptr<at::Half>()); break;
+    case Kind::BF16: fn(t.data_ptr<at::BFloat16>()); break;
+  }
+}
+
+// The concatenated index range of a tensor list: offsets[i] is where tensor i starts.
+struct Ranges {
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  explicit Ranges(const std::vector<at::Tensor>& ts) {
+    offsets.reserve(ts.size() + 1);
+    for (const auto& t : ts) {
+      offsets.push_back(total);
+      total += t.numel();
+    }
+    offsets.push_back(total);
+  }
+  // fn(i, start_in_tensor, count) for each piece of [begin, end) that falls in tensor i.
+  template <typename Fn>
+  void for_each(int64_t begin, int64_t end, Fn&& fn) const {
+    int64_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    while (begin < end) {
+      const int64_t stop = std::min(end, offsets[i + 1]);
+      if (stop > begin) fn(i, begin - offsets[i], stop - begin);
+      begin = stop;
+      ++i;
+    }
+  }
+};
+
+inline double hsum(const fVec& v) {
+  alignas(64) float buf[kVF];
+  v.store(buf);
+  double s = 0;
+  for (int64_t k = 0; k < kVF; ++k) s += buf[k];
+  return s;
+}
+
+// ---- check ----
+
+struct CheckAcc {
+  double sumsq = 0;
+  bool nonfinite = false;
+};
+
+template <typename T>
+CheckAcc check_segment(const T* p, int64_t n) {
+  // x * 0 is 0 for finite x and NaN otherwise: one multiply-add per element tracks
+  // finiteness without a compare+mask, and cannot be confused by a finite sum of squares
+  // that overflows.
+  const fVec zero(0.f);
+  CheckAcc acc;
+  constexpr int64_t kBlock = 4096;  // flush the fp32 partial sums to double every block
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t stop = std::min(n, base + kBlock);
+    fVec s0(0.f), s1(0.f), nf(0.f);
+    for (int64_t j = base; j < stop; j += kW) {
+      fVec a, b;
+      load2(p + j, stop - j, a, b);
+      s0 = at::vec::fmadd(a, a, s0);
+      s1 = at::vec::fmadd(b, b, s1);
+      nf = at::vec::fmadd(a + b, zero, nf);
+    }
+    acc.sumsq += hsum(s0 + s1);
+    if (hsum(nf) != 0.0) acc.nonfinite = true;  // NaN != 0 too
+  }
+  return acc;
+}
+
+}  // namespace
+
+CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite) {
+  const Ranges r(tensors);
+  std::mutex mu;
+  double sumsq = 0;
+  bool nonfinite = false;
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    CheckAcc local;
+    r.for_each(begin, end, [&](int64_t i, int64_t start, int64_t count) {
+      CheckAcc seg;
+      with_typed(tensors[i], [&](auto* p) { seg = check_segment(p + start, count); });
+      local.sumsq += seg.sumsq;
+      if (seg.nonfinite) {
+        local.nonfinite = true;
+        if (per_leaf_nonfinite) __atomic_store_n(per_leaf_nonfinite + i, uint8_t(1), __ATOMIC_RELAXED);
+      }
+    });
+    std::lock_guard<std::mutex> lock(mu);
+    sumsq += local.sumsq;
+    nonfinite = nonfinite || local.nonfinite;
+  });
+  return {!nonfinite, sumsq};
+}
+
+// ---- unscale ----
+
+namespace {
+template <typename Tin, typename Tout>
+bool unscale_segment(const Tin* in, Tout* out, int64_t n, float inv_scale) {
+  const fVec zero(0.f), s(inv_scale);
+  fVec nf(0.f);
+  for (int64_t j = 0; j < n; j += kW) {
+    fVec a, b;
+    load2(in + j, n - j, a, b);
+    nf = at::vec::fmadd(a + b, zero, nf);
+    store2(out + j, n - j, a * s, b * s);
+  }
+  const double h = hsum(nf);
+  return h == 0.0;
+}
+}  // namespace
+
+bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs, float inv_scale) {
+  const Ranges r(ins);
+  std::atomic<bool> nonfinite{false};
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    bool local = false;
+    r.for_each(begin, end, [&](int64_t i, int64_t start, int64_t count) {
+      with_typed(ins[i], [&](auto* pin) {
+        with_typed(outs[i], [&](auto* pout) {
+          if (!unscale_segment(pin + start, pout + start, count, inv_scale)) local = true;
+        });
+      });
+    });
+    if (local) nonfinite.store(true, std::memory_order_relaxed);
+  });
+  return !nonfinite.load();
+}
+
+// ---- SGD ----
+
+namespace {
+template <typename G, typename M>
+void sgd_segment(float* p, const G* g, float* buf, M* model, int64_t n, const SgdHyper& h) {
+  const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
+      neg_lr(-h.lr);
+  for (int64_t j = 0; j < n; j += kW) {
+    const int64_t m = n - j;
+    fVec ga, gb, pa, pb;
+    load2(g + j, m, ga, gb);
+    load2(p + j, m, pa, pb);
+    ga = ga * gs;
+    gb = gb * gs;
+    if (h.maximize) {
+      ga = ga.neg();
+      gb = gb.neg();
+    }
+    if (h.weight_decay != 0.f) {
+      ga = at::vec::fmadd(pa, wd, ga);
+      gb = at::vec::fmadd(pb, wd, gb);
+    }
+    if (buf) {
+      fVec ba, bb;
+      if (h.first_step) {
+        ba = ga;
+        bb = gb;
+      } else {
+        load2(buf + j, m, ba, bb);
+        ba = at::vec::fmadd(ga, one_minus_damp, ba * mom);
+        bb = at::vec::fmadd(gb, one_minus_damp, bb * mom);
+      }
+      store2(buf + j, m, ba, bb);
+      if (h.nesterov) {
+        ga = at::vec::fmadd(ba, mom, ga);
+        gb = at::vec::fmadd(bb, mom, gb);
+      } else {
+        ga = ba;
+        gb = bb;
+      }
+    }
+    pa = at::vec::fmadd(ga, neg_lr, pa);
+    pb = at::vec::fmadd(gb, neg_lr, pb);
+    store2(p + j, m, pa, pb);
+    if (model) store2(model + j, m, pa, pb);
+  }
+}
+}  // namespace
+
+void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& model_params,
+              const SgdHyper& h) {
+  const Ranges r(params);
+  const bool has_buf = !momentum_buffers.empty(), has_model = !model_params.empty();
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      float* p = params[i].data_ptr<float>() + s;
+      float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
+      with_typed(grads[i], [&](auto* g) {
+        if (has_model) {
+          with_typed(model_params[i], [&](auto* mp) { sgd_segment(p, g + s, buf, mp + s, count, h); });
+        } else {
+          sgd_segment(p, g + s, buf, static_cast<float*>(nullptr), count, h);
+        }
+      });
+    });
+  });
+}
+
+// ---- Adam / AdamW ----
+
+namespace {
+struct AdamScalars {
+  float grad_scale, wd, decay, w1, b2, c2, bc2_sqrt, eps, neg_step_size;
+  bool l2, decoupled, amsgrad, maximize, lerp_small;
+};
+
+template <typename G, typename M>
+void adam_segment(float* p, const G* g, float* m1, float* m2, float* vmax, M* model, int64_t n,
+                  const AdamScalars& c) {
+  const fVec gs(c.grad_scale), wd(c.wd), decay(c.decay), b2(c.b2), c2(c.c2), bc2(c.bc2_sqrt), eps(c.eps),
+      nss(c.neg_step_size);
+  // torch's lerp: weight < 0.5 ? start + w * (end - start) : end + (w - 1) * (end - start), fused.
+  const fVec lw(c.lerp_small ? c.w1 : c.w1 - 1.f);
+  for (int64_t j = 0; j < n; j += kW) {
+    const int64_t k = n - j;
+    fVec ga, gb, pa, pb, ma, mb, va, vb;
+    load2(g + j, k, ga, gb);
+    load2(p + j, k, pa, pb);
+    load2(m1 + j, k, ma, mb);
+    load2(m2 + j, k, va, vb);
+    ga = ga * gs;
+    gb = gb * gs;
+    if (c.maximize) {
+      ga = ga.neg();
+      gb = gb.neg();
+    }
+    if (c.decoupled) {
+      pa = pa * decay;
+      pb = pb * decay;
+    } else if (c.l2) {
+      ga = at::vec::fmadd(pa, wd, ga);
+      gb = at::vec::fmadd(pb, wd, gb);
+    }
+    ma = at::vec::fmadd(lw, ga - ma, c.lerp_small ? ma : ga);
+    mb = at::vec::fmadd(lw, gb - mb, c.lerp_small ? mb : gb);
+    // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): two roundings, as torch.
+    va = va * b2 + (c2 * ga) * ga;
+    vb = vb * b2 + (c2 * gb) * gb;
+    store2(m1 + j, k, ma, mb);
+    store2(m2 + j, k, va, vb);
+    fVec da = va, db = vb;
+    if (vmax) {
+      fVec xa, xb;
+      load2(vmax + j, k, xa, xb);
+      da = at::vec::maximum(xa, va);
+      db = at::vec::maximum(xb, vb);
+      store2(vmax + j, k, da, db);
+    }
+    da = da.sqrt() / bc2 + eps;
+    db = db.sqrt() / bc2 + eps;
+    pa = pa + nss * (ma / da);
+    pb = pb + nss * (mb / db);
+    store2(p + j, k, pa, pb);
+    if (model) store2(model + j, k, pa, pb);
+  }
+}
+}  // namespace
+
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& model_params,
+               const AdamHyper& h) {
+  AdamScalars c;
+  c.grad_scale = h.grad_scale;
+  c.wd = static_cast<float>(h.weight_decay);
+  c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  c.w1 = static_cast<float>(1.0 - h.beta1);
+  c.lerp_small = std::abs(c.w1) < 0.5f;
+  c.b2 = static_cast<float>(h.beta2);
+  c.c2 = static_cast<float>(1.0 - h.beta2);
+  const double bc1 = 1.0 - std::pow(h.beta1, h.step);
+  const double bc2 = 1.0 - std::pow(h.beta2, h.step);
+  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  c.neg_step_size = static_cast<float>(-(h.lr / bc1));
+  c.eps = static_cast<float>(h.eps);
+  c.l2 = h.weight_decay != 0.0 && !h.decoupled_weight_decay;
+  c.decoupled = h.weight_decay != 0.0 && h.decoupled_weight_decay;
+  c.amsgrad = h.amsgrad;
+  c.maximize = h.maximize;
+
+  const Ranges r(params);
+  const bool has_model = !model_params.empty();
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      float* p = params[i].data_ptr<float>() + s;
+      float* m1 = exp_avgs[i].data_ptr<float>() + s;
+      float* m2 = exp_avg_sqs[i].data_ptr<float>() + s;
+      float* vmax = c.amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr;
+      with_typed(grads[i], [&](auto* g) {
+        if (has_model) {
+          with_typed(model_params[i], [&](auto* mp) { adam_segment(p, g + s, m1, m2, vmax, mp + s, count, c); });
+        } else {
+          adam_segment(p, g + s, m1, m2, vmax, static_cast<float*>(nullptr), count, c);
+        }
+      });
+    });
+  });
+}
+
+// ---- loss scale ----
+
+void update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, bool finite,
+                  const ScaleConfig& c) {
+  const float s = *scale;
+  // torch.amp rounding: products in double, stored in fp32; a growth that overflows fp32 is
+  // not applied (the tracker still resets).
+  float grown = static_cast<float>(static_cast<double>(s) * c.growth_factor);
+  grown = std::isfinite(grown) ? std::min(grown, static_cast<float>(c.max_scale)) : s;
+  const float backed = std::max(static_cast<float>(static_cast<double>(s) * c.backoff_factor),
+                                static_cast<float>(c.min_scale));
+  const int32_t next_tracker = *growth_tracker + 1;
+  const bool grow = finite && next_tracker >= c.growth_interval;
+  const bool backoff = !finite && *hysteresis_tracker <= 1;
+  *scale = grow ? grown : (backoff ? backed : s);
+  *growth_tracker = (finite && !grow) ? next_tracker : 0;
+  *hysteresis_tracker = finite ? static_cast<int32_t>(c.hysteresis) : std::max(*hysteresis_tracker - 1, 1);
+}
+
+}  // namespace cpu
+}  // namespace ampfunc

@@ -1,0 +1,83 @@
+// CPU kernels of ampfunc: multi-tensor loops over lists of contiguous CPU tensors.
+//
+// Every kernel walks the concatenation of its tensors as one index range split across threads
+// by at::parallel_for, so a list of 10,000 small tensors costs one parallel region, the same as
+// one flat buffer of the same total size. Arithmetic is in fp32 whatever the storage dtype
+// (float32, float16, bfloat16); reduced-precision values are converted on load and rounded once
+// on store. The binding layer (ext/bindings.cpp) validates devices, dtypes and lengths and makes
+// non-contiguous tensors contiguous before calling these.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ampfunc {
+namespace cpu {
+
+struct CheckResult {
+  bool finite;   // every element of every tensor is finite
+  double sumsq;  // sum of squares, accumulated in fp32 blocks and combined in double
+};
+
+// One read of every tensor, no writes. per_leaf_nonfinite (nullable) gets 1 at index i when
+// tensor i holds a NaN or an infinity.
+CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite);
+
+// outs[i] = ins[i] * inv_scale, product in fp32, stored in outs[i]'s dtype. outs may be ins
+// (in place). Returns whether every input element was finite.
+bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs, float inv_scale);
+
+struct SgdHyper {
+  float grad_scale;
+  float lr;
+  float weight_decay;
+  float momentum;
+  float dampening;
+  bool nesterov;
+  bool maximize;
+  bool first_step;  // momentum buffer is initialised to the gradient (torch's `buf is None`)
+};
+
+// One pass: g = grad * grad_scale; torch.optim.SGD's update of params (fp32) and momentum
+// buffers (fp32, empty list when momentum == 0); model_params (empty, or one per param, any
+// float dtype) receive the rounded new params.
+void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& model_params,
+              const SgdHyper& h);
+
+struct AdamHyper {
+  float grad_scale;
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  double step;  // the step being taken (already incremented), as torch's _get_value(step_t)
+  bool amsgrad;
+  bool decoupled_weight_decay;
+  bool maximize;
+};
+
+// One pass of torch.optim.Adam / AdamW (single-tensor order of operations, fp32).
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& model_params,
+               const AdamHyper& h);
+
+struct ScaleConfig {
+  double growth_factor;
+  double backoff_factor;
+  int64_t growth_interval;
+  double min_scale;
+  double max_scale;
+  int64_t hysteresis;
+};
+
+// The dynamic loss-scale update, the rule of ampfunc.ops._ref_update_scale.
+void update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, bool finite,
+                  const ScaleConfig& c);
+
+}  // namespace cpu
+}  // namespace ampfunc
