@@ -50,3 +50,11 @@ __all__ = [
     "scale_by_learning_rate",
     "add_decayed_weights",
 ]
+
+# States are NamedTuples of tensors; allow them through torch.load's default weights_only=True
+# so a checkpoint of an optimizer state loads without opting out of safe loading.
+import torch as _torch
+
+if hasattr(_torch.serialization, "add_safe_globals"):
+    _torch.serialization.add_safe_globals([SgdState, AdamState, TorchOptimizerState, AccumulateState,
+                                           ScaleByScheduleState])

@@ -1,0 +1,260 @@
+"""Native optimizers (af.sgd, af.adam, af.adamw) against torch.optim on the same trajectory."""
+
+import io
+
+import pytest
+import torch
+
+import ampfunc as af
+from ampfunc.tree import select_tree, tree_leaves, tree_structure
+
+STEPS = 50
+
+
+def make_params():
+    g = torch.Generator().manual_seed(0)
+    return {"layer": {"weight": torch.randn(6, 4, generator=g), "bias": torch.randn(6, generator=g)},
+            "head": [torch.randn(3, 6, generator=g)]}
+
+
+def grads_at(params, k):
+    """Gradients that depend on the params (a quadratic pull plus step-dependent noise), so a
+    trajectory that drifts from torch's would keep drifting."""
+    g = torch.Generator().manual_seed(1000 + k)
+    return af.tree_map(lambda p: 0.5 * p + torch.randn(p.shape, generator=g), params)
+
+
+def run_native(tx, params, steps=STEPS):
+    state = tx.init(params)
+    for k in range(steps):
+        updates, state = tx.update(grads_at(params, k), state, params)
+        params = af.apply_updates(params, updates)
+    return params, state
+
+
+def run_torch(cls, params, steps=STEPS, lr_at=None, **kw):
+    params = af.tree_map(lambda p: p.clone(), params)
+    leaves = tree_leaves(params)
+    opt = cls(leaves, **kw)
+    for k in range(steps):
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(k)
+        for p, g in zip(leaves, tree_leaves(grads_at(params, k))):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+def assert_rel_close(actual, expected, rel=1e-6):
+    """Every leaf within ``rel`` of the expected leaf's magnitude (the 1e-6 relative contract)."""
+    for a, e in zip(tree_leaves(actual), tree_leaves(expected)):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        err = (a - e).abs().max().item()
+        assert err <= rel * e.abs().max().item(), f"max |diff| {err} vs max |expected| {e.abs().max().item()}"
+
+
+SGD_CONFIGS = [
+    dict(lr=0.05),
+    dict(lr=0.05, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.3),
+    dict(lr=0.05, momentum=0.9, nesterov=True),
+    dict(lr=0.05, momentum=0.8, weight_decay=0.1),
+    dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True),
+]
+ADAM_CONFIGS = [
+    dict(),
+    dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6),
+    dict(lr=0.01, weight_decay=0.1),
+    dict(lr=0.01, amsgrad=True),
+    dict(lr=0.01, weight_decay=0.05, amsgrad=True, maximize=True),
+]
+
+
+@pytest.mark.parametrize("kw", SGD_CONFIGS, ids=str)
+def test_sgd_matches_torch_sgd_over_50_steps(kw):
+    params = make_params()
+    ours, state = run_native(af.sgd(**kw), params)
+    theirs, opt = run_torch(torch.optim.SGD, params, **kw)
+    assert_rel_close(ours, theirs)
+    if kw.get("momentum", 0):
+        bufs = [opt.state[p]["momentum_buffer"] for p in tree_leaves(theirs)]
+        assert_rel_close(tree_leaves(state.momentum_buffer), bufs)
+    assert state.step.item() == STEPS
+
+
+@pytest.mark.parametrize("kw", ADAM_CONFIGS, ids=str)
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_and_adamw_match_torch_over_50_steps(name, kw):
+    params = make_params()
+    tx = getattr(af, name)(**kw)
+    ours, state = run_native(tx, params)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    theirs, opt = run_torch(cls, params, **kw)
+    assert_rel_close(ours, theirs)
+    leaves = tree_leaves(theirs)
+    assert_rel_close(tree_leaves(state.exp_avg), [opt.state[p]["exp_avg"] for p in leaves])
+    assert_rel_close(tree_leaves(state.exp_avg_sq), [opt.state[p]["exp_avg_sq"] for p in leaves])
+    if kw.get("amsgrad"):
+        assert_rel_close(tree_leaves(state.max_exp_avg_sq), [opt.state[p]["max_exp_avg_sq"] for p in leaves])
+
+
+def test_adamw_defaults_are_torchs():
+    params = make_params()
+    assert_rel_close(run_native(af.adamw(), params)[0], run_torch(torch.optim.AdamW, params)[0])
+    assert af.adamw().fused.hparams["weight_decay"] == 1e-2
+    assert af.adam().fused.hparams["weight_decay"] == 0.0
+
+
+def test_sgd_first_step_starts_the_buffer_at_the_gradient_like_torch():
+    params = make_params()
+    tx = af.sgd(lr=0.1, momentum=0.9, dampening=0.5)
+    grads = grads_at(params, 0)
+    _, state = tx.update(grads, tx.init(params), params)
+    for buf, g in zip(tree_leaves(state.momentum_buffer), tree_leaves(grads)):
+        assert torch.equal(buf, g)  # not (1 - dampening) * g
+
+
+def test_schedule_lr_matches_torch_with_the_lr_set_each_step():
+    params = make_params()
+    sched = af.linear_schedule(0.1, 0.01, transition_steps=30)
+    for name, cls, kw in [("sgd", torch.optim.SGD, dict(momentum=0.9)), ("adamw", torch.optim.AdamW, dict())]:
+        ours, _ = run_native(getattr(af, name)(lr=sched, **kw), params)
+        theirs, _ = run_torch(cls, params, lr=0.1, lr_at=lambda k: float(sched(torch.tensor(float(k)))), **kw)
+        assert_rel_close(ours, theirs)
+
+
+def test_state_layouts_are_the_documented_named_tuples():
+    params = make_params()
+    s = af.sgd(0.1).init(params)
+    assert isinstance(s, af.SgdState) and s.momentum_buffer is None
+    assert s.step.dtype == torch.float32 and s.step.shape == ()
+    s = af.sgd(0.1, momentum=0.9).init(params)
+    assert tree_structure(s.momentum_buffer) == tree_structure(params)
+    a = af.adam(amsgrad=True).init(params)
+    assert isinstance(a, af.AdamState) and a._fields == ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert all(x.dtype == torch.float32 for x in tree_leaves(a))
+    assert af.adam().init(params).max_exp_avg_sq is None
+
+
+def test_fused_spec_names_the_kind_and_the_constructor_arguments():
+    assert af.sgd(0.1, momentum=0.9).fused == af.FusedSpec("sgd", dict(lr=0.1, momentum=0.9, dampening=0.0,
+                                                                        weight_decay=0.0, nesterov=False,
+                                                                        maximize=False))
+    spec = af.adamw(2e-3, amsgrad=True).fused
+    assert spec.kind == "adamw" and spec.hparams["lr"] == 2e-3 and spec.hparams["amsgrad"] is True
+    assert spec.hparams["betas"] == (0.9, 0.999) and spec.hparams["eps"] == 1e-8
+    assert af.adam().fused.kind == "adam"
+
+
+def test_update_never_mutates_its_inputs():
+    params = make_params()
+    for tx in [af.sgd(0.1, momentum=0.9, weight_decay=0.1), af.adamw(amsgrad=True)]:
+        state = tx.update(grads_at(params, 0), tx.init(params), params)[1]
+        grads = grads_at(params, 1)
+        before = [x.clone() for x in tree_leaves((params, grads, state))]
+        tx.update(grads, state, params)
+        assert all(torch.equal(a, b) for a, b in zip(before, tree_leaves((params, grads, state))))
+
+
+def test_low_precision_grads_and_params_are_updated_in_fp32():
+    params = make_params()
+    tx = af.adam(lr=0.01)
+    half = af.tree_cast(params, torch.bfloat16)
+    grads = grads_at(params, 0)
+    updates, state = tx.update(af.tree_cast(grads, torch.float16), tx.init(half), half)
+    assert all(u.dtype == torch.float32 for u in tree_leaves(updates))
+    assert all(m.dtype == torch.float32 for m in tree_leaves(state.exp_avg))
+    new = af.apply_updates(half, updates)
+    assert all(p.dtype == torch.bfloat16 for p in tree_leaves(new))
+
+
+def test_skipped_step_leaves_state_bit_identical():
+    params = make_params()
+    tx = af.adam(lr=af.cosine_decay_schedule(0.01, 100))
+    state = tx.update(grads_at(params, 0), tx.init(params), params)[1]
+    _, new = tx.update(grads_at(params, 1), state, params)
+    kept = select_tree(torch.tensor(False), new, state)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(kept), tree_leaves(state)))
+
+
+def test_state_survives_torch_save_and_resumes_bit_identically():
+    params = make_params()
+    tx = af.adamw(lr=0.01, amsgrad=True)
+    p, state = run_native(tx, params, steps=5)
+    buf = io.BytesIO()
+    torch.save((p, state), buf)
+    buf.seek(0)
+    p2, state2 = torch.load(buf)
+    for k in range(5, 10):
+        u, state = tx.update(grads_at(p, k), state, p)
+        p = af.apply_updates(p, u)
+        u2, state2 = tx.update(grads_at(p2, k), state2, p2)
+        p2 = af.apply_updates(p2, u2)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, state)), tree_leaves((p2, state2))))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, setting", [
+    (lambda: af.sgd(lr=-0.1), "learning rate"),
+    (lambda: af.sgd(lr=0.1, momentum=-0.5), "momentum"),
+    (lambda: af.sgd(lr=0.1, weight_decay=-1.0), "weight_decay"),
+    (lambda: af.sgd(lr=0.1, nesterov=True), "Nesterov"),
+    (lambda: af.sgd(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "Nesterov"),
+    (lambda: af.adam(lr=-1e-3), "learning rate"),
+    (lambda: af.adam(betas=(1.0, 0.999)), "beta parameter at index 0"),
+    (lambda: af.adamw(betas=(0.9, -0.1)), "beta parameter at index 1"),
+    (lambda: af.adam(eps=-1e-8), "epsilon"),
+    (lambda: af.adamw(weight_decay=-0.1), "weight_decay"),
+])
+def test_invalid_hyper_parameters_raise_value_error_naming_the_setting(make, setting):
+    with pytest.raises(ValueError, match=setting):
+        make()
+
+
+def test_mismatched_trees_name_the_leaf_path():
+    params = make_params()
+    for tx in [af.sgd(0.1, momentum=0.9), af.adam()]:
+        state = tx.init(params)
+        grads = grads_at(params, 0)
+        del grads["layer"]["bias"]
+        with pytest.raises(ValueError, match="layer.bias"):
+            tx.update(grads, state, params)
+        other = {"layer": params["layer"], "head": [params["head"][0], params["head"][0]]}
+        with pytest.raises(ValueError, match="head.1"):
+            tx.update(grads_at(other, 0), state, other)
+
+
+def test_shape_mismatch_names_the_leaf_path():
+    params = make_params()
+    tx = af.adam()
+    grads = grads_at(params, 0)
+    grads["head"][0] = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="head.0"):
+        tx.update(grads, tx.init(params), params)
+
+
+def test_non_float_leaf_names_path_and_dtype():
+    params = make_params()
+    tx = af.sgd(0.1, momentum=0.9)
+    state = tx.init(params)
+    grads = grads_at(params, 0)
+    grads["layer"]["weight"] = grads["layer"]["weight"].to(torch.int64)
+    with pytest.raises(TypeError, match=r"layer\.weight.*int64"):
+        tx.update(grads, state, params)
+    bad = dict(params, step=torch.tensor(3))
+    with pytest.raises(TypeError, match=r"step.*int64"):
+        af.adam().init(bad)
+
+
+def test_weight_decay_without_params_is_refused_and_state_kind_is_checked():
+    params = make_params()
+    tx = af.adamw()
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(grads_at(params, 0), tx.init(params))
+    with pytest.raises(TypeError, match="AdamState"):
+        tx.update(grads_at(params, 0), af.sgd(0.1).init(params), params)
