@@ -267,8 +267,8 @@ def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model
         denom = torch._foreach_sqrt(vmax if amsgrad else v)
         denom = torch._foreach_div(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        upd = torch._foreach_div(m, denom)
-        upd = torch._foreach_mul(upd, neg_step_size)
+        upd = torch._foreach_mul(m, neg_step_size)  # addcdiv's order: (value * m) / denom
+        upd = torch._foreach_div(upd, denom)
         new_p = torch._foreach_add(base, upd)
         _commit_where(finite, params, new_p)
         _commit_where(finite, exp_avgs, m)

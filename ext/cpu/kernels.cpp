@@ -338,8 +338,9 @@ void adam_segment(float* p, const G* g, float* m1, float* m2, float* vmax, M* mo
     }
     da = da.sqrt() / bc2 + eps;
     db = db.sqrt() / bc2 + eps;
-    pa = pa + nss * (ma / da);
-    pb = pb + nss * (mb / db);
+    // addcdiv_(m, denom, value=-step_size) is self + (value * t1) / t2 in ATen.
+    pa = pa + (nss * ma) / da;
+    pb = pb + (nss * mb) / db;
     store2(p + j, k, pa, pb);
     if (model) store2(model + j, k, pa, pb);
   }
