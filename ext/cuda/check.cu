@@ -152,6 +152,7 @@ extern "C" int ampfunc_cuda_check(int n, const void* const* tensors, const int64
       using T = decltype(tag);
       return multi_tensor_apply<kDepthCheck>(n, numels, lists, [&](const TensorListMeta<kDepthCheck>& meta, int nb) {
         check_kernel<T><<<nb, kBlock, 0, stream>>>(meta, args);
+        return cudaGetLastError();
       });
     });
     if (err != cudaSuccess) return err;

@@ -56,7 +56,7 @@ struct TensorListMeta {
 inline int64_t num_chunks(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
 // Packs the lists into as few argument blocks as possible and calls
-// launch(meta, num_blocks) for each; blocks are enumerated leaf by leaf, chunk by chunk, so
+// launch(meta, num_blocks) -> cudaError_t for each (stopping at the first error); blocks are enumerated leaf by leaf, chunk by chunk, so
 // meta.block_base + blockIdx.x is a stable global block index (used for reduction partials).
 // `lists[d]` may be NULL for an unused list (its pointers are then NULL in the kernel).
 template <int DEPTH, class Launch>
@@ -79,8 +79,7 @@ cudaError_t multi_tensor_apply(int n, const int64_t* numels, void* const* const*
       ++nb;
       const bool last_chunk = c == chunks - 1;
       if (nb == kMaxBlocks || (nt == kMaxT && last_chunk)) {
-        launch(meta, nb);
-        cudaError_t err = cudaGetLastError();
+        const cudaError_t err = launch(meta, nb);
         if (err != cudaSuccess) return err;
         meta.block_base += nb;
         nb = 0;
@@ -95,11 +94,7 @@ cudaError_t multi_tensor_apply(int n, const int64_t* numels, void* const* const*
       }
     }
   }
-  if (nb > 0) {
-    launch(meta, nb);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
+  return nb > 0 ? launch(meta, nb) : cudaSuccess;
 }
 
 // ------------------------------------------------------------------------------------------

@@ -305,6 +305,7 @@ extern "C" int ampfunc_cuda_adam_step(int n, const void* const* grads, int grad_
         if (args.amsgrad) adam_kernel<TG, TM, false, true><<<nb, kBlock, 0, stream>>>(meta, args);
         else adam_kernel<TG, TM, false, false><<<nb, kBlock, 0, stream>>>(meta, args);
       }
+      return cudaGetLastError();
     });
   });
   if (err != cudaSuccess) return err;
@@ -342,6 +343,7 @@ extern "C" int ampfunc_cuda_sgd_step(int n, const void* const* grads, int grad_d
     return multi_tensor_apply<kDepthSgd>(n, numels, lists, [&](const TensorListMeta<kDepthSgd>& meta, int nb) {
       if (has_momentum) sgd_kernel<TG, TM, true><<<nb, kBlock, 0, stream>>>(meta, args);
       else sgd_kernel<TG, TM, false><<<nb, kBlock, 0, stream>>>(meta, args);
+      return cudaGetLastError();
     });
   });
   if (err != cudaSuccess) return err;

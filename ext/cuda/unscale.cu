@@ -74,6 +74,7 @@ int launch_unscale(int n, const void* const* tensors, void* const* outs, const i
     using TOut = typename std::conditional<kInPlace, T, float>::type;
     return multi_tensor_apply<kDepthUnscale>(n, numels, lists, [&](const TensorListMeta<kDepthUnscale>& meta, int nb) {
       unscale_kernel<T, TOut><<<nb, kBlock, 0, stream>>>(meta, args);
+      return cudaGetLastError();
     });
   });
 }
