@@ -314,3 +314,8 @@ def copy_to_module(model: torch.nn.Module, params: PyTree, buffers: PyTree | Non
     with torch.no_grad():
         for path, value in items:
             targets[path].copy_(value)
+
+
+# torch.load(weights_only=True) (the default) accepts train states.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([TrainState])

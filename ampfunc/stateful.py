@@ -148,3 +148,8 @@ class ModuleTrainer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = sd["trainer"]
+
+
+# torch.load(weights_only=True) (the default) accepts trainer states.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([TrainerState])
