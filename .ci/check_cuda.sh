@@ -19,8 +19,12 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 echo "check_cuda: $("$NVCC" --version | tail -1)"
-# -Werror=all-warnings: a warning in a kernel is a defect here, not noise.
-flags=(-std=c++17 -O3 -Werror all-warnings
+# -Werror all-warnings: a warning in a kernel is a defect here, not noise. The __CUDA_NO_*
+# macros are the ones torch.utils.cpp_extension adds: the kernels must not lean on implicit
+# half/bfloat16 conversions or operators.
+flags=(-std=c++17 -O3 -Werror all-warnings --expt-relaxed-constexpr
+       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+       -D__CUDA_NO_HALF2_OPERATORS__
        -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
        -I "$root/ext/cuda")
 status=0
