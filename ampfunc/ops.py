@@ -106,13 +106,14 @@ def _ref_check(tensors: Sequence[torch.Tensor], per_leaf: bool = False):
         for idx in _groups_idx([tensors[i] for i in nonempty]).values():
             idx = [nonempty[k] for k in idx]
             group = [tensors[i] for i in idx]
+            acc = torch.float32 if group[0].dtype.itemsize <= 4 else None  # float64 stays float64
             for i, m, n in zip(idx, torch._foreach_norm(group, float("inf")),
-                               torch._foreach_norm(group, 2, dtype=torch.float32)):
+                               torch._foreach_norm(group, 2, dtype=acc)):
                 maxabs[i] = m.to(torch.float32).to(dev)
                 norms[i] = n.to(dev)
         leaf_finite = torch.stack([maxabs[i] for i in nonempty]).isfinite()
         finite = leaf_finite.all()
-        sumsq = torch.stack([norms[i] for i in nonempty]).square().sum()
+        sumsq = torch.stack([norms[i].to(torch.float64) for i in nonempty]).square().sum().to(torch.float32)
         if per_leaf:
             leaf_nonfinite = leaf_nonfinite.index_put((torch.tensor(nonempty, device=dev),), ~leaf_finite)
     return finite, sumsq, leaf_nonfinite

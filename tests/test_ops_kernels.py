@@ -1,0 +1,365 @@
+"""Every op of ampfunc.ops, on every backend, against a plain per-leaf torch oracle.
+
+Backends: "compiled" calls the public functions, which dispatch to the compiled kernels of
+ext/ when they are built (CI sets AMPFUNC_REQUIRE_EXT=1, so there they are); "reference" calls
+the plain-torch ``_ref_*`` implementations directly. The oracle below is neither: it computes
+each quantity leaf by leaf in the most obvious way.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ampfunc import ops
+
+BACKENDS = ["reference"] + (["compiled"] if ops.backend() != "reference" else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# 0, 1, odd, a multiple of the vector width, and more than one CPU task (32K) / CUDA chunk (64K).
+SIZES = [0, 1, 2, 7, 16, 31, 33, 1000, 65537]
+BAD = [float("nan"), float("inf"), -float("inf")]
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _check(backend, tensors, per_leaf=False):
+    if backend == "reference":
+        out = ops._ref_check(tensors, per_leaf)
+        return tuple(out) if per_leaf else (out[0], out[1])
+    return ops.check(tensors, per_leaf=per_leaf)
+
+
+def _unscale(backend, tensors, inv_scale):
+    return ops._ref_unscale(tensors, inv_scale) if backend == "reference" else ops.unscale(tensors, inv_scale)
+
+
+def _unscale_(backend, tensors, inv_scale):
+    return ops._ref_unscale_(tensors, inv_scale) if backend == "reference" else ops.unscale_(tensors, inv_scale)
+
+
+@st.composite
+def leaf_lists(draw, max_leaves=8):
+    """A list of 1-D tensors of mixed sizes and dtypes, some holding NaN/+inf/-inf at random
+    positions (the last element included)."""
+    n = draw(st.integers(1, max_leaves))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    leaves = []
+    for _ in range(n):
+        size = draw(st.sampled_from(SIZES))
+        dtype = draw(st.sampled_from(DTYPES))
+        t = (torch.randn(size, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 100.0]))).to(dtype)
+        if size and draw(st.booleans()) and draw(st.booleans()):
+            pos = draw(st.sampled_from([0, size - 1, draw(st.integers(0, size - 1))]))
+            t[pos] = draw(st.sampled_from(BAD))
+        leaves.append(t)
+    return leaves
+
+
+def oracle_check(tensors):
+    leaf_nonfinite = [not bool(torch.isfinite(t).all()) for t in tensors]
+    sumsq = sum(float(t.double().square().sum()) for t in tensors)
+    return not any(leaf_nonfinite), sumsq, leaf_nonfinite
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(tensors=leaf_lists())
+def test_check_reports_finiteness_sum_of_squares_and_the_leaves_at_fault(backend, tensors):
+    before = [t.clone() for t in tensors]
+    finite, sumsq, leaf = _check(backend, tensors, per_leaf=True)
+    want_finite, want_sumsq, want_leaf = oracle_check(tensors)
+    assert finite.dtype == torch.bool and finite.shape == ()
+    assert sumsq.dtype == torch.float32 and sumsq.shape == ()
+    assert bool(finite) == want_finite
+    assert leaf.tolist() == want_leaf
+    if want_finite:
+        assert math.isclose(float(sumsq), want_sumsq, rel_tol=2e-5, abs_tol=1e-30)
+    # read-only: the inputs are untouched, bit for bit (NaN included)
+    for a, b in zip(tensors, before):
+        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_of_many_small_leaves_with_one_bad_element_names_that_leaf(backend):
+    tensors = [torch.randn(i % 13 + 1) for i in range(3000)]
+    tensors[2718][-1] = float("inf")
+    finite, sumsq, leaf = _check(backend, tensors, per_leaf=True)
+    assert not bool(finite)
+    assert leaf.nonzero().flatten().tolist() == [2718]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_handles_non_contiguous_and_float64_inputs(backend):
+    base = torch.randn(40, 30)
+    t = base.t()[::2]  # transposed and strided
+    d = torch.randn(9, dtype=torch.float64)
+    finite, sumsq = _check(backend, [t, d])
+    assert bool(finite)
+    assert math.isclose(float(sumsq), float(t.double().square().sum() + d.square().sum()), rel_tol=1e-5)
+    t[3, 4] = float("nan")
+    assert not bool(_check(backend, [d, t])[0])
+
+
+def test_check_of_an_empty_list_is_finite_with_zero_sum():
+    finite, sumsq = ops.check([])
+    assert bool(finite) and float(sumsq) == 0.0
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+def test_compiled_check_refuses_an_integer_tensor_naming_its_index():
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype Int"):
+        ops.check([torch.randn(3), torch.arange(4, dtype=torch.int32)])
+
+
+def test_all_finite_is_the_flag_of_check():
+    assert bool(ops.all_finite([torch.ones(3), torch.ones(2, dtype=torch.float16)]))
+    assert not bool(ops.all_finite([torch.ones(3), torch.tensor([1.0, -float("inf")])]))
+
+
+# ---------------------------------------------------------------------------------------------
+# unscale
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(tensors=leaf_lists(), inv_scale=st.sampled_from([1.0, 2.0**-16, 0.37, 3.0]))
+def test_unscale_returns_fp32_products_and_judges_finiteness_on_the_inputs(backend, tensors, inv_scale):
+    inv = torch.tensor(inv_scale)
+    before = [t.clone() for t in tensors]
+    outs, finite = _unscale(backend, tensors, inv)
+    assert bool(finite) == oracle_check(tensors)[0]
+    for o, t in zip(outs, before):
+        assert o.dtype == torch.float32 and o.shape == t.shape
+        torch.testing.assert_close(o, t.float() * inv, rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(tensors, before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(tensors=leaf_lists(), inv_scale=st.sampled_from([1.0, 2.0**-16, 0.37, 3.0]))
+def test_unscale_in_place_rounds_the_fp32_product_to_each_leafs_dtype(backend, tensors, inv_scale):
+    inv = torch.tensor(inv_scale)
+    want = [(t.float() * inv).to(t.dtype) for t in tensors]
+    want_finite = oracle_check(tensors)[0]
+    finite = _unscale_(backend, tensors, inv)
+    assert bool(finite) == want_finite
+    for t, w in zip(tensors, want):
+        torch.testing.assert_close(t, w, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unscale_in_place_writes_through_non_contiguous_views(backend):
+    base = torch.randn(20, 10)
+    want = base.clone()
+    want[:, ::3] *= 0.5
+    view = base[:, ::3]
+    assert bool(_unscale_(backend, [view, torch.ones(4)], torch.tensor(0.5)))
+    assert torch.equal(base, want)
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+def test_compiled_unscale_refuses_a_float64_scale_naming_the_argument():
+    with pytest.raises(RuntimeError, match="inv_scale has dtype Double"):
+        ops.unscale_([torch.ones(3)], torch.tensor(0.5, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# fused optimizer steps
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = [(7,), (1000,), (33, 17), (0,), (1,)]
+
+
+def _sgd(backend, params, grads, bufs, model, step, grad_scale, finite, **h):
+    h = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, **h}
+    if backend == "reference":
+        ops._ref_sgd_step_(params, grads, bufs, model or [], step, grad_scale, finite, h["lr"], h["weight_decay"],
+                           h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
+    else:
+        ops.sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h)
+
+
+def _adam(backend, params, grads, m, v, vmax, model, step, grad_scale, finite, **h):
+    h = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+         "decoupled_weight_decay": False, "maximize": False, **h}
+    if backend == "reference":
+        ops._ref_adam_step_(params, grads, m, v, vmax if h["amsgrad"] else [], model or [], step, grad_scale,
+                            finite, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
+                            h["decoupled_weight_decay"], h["maximize"])
+    else:
+        ops.adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
+
+
+OPTIMIZERS = [
+    ("sgd", dict(lr=0.05)),
+    ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.3)),
+    ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd", dict(lr=0.05, momentum=0.5, maximize=True)),
+    ("adam", dict(lr=1e-2)),
+    ("adam", dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)),
+    ("adam", dict(lr=1e-2, amsgrad=True, maximize=True)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.01)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+]
+
+
+def _torch_opt(kind, params, h):
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    return cls(params, foreach=False, **h)
+
+
+def _ours(kind, backend, params, grads, state, step, h, grad_scale, finite, model=None):
+    if kind == "sgd":
+        _sgd(backend, params, grads, state[0], model, step, grad_scale, finite, **h)
+    else:
+        h = dict(h)
+        b1, b2 = h.pop("betas", (0.9, 0.999))
+        _adam(backend, params, grads, state[0], state[1], state[2], model, step, grad_scale, finite, beta1=b1,
+              beta2=b2, decoupled_weight_decay=kind == "adamw", **h)
+
+
+def _fresh_state(kind, params):
+    return [[torch.zeros_like(p) for p in params] for _ in range(1 if kind == "sgd" else 3)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,h", OPTIMIZERS)
+def test_fused_step_matches_torch_optim_over_50_steps(backend, kind, h):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    theirs = [p.clone().requires_grad_(True) for p in params]
+    opt = _torch_opt(kind, theirs, h)
+    state, step = _fresh_state(kind, params), torch.zeros(())
+    one, yes = torch.ones(()), torch.ones((), dtype=torch.bool)
+    for _ in range(50):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        for t, g in zip(theirs, grads):
+            t.grad = g.clone()
+        opt.step()
+        _ours(kind, backend, params, grads, state, step, h, one, yes)
+    assert float(step) == 50.0
+    for ours, t in zip(params, theirs):
+        torch.testing.assert_close(ours, t.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,h", [OPTIMIZERS[1], OPTIMIZERS[6], OPTIMIZERS[9]])
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16])
+def test_fused_step_folds_the_grad_scale_and_writes_the_rounded_model_copy(backend, kind, h, grad_dtype,
+                                                                           model_dtype):
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    scaled = [(torch.randn(s, generator=gen) * 512).to(grad_dtype) for s in SHAPES]
+    grad_scale = torch.tensor(1 / 512)
+    unscaled = [g.float() * grad_scale for g in scaled]
+    want_p = [p.clone() for p in params]
+    want_state, want_step = _fresh_state(kind, params), torch.zeros(())
+    _ours(kind, "reference", want_p, unscaled, want_state, want_step, h, torch.ones(()),
+          torch.ones((), dtype=torch.bool))
+    state, step = _fresh_state(kind, params), torch.zeros(())
+    model = [p.to(model_dtype) for p in params]
+    _ours(kind, backend, params, scaled, state, step, h, grad_scale, torch.ones((), dtype=torch.bool), model)
+    assert float(step) == 1.0
+    for p, w, m in zip(params, want_p, model):
+        torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
+        assert m.dtype == model_dtype
+        assert torch.equal(m, p.to(model_dtype))  # the copy is the new master param, rounded once
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,h", [OPTIMIZERS[3], OPTIMIZERS[7], OPTIMIZERS[9]])
+def test_skipped_fused_step_leaves_params_moments_model_copy_and_step_bit_identical(backend, kind, h):
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    state, step = _fresh_state(kind, params), torch.zeros(())
+    model = [p.to(torch.float16) for p in params]
+    one, yes, no = torch.ones(()), torch.ones((), dtype=torch.bool), torch.zeros((), dtype=torch.bool)
+    for _ in range(3):  # some history, so that the moments are not zeros
+        _ours(kind, backend, params, [torch.randn(s, generator=gen) for s in SHAPES], state, step, h, one, yes, model)
+    snapshot = [t.clone() for t in params + model + [x for lst in state for x in lst] + [step]]
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads[1][-1] = float("nan")
+    _ours(kind, backend, params, grads, state, step, h, one, no, model)
+    after = params + model + [x for lst in state for x in lst] + [step]
+    for a, b in zip(after, snapshot):
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                           b.view(-1).view(torch.uint8) if b.numel() else b)
+    assert float(step) == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_sgd_step_after_a_skipped_one_still_starts_the_buffer_from_the_gradient(backend):
+    # torch.optim.SGD starts the buffer as a copy of the gradient (no dampening) on the first
+    # step it actually takes; a step skipped for overflow does not count.
+    p, buf, step = [torch.zeros(4)], [torch.zeros(4)], torch.zeros(())
+    g = [torch.full((4,), 2.0)]
+    _sgd(backend, p, g, buf, None, step, torch.ones(()), torch.zeros((), dtype=torch.bool), lr=1.0, momentum=0.9,
+         dampening=0.5)
+    _sgd(backend, p, g, buf, None, step, torch.ones(()), torch.ones((), dtype=torch.bool), lr=1.0, momentum=0.9,
+         dampening=0.5)
+    assert torch.equal(buf[0], g[0]) and torch.equal(p[0], -g[0]) and float(step) == 1.0
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+def test_compiled_step_refuses_mismatched_lists_naming_the_index_and_writes_nothing():
+    params = [torch.ones(3), torch.ones(4)]
+    m, v = [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)]
+    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[1\] has 5 elements but params\[1\] has 4"):
+        ops.adam_step_(params, [torch.ones(3), torch.ones(4)], m, v, None, None, torch.zeros(()), torch.ones(()),
+                       torch.ones((), dtype=torch.bool), lr=0.1)
+    assert all(bool((p == 1).all()) for p in params) and all(bool((x == 0).all()) for x in m)
+    with pytest.raises(RuntimeError, match=r"params\[0\] has dtype Half"):
+        ops.sgd_step_([torch.ones(3, dtype=torch.float16)], [torch.ones(3)], None, None, torch.zeros(()),
+                      torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# loss-scale update
+# ---------------------------------------------------------------------------------------------
+
+SCALE_CONFIGS = [
+    dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, min_scale=1.0, max_scale=2.0**24, hysteresis=1),
+    dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, min_scale=0.0, max_scale=float("inf"),
+         hysteresis=1),
+    dict(growth_factor=3.0, backoff_factor=0.5, growth_interval=1, min_scale=4.0, max_scale=100.0, hysteresis=3),
+    dict(growth_factor=1.5, backoff_factor=0.1, growth_interval=5, min_scale=1.0, max_scale=float("inf"),
+         hysteresis=2),
+]
+
+
+@pytest.mark.parametrize("config", SCALE_CONFIGS)
+@settings(max_examples=20, deadline=None)
+@given(flags=st.lists(st.booleans(), min_size=1, max_size=40),
+       init=st.sampled_from([1.0, 2.0**16, 3.0e38, 1e-30]))
+def test_update_scale_follows_the_reference_rule_step_for_step(config, flags, init):
+    scale, tracker, hyst = torch.tensor(init), torch.tensor(0, dtype=torch.int32), torch.tensor(
+        config["hysteresis"], dtype=torch.int32)
+    ref = (scale.clone(), tracker.clone(), hyst.clone())
+    for f in flags:
+        finite = torch.tensor(f)
+        before = scale.clone()
+        new = ops.update_scale(scale, tracker, hyst, finite, **config)
+        assert torch.equal(scale, before)  # the pure form leaves its inputs alone
+        ops.update_scale_(scale, tracker, hyst, finite, **config)
+        ref = ops._ref_update_scale(*ref, finite, **config)
+        for a, b, c in zip((scale, tracker, hyst), ref, new):
+            assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(c, b)
+
+
+def test_update_scale_never_grows_past_fp32():
+    scale, tracker, hyst = torch.tensor(3.0e38), torch.tensor(0, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
+    ops.update_scale_(scale, tracker, hyst, torch.tensor(True), growth_factor=2.0, backoff_factor=0.5,
+                      growth_interval=1, min_scale=1.0, max_scale=float("inf"), hysteresis=1)
+    assert torch.equal(scale, torch.tensor(3.0e38))
+    assert int(tracker) == 0
