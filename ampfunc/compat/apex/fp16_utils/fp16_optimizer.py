@@ -1,0 +1,270 @@
+"""apex's ``FP16_Optimizer``: fp32 master weights and loss scaling around any torch optimizer.
+
+The numeric work is ampfunc's: the scaled loss is :func:`ampfunc.scale_loss`, fp16 model
+grads become fp32 master grads through :func:`ampfunc.ops.unscale` (one read, one fp32 write,
+with the finiteness flag computed on the way), fp32 grads are unscaled in place by
+:func:`ampfunc.ops.unscale_`, and the dynamic scale advances by :func:`ampfunc.update_scale`
+inside :class:`DynamicLossScaler`. apex's control flow is host-side (``step`` prints and
+returns early on overflow), so with dynamic scaling each ``update_master_grads`` reads the
+one overflow flag back, as apex did.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfunc import ops
+from ampfunc.compat.apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params
+from ampfunc.compat.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+
+__all__ = ["FP16_Optimizer"]
+
+_MODEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class FP16_Optimizer:  # noqa: N801 - apex's name
+    """Wraps ``init_optimizer`` so that it updates fp32 master copies of its fp16 params.
+
+    ``init_optimizer`` may hold fp16 (and bf16) params, fp32 params, or both, in any number of
+    param groups with different hyper-parameters; its fp16/bf16 params are replaced by fp32
+    masters (existing per-param state is moved to the masters and recast to fp32), and after
+    each :meth:`step` the masters are copied back into the model's params. Other dtypes raise
+    ``TypeError`` naming the group and index, and leave the optimizer untouched.
+
+    Replace ``loss.backward()`` by ``optimizer.backward(loss)``. ``static_loss_scale`` is a
+    fixed scale; ``dynamic_loss_scale=True`` uses :class:`DynamicLossScaler` (keyword args
+    from ``dynamic_loss_args``), skipping steps whose gradients overflowed. ``verbose`` prints
+    the params found at construction. Unlike apex, CPU tensors work.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None, verbose: bool = True):
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
+        # Validate everything before touching the optimizer.
+        for i, group in enumerate(init_optimizer.param_groups):
+            for j, param in enumerate(group["params"]):
+                if param.requires_grad and param.dtype not in _MODEL_DTYPES + (torch.float32,):
+                    raise TypeError(
+                        "Wrapped parameters must be fp16, bf16 or fp32 tensors; "
+                        f"param_groups[{i}]['params'][{j}] has dtype {param.dtype}"
+                    )
+        if dynamic_loss_scale:
+            try:
+                loss_scaler = DynamicLossScaler(**(dynamic_loss_args or {}))
+            except TypeError as e:
+                raise TypeError(f"FP16_Optimizer: dynamic_loss_args {dynamic_loss_args!r} do not fit "
+                                f"DynamicLossScaler(init_scale, scale_factor, scale_window): {e}") from None
+        else:
+            loss_scaler = LossScaler(static_loss_scale)
+
+        self.verbose = verbose
+        self.optimizer = init_optimizer
+        self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
+        for i, group in enumerate(self.optimizer.param_groups):
+            self.maybe_print(f"FP16_Optimizer processing param group {i}:")
+            fp16, fp32_from_fp16, fp32 = [], [], []
+            for j, param in enumerate(group["params"]):
+                if not param.requires_grad:
+                    continue
+                if param.dtype in _MODEL_DTYPES:
+                    self.maybe_print(f"FP16_Optimizer received {param.dtype} param with {tuple(param.size())}")
+                    master = param.detach().clone().float()
+                    master.requires_grad = True
+                    group["params"][j] = master
+                    if param in self.optimizer.state:
+                        self.optimizer.state[master] = self.optimizer.state.pop(param)
+                    fp16.append(param)
+                    fp32_from_fp16.append(master)
+                else:
+                    self.maybe_print(f"FP16_Optimizer received {param.dtype} param with {tuple(param.size())}")
+                    fp32.append(param)
+            self.fp16_groups.append(fp16)
+            self.fp32_from_fp16_groups.append(fp32_from_fp16)
+            self.fp32_from_fp32_groups.append(fp32)
+        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
+        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
+        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
+        # Recasts any per-param state tensors to the masters' dtype (apex's trick).
+        self.optimizer.load_state_dict(self.optimizer.state_dict())
+
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.loss_scaler = loss_scaler
+        self.overflow = False
+        self.first_closure_call_this_step = True
+        self.clip_grad_norm = clip_grad_norm
+
+    def maybe_print(self, msg: str) -> None:
+        if self.verbose:
+            print(msg)
+
+    def __getstate__(self):
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state):
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 - apex's name
+        """Zeroes (or sets to ``None``) the grads of the masters, the fp32 params and the fp16 model params."""
+        for p in [p for g in self.optimizer.param_groups for p in g["params"]] + self.all_fp16_params:
+            if set_grads_to_None:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
+        """``(loss.float() * loss_scale).backward()``, then (by default) :meth:`update_master_grads`.
+
+        With several losses per iteration pass ``update_master_grads=False`` to each and call
+        :meth:`update_master_grads` once. After this the model's ``.grad`` are scaled; only the
+        master grads (:meth:`inspect_master_grad_data`) are meaningful.
+        """
+        self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
+        if update_master_grads:
+            self.update_master_grads()
+
+    @torch.no_grad()
+    def update_master_grads(self) -> None:
+        """Master grads = model grads / scale (fp32); fp32 params' grads are unscaled in place.
+
+        With dynamic scaling the overflow flag is read back (``self.overflow``) and the scale
+        advanced; with a static scale ``overflow`` stays ``False`` (apex's rule).
+        """
+        inv_scale = self.loss_scaler.loss_state.inv_scale
+        flags = []
+        pairs = [(p.grad, m) for p, m in zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
+                 if p.grad is not None]
+        if pairs:
+            inv = inv_scale.to(pairs[0][0].device)
+            outs, finite = ops.unscale([g for g, _ in pairs], inv)
+            for (_, master), out in zip(pairs, outs):
+                master.grad = out
+            flags.append(finite)
+        fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
+        if fp32_grads:
+            flags.append(ops.unscale_(fp32_grads, inv_scale.to(fp32_grads[0].device)))
+        if not self.dynamic_loss_scale:
+            self.overflow = False
+            return
+        if not flags:
+            finite = torch.ones((), dtype=torch.bool, device=inv_scale.device)
+        else:
+            finite = torch.stack([f.to(flags[0].device).reshape(()) for f in flags]).all()
+        self.overflow = not bool(finite)  # the one host read (apex's step decides on the host)
+        self.loss_scaler._update(finite, self.overflow)
+
+    def inspect_master_grad_data(self):
+        """Per param group, the fp32 master grads (``None`` for params without one); ``None`` after an overflow."""
+        if self.overflow:
+            print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow state.  "
+                  "Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
+            return None
+        return [[None if p.grad is None else p.grad.data for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2):
+        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total norm, or -1 after an overflow."""
+        if self.overflow:
+            return -1
+        return self.clip_grad_norm([p for g in self.optimizer.param_groups for p in g["params"]],
+                                   max_norm, norm_type)
+
+    # -- step -------------------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """Updates the masters with the wrapped optimizer and copies them into the model params.
+
+        After an overflow (dynamic scaling) prints ``Gradient overflow.  Skipping step,
+        reducing loss scale to ...`` and returns ``None`` without touching params or optimizer
+        state. A ``closure`` must call ``zero_grad`` and ``backward(loss)`` itself; closures
+        with dynamic scaling raise ``TypeError`` (the closure's overflow could not be skipped).
+        """
+        if closure is not None and self.dynamic_loss_scale:
+            raise TypeError("Using step with a closure is currently not compatible with dynamic loss scaling.")
+        if self.overflow:
+            print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale}")
+            return None
+        retval = self._step_with_closure(closure) if closure is not None else self.optimizer.step()
+        self._master_params_to_model_params()
+        return retval
+
+    def _step_with_closure(self, closure):
+        def wrapped_closure():
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
+                # The optimizer may re-evaluate the closure after moving the masters: the model
+                # must see the moved weights.
+                self._master_params_to_model_params()
+            return closure()
+
+        retval = self.optimizer.step(wrapped_closure)
+        self.first_closure_call_this_step = True
+        return retval
+
+    def _master_params_to_model_params(self) -> None:
+        master_params_to_model_params(self.all_fp16_params, self.all_fp32_from_fp16_params)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """apex's keys: ``loss_scaler`` (the scaler object), ``dynamic_loss_scale``, ``overflow``,
+        ``first_closure_call_this_step``, ``optimizer_state_dict``, ``fp32_from_fp16`` (the masters)."""
+        return {
+            "loss_scaler": self.loss_scaler,
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self.first_closure_call_this_step,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_from_fp16": self.fp32_from_fp16_groups,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores a :meth:`state_dict`; the fp32 masters are copied from the saved ones (no fp16 round trip).
+
+        Raises ``ValueError`` naming the group if the saved masters do not match this optimizer's.
+        """
+        saved = state_dict["fp32_from_fp16"]
+        if len(saved) != len(self.fp32_from_fp16_groups) or any(
+                len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b))
+                for a, b in zip(saved, self.fp32_from_fp16_groups)):
+            raise ValueError("FP16_Optimizer.load_state_dict: the saved fp32_from_fp16 masters "
+                             f"({[[tuple(t.shape) for t in g] for g in saved]}) do not match this optimizer's "
+                             f"({[[tuple(t.shape) for t in g] for g in self.fp32_from_fp16_groups]})")
+        self.loss_scaler = state_dict["loss_scaler"]
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.overflow = state_dict["overflow"]
+        self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        with torch.no_grad():
+            for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved):
+                for current, value in zip(current_group, saved_group):
+                    current.copy_(value)
+
+    # -- promoted attributes ----------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scaler.cur_scale = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
