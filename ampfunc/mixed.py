@@ -31,6 +31,7 @@ from ampfunc.tree import (
     tree_leaves,
     tree_map,
     tree_unflatten,
+    register_state_classes,
 )
 
 __all__ = [
@@ -142,6 +143,9 @@ class MixedPrecisionState(NamedTuple):
     master: Any
     inner: Any
     loss_scale: LossScale
+
+
+register_state_classes(MixedPrecisionState)
 
 
 class MixedPrecision(NamedTuple):
@@ -260,8 +264,10 @@ def _clone(x):
 
 def _fused_plan(inner: GradientTransformation):
     """The fused kernel plan for ``inner`` (``ampfunc.fused``), or None for the generic path."""
+    import importlib
+
     try:
-        from ampfunc import fused
+        fused = importlib.import_module("ampfunc.fused")
     except ModuleNotFoundError as e:  # until ampfunc/fused.py lands, everything runs generic
         if e.name != "ampfunc.fused":
             raise

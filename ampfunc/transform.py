@@ -21,6 +21,7 @@ from ampfunc.tree import (
     PyTree,
     check_same_structure,
     leaves_with_paths,
+    register_state_classes,
     tree_flatten,
     tree_leaves,
     tree_map,
@@ -54,6 +55,9 @@ class GradientTransformation(NamedTuple):
 
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
+
+
+register_state_classes(EmptyState)
 
 
 def identity() -> GradientTransformation:

@@ -39,6 +39,12 @@ __all__ = [
 ]
 
 
+def register_state_classes(*classes: type) -> None:
+    """Lets ``torch.load(weights_only=True)`` (torch's default) rebuild these state classes."""
+    if hasattr(torch.serialization, "add_safe_globals"):
+        torch.serialization.add_safe_globals(list(classes))
+
+
 def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
     """``fn`` applied leaf-wise over ``tree`` (and ``rest``, which must share its structure)."""
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
