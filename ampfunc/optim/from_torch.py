@@ -30,7 +30,7 @@ import torch
 
 from ampfunc.optim.base import checked_inputs, step_device
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import PyTree, float_leaves_with_paths, tree_structure, tree_unflatten
+from ampfunc.tree import float_leaves_with_paths, tree_structure, tree_unflatten
 
 __all__ = ["TorchOptimizerState", "from_torch"]
 

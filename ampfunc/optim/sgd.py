@@ -10,7 +10,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ampfunc.optim.base import FusedSpec, ScalarOrSchedule, check_lr, check_nonneg, checked_inputs, lr_at, on, step_device
+from ampfunc.optim.base import (
+    FusedSpec,
+    ScalarOrSchedule,
+    check_lr,
+    check_nonneg,
+    checked_inputs,
+    lr_at,
+    on,
+    step_device,
+)
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
