@@ -1,0 +1,204 @@
+"""One rank of the multi-process tests in ``test_distributed.py`` (launched like torchrun would).
+
+Usage: ``RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/_dist_worker.py
+SCENARIO OUTDIR``. Each scenario trains a tiny model over gloo on CPU, next to a single-process
+reference run of the same global batch, and writes what it saw to ``OUTDIR/rank{r}.pt`` for the
+test to compare. An inf is injected into the gradients of rank 1 only, at ``INJECT_STEP``.
+"""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ampfunc as af  # noqa: E402
+
+STEPS = 6
+INJECT_STEP = 3
+GLOBAL_BATCH = 8
+
+
+def net():
+    torch.manual_seed(0)
+    # 16 and 3 rows: FSDP2 shards them 8/8 and 2/1 over two ranks (an uneven shard included).
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def my_rows(t, rank, world):
+    n = t.shape[0] // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def loss_scale():
+    return af.DynamicLossScale(2.0**10, growth_interval=2)
+
+
+def poison(grad):
+    """Puts an inf in the first element of a (local) gradient tensor."""
+    with torch.no_grad():
+        grad.view(-1)[0] = float("inf")
+
+
+def reference_run(tx_factory, record_norm_at=None):
+    """The same training as one process over the whole global batch, inf injected at INJECT_STEP."""
+    model = net()
+    trainer = af.ModuleTrainer(model, tx_factory(None), loss_scale=loss_scale())
+    finite, scales, norm = [], [], None
+    for step, (x, y) in enumerate(global_batches()):
+        trainer.scale(F.cross_entropy(model(x), y)).backward()
+        if step == record_norm_at:
+            norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+        if step == INJECT_STEP:
+            poison(model[0].weight.grad)
+        finite.append(bool(trainer.step()))
+        scales.append(float(trainer.loss_scale.loss_scale))
+    return {"finite": finite, "scales": scales, "norm": norm,
+            "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def scenario_ddp(env, out):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(net())
+    trainer = af.ModuleTrainer(model, af.adamw(1e-2, weight_decay=0.01), loss_scale=loss_scale(), group=env.group)
+    finite, scales = [], []
+    for step, (x, y) in enumerate(global_batches()):
+        x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+        trainer.scale(F.cross_entropy(model(x), y)).backward()  # DDP averages the grads here
+        if step == INJECT_STEP and env.rank == 1:
+            poison(model.module[0].weight.grad)  # after the all-reduce: only rank 1 sees it
+        finite.append(bool(trainer.step()))
+        scales.append(float(trainer.loss_scale.loss_scale))
+    out.update(finite=finite, scales=scales,
+               params={k.removeprefix("module."): v.detach().clone() for k, v in model.named_parameters()},
+               reference=reference_run(lambda group: af.adamw(1e-2, weight_decay=0.01)))
+
+    # Functional data parallelism without DDP: value_and_grad(group=) averages and agrees.
+    model = net()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x, y = global_batches()[0]
+    w = torch.tensor(float("inf") if env.rank == 1 else 1.0)
+
+    def loss_fn(p, x, y, w):
+        return F.cross_entropy(functional_call(model, p, (x,)), y) * w
+
+    vg = af.value_and_grad(loss_fn, group=env.group)
+    ls = af.StaticLossScale(2.0**8)
+    rows = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+    _, grads, finite_clean = vg(ls, params, *rows, torch.tensor(1.0))
+    _, _, finite_poisoned = vg(ls, params, *rows, w)
+    _, full_grads, _ = af.value_and_grad(loss_fn)(ls, params, x, y, torch.tensor(1.0))
+    out.update(functional_grads=grads, functional_full_grads=full_grads,
+               functional_finite=(bool(finite_clean), bool(finite_poisoned)))
+
+
+def shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def fsdp_tx(group):
+    return af.chain(af.dist.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
+
+
+def full_params(model):
+    return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+
+
+def scenario_fsdp2(env, out):
+    model = shard(net())
+    trainer = af.ModuleTrainer(model, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
+    finite, scales, local_finite_at_inject = [], [], None
+    for step, (x, y) in enumerate(global_batches()):
+        x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+        trainer.scale(F.cross_entropy(model(x), y)).backward()  # reduce-scatter: each rank its shards
+        if step == 0:
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            out["dtensor_grad_norm"] = af.dist.global_norm(grads)
+            out["local_shard_grad_norm"] = af.dist.global_norm(af.dist.local_shards(grads), group=env.group)
+            out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
+        if step == INJECT_STEP:
+            if env.rank == 1:
+                poison(model[0].weight.grad.to_local())
+            local = [p.grad.to_local() for p in model.parameters()]
+            local_finite_at_inject = bool(af.all_finite(local))
+        finite.append(bool(trainer.step()))
+        scales.append(float(trainer.loss_scale.loss_scale))
+    out.update(finite=finite, scales=scales, params=full_params(model),
+               local_finite_at_inject=local_finite_at_inject,
+               reference=reference_run(fsdp_tx, record_norm_at=0))
+
+    # distribute_tensor by hand: Shard(0) on an uneven tensor and Replicate count as whole tensors.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    torch.manual_seed(11)
+    a, b = torch.randn(5, 3), torch.randn(4)
+    tree = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Replicate()])}
+    out["manual_dtensor_norm"] = af.dist.global_norm(tree)
+    out["manual_full_norm"] = torch.cat([a.reshape(-1), b]).norm()
+    try:
+        af.dist.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
+        out["partial_error"] = None
+    except ValueError as e:
+        out["partial_error"] = str(e)
+
+
+def scenario_checkpoint(env, out):
+    directory = os.path.join(os.environ["AMPFUNC_TEST_OUT"], "ckpt")
+
+    def train(model, trainer, steps):
+        for x, y in steps:
+            x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+            trainer.scale(F.cross_entropy(model(x), y)).backward()
+            trainer.step()
+
+    batches = global_batches()
+    model = shard(net())
+    trainer = af.ModuleTrainer(model, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
+    train(model, trainer, batches[:3])
+    af.dist.save_sharded({"params": af.params_of(model), "trainer": trainer.state}, directory)
+    train(model, trainer, batches[3:])
+
+    resumed = shard(net())
+    resumed_trainer = af.ModuleTrainer(resumed, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
+    loaded = af.dist.load_sharded(directory, like={"params": af.params_of(resumed), "trainer": resumed_trainer.state})
+    af.copy_to_module(resumed, loaded["params"])
+    resumed_trainer.state = loaded["trainer"]
+    train(resumed, resumed_trainer, batches[3:])
+    out.update(uninterrupted=full_params(model), resumed=full_params(resumed),
+               scales=(float(trainer.loss_scale.loss_scale), float(resumed_trainer.loss_scale.loss_scale)),
+               files=sorted(os.listdir(directory)))
+
+
+def main():
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    os.environ["AMPFUNC_TEST_OUT"] = outdir
+    env = af.dist.init_from_env()
+    out = {"rank": env.rank, "world_size": env.world_size}
+    try:
+        {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "checkpoint": scenario_checkpoint}[scenario](env, out)
+        torch.save(out, os.path.join(outdir, f"rank{env.rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

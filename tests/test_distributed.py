@@ -1,0 +1,176 @@
+"""Two processes over gloo on CPU, launched as torchrun would (RANK/WORLD_SIZE/MASTER_* env).
+
+In every run an inf is injected into the gradients of rank 1 only, at one step. The
+specification: every rank skips that step, the loss scales stay equal on every rank, DDP params
+stay identical across ranks, and the distributed run equals a single-process run of the same
+global batch; under FSDP2 the clipping norm is the global (single-process) norm and sharded
+state saves and resumes exactly. The workers live in ``_dist_worker.py``.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ampfunc as af
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _dist_worker import INJECT_STEP, STEPS  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+WORLD = 2
+EXPECTED_FINITE = [step != INJECT_STEP for step in range(STEPS)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, outdir) -> list[dict]:
+    """Runs ``scenario`` on WORLD local processes and returns what each rank recorded."""
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_dist_worker.py"), scenario, str(outdir)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} of {scenario!r} exited with {p.returncode}:\n{log[-3000:]}"
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return launch("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return launch("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ddp_every_rank_skips_the_step_where_one_rank_saw_an_inf(ddp):
+    for out in ddp:
+        assert out["finite"] == EXPECTED_FINITE, out["rank"]
+
+
+def test_ddp_loss_scales_stay_equal_on_every_rank_and_to_the_single_process_run(ddp):
+    assert ddp[0]["scales"] == ddp[1]["scales"] == ddp[0]["reference"]["scales"]
+    assert ddp[0]["scales"][INJECT_STEP] < ddp[0]["scales"][INJECT_STEP - 1]  # backed off
+
+
+def test_ddp_params_are_identical_across_ranks_and_equal_the_single_process_run(ddp):
+    ref = ddp[0]["reference"]
+    for k, p in ddp[0]["params"].items():
+        assert torch.equal(p, ddp[1]["params"][k]), k
+        assert torch.allclose(p, ref["params"][k], rtol=1e-5, atol=1e-6), k
+
+
+def test_value_and_grad_with_a_group_averages_grads_and_agrees_on_finite(ddp):
+    for out in ddp:
+        # Rank 1's loss is inf in the second call; rank 0's is clean, yet both skip.
+        assert out["functional_finite"] == (True, False), out["rank"]
+        for k, g in out["functional_grads"].items():
+            assert torch.allclose(g, out["functional_full_grads"][k], rtol=1e-5, atol=1e-7), k
+    for k in ddp[0]["functional_grads"]:
+        assert torch.equal(ddp[0]["functional_grads"][k], ddp[1]["functional_grads"][k])
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 (fully_shard: DTensor params and grads)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fsdp2_grads_are_dtensor_shards(fsdp2):
+    assert fsdp2[0]["grad_placements"] == ["(Shard(dim=0),)"]
+
+
+def test_fsdp2_ranks_disagree_locally_but_every_rank_skips(fsdp2):
+    # Without the flag all-reduce, rank 0 would have applied the step that rank 1 skipped.
+    assert [out["local_finite_at_inject"] for out in fsdp2] == [True, False]
+    for out in fsdp2:
+        assert out["finite"] == EXPECTED_FINITE, out["rank"]
+    assert fsdp2[0]["scales"] == fsdp2[1]["scales"] == fsdp2[0]["reference"]["scales"]
+
+
+def test_fsdp2_clipping_norm_is_the_single_process_global_norm(fsdp2):
+    ref_norm = fsdp2[0]["reference"]["norm"]
+    for out in fsdp2:
+        assert torch.allclose(out["dtensor_grad_norm"], ref_norm, rtol=1e-5), out["rank"]
+        assert torch.allclose(out["local_shard_grad_norm"], ref_norm, rtol=1e-5), out["rank"]
+    assert float(ref_norm) > 0.05 * 2.0**10  # the clip (0.05, on unscaled grads) was active
+
+
+def test_fsdp2_params_equal_the_single_process_run_with_global_clipping(fsdp2):
+    ref = fsdp2[0]["reference"]["params"]
+    for k, p in fsdp2[0]["params"].items():
+        assert torch.equal(p, fsdp2[1]["params"][k]), k
+        assert torch.allclose(p, ref[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_global_norm_of_distribute_tensor_leaves_counts_each_whole_tensor_once(fsdp2):
+    for out in fsdp2:
+        assert torch.allclose(out["manual_dtensor_norm"], out["manual_full_norm"], rtol=1e-6)
+        assert "Partial" in out["partial_error"] and "'p'" in out["partial_error"]
+
+
+def test_sharded_state_saves_per_rank_and_resumes_bit_for_bit(tmp_path):
+    outs = launch("checkpoint", tmp_path)
+    assert outs[0]["files"] == ["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    for out in outs:
+        assert out["scales"][0] == out["scales"][1]
+        for k, p in out["uninterrupted"].items():
+            assert torch.equal(out["resumed"][k], p), (out["rank"], k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process: the helpers behave without a process group
+# ----------------------------------------------------------------------------------------------
+
+
+def test_init_from_env_without_world_size_runs_as_a_single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    env = af.dist.init_from_env()
+    assert (env.rank, env.world_size, env.group) == (0, 1, None)
+    assert not torch.distributed.is_initialized()
+
+
+def test_load_sharded_refuses_a_tree_of_another_shape(tmp_path):
+    tree = {"w": torch.ones(3), "ls": af.DynamicLossScale(8.0)}
+    af.dist.save_sharded(tree, str(tmp_path))
+    loaded = af.dist.load_sharded(str(tmp_path), like={"w": torch.zeros(3), "ls": af.DynamicLossScale()})
+    assert torch.equal(loaded["w"], torch.ones(3)) and float(loaded["ls"].loss_scale) == 8.0
+    with pytest.raises(ValueError, match="'w'"):
+        af.dist.load_sharded(str(tmp_path), like={"w": torch.zeros(4), "ls": af.DynamicLossScale()})
+    with pytest.raises(ValueError, match="v"):
+        af.dist.load_sharded(str(tmp_path), like={"v": torch.zeros(3), "ls": af.DynamicLossScale()})
+
+
+def test_sharded_clip_without_a_group_is_clip_grad_norm():
+    grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
+    clipped, _ = af.dist.clip_by_global_norm(1.0).update(grads, af.EmptyState())
+    assert torch.allclose(clipped["a"], torch.tensor([0.6, 0.0])) and torch.allclose(clipped["b"], torch.tensor([0.8]))
+    with pytest.raises(ValueError, match="max_norm"):
+        af.dist.clip_by_global_norm(0.0)
