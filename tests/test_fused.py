@@ -1,0 +1,161 @@
+"""The fused mixed-precision step (ampfunc.fused) through mixed_precision(...).step_ / .step."""
+
+import pytest
+import torch
+
+import ampfunc as af
+from ampfunc import ops
+from ampfunc.fused import FusedPlan, plan_for
+
+SHAPES = {"enc.w": (33, 17), "enc.b": (33,), "head.w": (5, 33), "tiny": (1,)}
+OVERFLOW_STEPS = {3, 11, 12}
+
+
+def _params(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in SHAPES.items()}
+
+
+def _scaled_grads(step, scale, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 + step)
+    g = {k: (torch.randn(s, generator=gen) * float(scale)).to(dtype) for k, s in SHAPES.items()}
+    if step in OVERFLOW_STEPS:
+        g["enc.b"][-1] = float("inf") if step % 2 else float("nan")
+    return g
+
+
+def _generic(tx):
+    return tx._replace(fused=None)
+
+
+def test_plan_for_recognises_the_fusable_optimizers_and_nothing_else():
+    assert plan_for(af.adamw(1e-3)).kind == "adamw"
+    assert plan_for(af.adam(1e-3, amsgrad=True)).hparams["amsgrad"] is True
+    assert plan_for(af.sgd(0.1, momentum=0.9)).kind == "sgd"
+    p = plan_for(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)))
+    assert isinstance(p, FusedPlan) and p.max_norm == 1.0 and p.kind == "adamw"
+    assert plan_for(af.chain(af.adam(1e-3))).kind == "adam"
+    assert plan_for(af.from_torch(torch.optim.RMSprop, lr=1e-3)) is None
+    assert plan_for(af.adamw(af.linear_schedule(1e-3, 0.0, 100))) is None  # schedules: generic path
+    assert plan_for(af.chain(af.adamw(1e-3), af.clip_by_global_norm(1.0))) is None
+    assert plan_for(af.chain(af.clip_by_global_norm(1.0), af.clip_by_global_norm(2.0), af.sgd(0.1))) is None
+    assert plan_for(af.identity()) is None
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fused_step_tracks_torch_adamw_with_grad_scaler_and_clip_grad_norm(clip):
+    params = _params()
+    theirs = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.AdamW(theirs.values(), lr=1e-2, weight_decay=0.05, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    inner = af.adamw(1e-2, weight_decay=0.05)
+    if clip is not None:
+        inner = af.chain(af.clip_by_global_norm(clip), inner)
+    tx = af.mixed_precision(inner, af.DynamicLossScale(2.0**10, growth_interval=4, min_scale=0.0,
+                                                       max_scale=float("inf")))
+    state = tx.init(params)
+    for step in range(20):
+        scaler.scale(torch.zeros(()))  # the scaler's lazy init; our grads stand in for backward()
+        grads = _scaled_grads(step, scaler.get_scale())
+        for k, t in theirs.items():
+            t.grad = grads[k].clone()
+        scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(theirs.values(), clip)
+        scaler.step(opt)
+        scaler.update()
+        params, state = tx.step_(params, grads, state)
+        assert float(af.loss_scale_of(state).loss_scale) == scaler.get_scale()
+    assert float(state.inner[-1].step if clip else state.inner.step) == 20 - len(OVERFLOW_STEPS)
+    for k in params:
+        torch.testing.assert_close(params[k], theirs[k].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inner", [
+    lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2)),
+    lambda: af.adam(1e-2, weight_decay=0.01, amsgrad=True),
+    lambda: af.sgd(0.05, momentum=0.9, nesterov=True),
+])
+def test_fused_step_with_master_weights_matches_the_generic_path(param_dtype, inner):
+    inner = inner()
+    params = _params(param_dtype)
+    fused_tx = af.mixed_precision(inner, af.DynamicLossScale(2.0**8, growth_interval=3))
+    generic_tx = af.mixed_precision(_generic(inner), af.DynamicLossScale(2.0**8, growth_interval=3))
+    assert plan_for(inner) is not None
+    fs, gs = fused_tx.init(params), generic_tx.init(params)
+    fp, gp = {k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in params.items()}
+    for step in range(12):
+        grads = _scaled_grads(step, af.loss_scale_of(fs).loss_scale, param_dtype)
+        fp, fs = fused_tx.step_(fp, grads, fs)
+        gp, gs = generic_tx.step(gp, grads, gs)
+        assert torch.equal(af.loss_scale_of(fs).loss_scale, af.loss_scale_of(gs).loss_scale)
+    for k in params:
+        assert fp[k].dtype == param_dtype
+        assert torch.equal(fp[k], fs.master[k].to(param_dtype))  # the model copy is the master, rounded once
+        torch.testing.assert_close(fs.master[k], gs.master[k], rtol=1e-5, atol=1e-6)
+
+
+def test_skipped_fused_step_leaves_params_master_moments_and_step_bit_identical():
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2)), af.DynamicLossScale(2.0**8))
+    params = _params(torch.float16)
+    state = tx.init(params)
+    for step in range(2):
+        params, state = tx.step_(params, _scaled_grads(step, 2.0**8, torch.float16), state)
+    before = [t.clone() for t in af.tree.tree_leaves((params, state.master, state.inner))]
+    scale_before = af.loss_scale_of(state).loss_scale.clone()
+    params, state = tx.step_(params, _scaled_grads(3, 2.0**8, torch.float16), state)  # holds an inf
+    after = af.tree.tree_leaves((params, state.master, state.inner))
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert float(af.loss_scale_of(state).loss_scale) == float(scale_before) / 2
+
+
+def test_pure_step_gives_the_in_place_numbers_bit_for_bit_and_leaves_its_inputs_alone():
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(0.3), af.adamw(1e-2)), af.DynamicLossScale(2.0**8))
+    params = _params(torch.bfloat16)
+    state = tx.init(params)
+    grads = _scaled_grads(0, 2.0**8, torch.bfloat16)
+    snapshot = [t.clone() for t in af.tree.tree_leaves((params, state))]
+    new_params, new_state = tx.step(params, grads, state)
+    assert all(torch.equal(a, b) for a, b in zip(af.tree.tree_leaves((params, state)), snapshot))
+    p2, s2 = tx.step_(params, grads, state)
+    assert p2 is params
+    for a, b in zip(af.tree.tree_leaves((new_params, new_state)), af.tree.tree_leaves((p2, s2))):
+        assert torch.equal(a, b)
+
+
+def test_supports_refuses_states_it_cannot_run():
+    plan = plan_for(af.adamw(1e-3))
+    params = _params()
+    good = af.mixed_precision(af.adamw(1e-3)).init(params)
+    assert plan.supports(params, good)
+    assert not plan.supports(params, af.mixed_precision(af.sgd(0.1)).init(params))  # wrong layout
+    f64 = {k: v.double() for k, v in params.items()}
+    assert not plan.supports(f64, af.mixed_precision(af.adamw(1e-3), master_dtype=torch.float64).init(f64))
+
+
+def test_fused_path_on_flat_buffers_equals_the_per_leaf_path():
+    params = _params()
+    flat = af.flat.flatten(params) if hasattr(af, "flat") else __import__("ampfunc.flat").flat.flatten(params)
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2)), af.StaticLossScale(4.0))
+    s_leaf, s_flat = tx.init(params), tx.init(flat.buffers)
+    p_leaf, p_flat = params, flat.buffers
+    for step in range(3):
+        grads = _scaled_grads(step + 20, 4.0)
+        p_leaf, s_leaf = tx.step_(p_leaf, grads, s_leaf)
+        p_flat, s_flat = tx.step_(p_flat, flat.flatten_like(grads), s_flat)
+    for k, v in flat.tree.items():
+        torch.testing.assert_close(v, p_leaf[k], rtol=1e-6, atol=1e-7)
+
+
+def test_mixed_precision_takes_the_fused_path_for_native_optimizers_only(monkeypatch):
+    calls = []
+    real = ops.adam_step_
+    monkeypatch.setattr(ops, "adam_step_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    params = _params(torch.float16)
+    for inner, fused in [(af.adamw(1e-3), True), (af.from_torch(torch.optim.AdamW, lr=1e-3), False)]:
+        calls.clear()
+        tx = af.mixed_precision(inner)
+        state = tx.init(params)
+        tx.step_({k: v.clone() for k, v in params.items()}, _scaled_grads(0, 1.0, torch.float16), state)
+        assert len(calls) == (1 if fused else 0)
