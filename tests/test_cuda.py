@@ -24,7 +24,13 @@ from ampfunc import ops
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 65536  # AMPFUNC_CUDA_CHUNK in ext/cuda/ampfunc_cuda.h
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_skip_without_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def needs_cuda(test):
+    """Marks a test `cuda` (select with -m cuda) and skips it where torch sees no GPU."""
+    return pytest.mark.cuda(_skip_without_cuda(test))
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 7, 4099, CHUNK, 3 * CHUNK + 17]
 

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine (sized for an H200, < 8 minutes from a fresh machine):
+#   1. installs carried wheels from .whl/ (optree is missing on the device image),
+#   2. puts this checkout on PYTHONPATH,
+#   3. builds the extension with its CUDA kernels (AMPFUNC_REQUIRE_EXT=1: a failed build fails),
+#   4. runs tests/test_cuda.py and the CUDA tests of the other test files (-k cuda),
+#   5. memcheck/racecheck of every kernel on odd sizes with compute-sanitizer (when present),
+#   6. runs benchmarks/bench_step.py --device cuda,
+#   7. prints a short table.
+# Everything is also written to $OUT/gpu_check.log when $OUT is set (the device tool's folder).
+# Usage: bash benchmarks/gpu_check.sh [--quick]   (--quick: the benchmark's quick mode)
+set -u
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+cd "$(dirname "$SELF")/.."
+QUICK=""
+[ "${1:-}" = "--quick" ] && QUICK="--quick"
+if [ -n "${OUT:-}" ] && [ -z "${GPU_CHECK_TEED:-}" ]; then  # rerun self with all output tee'd
+  mkdir -p "$OUT"
+  GPU_CHECK_TEED=1 bash "$SELF" "$@" 2>&1 | tee -a "$OUT/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+T0=$(date +%s)
+declare -a ROWS=()
+row() { ROWS+=("$(printf '%-34s %-8s %6ss  %s' "$1" "$2" "$3" "${4:-}")"); }
+since() { echo $(( $(date +%s) - $1 )); }
+banner() { echo; echo "=== $* ($(since "$T0")s) ==="; }
+
+# 1. carried wheels -------------------------------------------------------------------------
+banner "environment"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  # (the device README's line; a wheel for another Python only warns: the import check below decides)
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "warning: the wheels in .whl/ did not install"
+  fi
+fi
+# 2. this checkout --------------------------------------------------------------------------
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export AMPFUNC_EXT_CACHE="${AMPFUNC_EXT_CACHE:-/tmp/ampfunc_ext}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
+"$PY" - <<'EOF' || { echo "python/torch/optree not usable"; exit 1; }
+import sys, torch, optree
+print(f"python {sys.version.split()[0]}  torch {torch.__version__}  cuda {torch.version.cuda}  optree {optree.__version__}")
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+p = torch.cuda.get_device_properties(0)
+print(f"device {p.name}  sm_{p.major}{p.minor}  {p.multi_processor_count} SMs  {p.total_memory / 2**30:.0f} GiB")
+EOF
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+  export TORCH_CUDA_ARCH_LIST
+fi
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS cache=$AMPFUNC_EXT_CACHE"
+
+# 3. build ----------------------------------------------------------------------------------
+banner "build the extension (CPU + CUDA kernels)"
+t=$(date +%s)
+if AMPFUNC_REQUIRE_EXT=1 AMPFUNC_EXT_VERBOSE="${AMPFUNC_EXT_VERBOSE:-0}" "$PY" - <<'EOF'
+from ampfunc import ops
+backend = ops.load()
+print("backend:", backend, "| reason:", ops.backend_reason())
+assert backend == "cpu+cuda", f"CUDA kernels not loaded: {ops.backend_reason()}"
+EOF
+then
+  row "build (AMPFUNC_REQUIRE_EXT=1)" ok "$(since "$t")"
+  BUILD_OK=1
+else
+  row "build (AMPFUNC_REQUIRE_EXT=1)" FAILED "$(since "$t")" "rerun with AMPFUNC_EXT_VERBOSE=1 for the compiler output"
+  BUILD_OK=0
+fi
+
+# 4. tests ----------------------------------------------------------------------------------
+pytest_row() {  # name, log file, status, seconds: the row carries pytest's summary line
+  local summary
+  summary="$(grep -E '[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran' "$2" | tail -1 | tr -d '=')"
+  row "$1" "$3" "$4" "$summary"
+}
+if [ "$BUILD_OK" = 1 ]; then
+  banner "tests/test_cuda.py"
+  t=$(date +%s)
+  log=/tmp/gpu_check_test_cuda.log
+  AMPFUNC_REQUIRE_EXT=1 timeout 300 "$PY" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
+    ${OUT:+--junitxml="$OUT/test_cuda.xml"} 2>&1 | tee "$log"
+  st=${PIPESTATUS[0]}
+  pytest_row "pytest tests/test_cuda.py" "$log" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+
+  banner "CUDA tests of the other test files (-k cuda)"
+  t=$(date +%s)
+  log=/tmp/gpu_check_test_other.log
+  AMPFUNC_REQUIRE_EXT=1 timeout 240 "$PY" -m pytest tests -q -rfEs -p no:cacheprovider -k "cuda or gpu" \
+    --ignore=tests/test_cuda.py --ignore=tests/test_notebooks.py 2>&1 | tee "$log"
+  st=${PIPESTATUS[0]}
+  [ "$st" = 5 ] && st=0  # "no tests collected" is not a failure
+  pytest_row "pytest tests -k cuda (others)" "$log" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+else
+  row "pytest tests/test_cuda.py" skipped 0 "no CUDA build"
+fi
+
+# 5. compute-sanitizer ----------------------------------------------------------------------
+SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
+if [ "$BUILD_OK" = 1 ] && [ -n "$SAN" ] && [ -z "${GPU_CHECK_NO_SANITIZER:-}" ]; then
+  cat >/tmp/gpu_check_smoke.py <<'EOF'
+# Every CUDA kernel once on odd sizes (tails, unaligned views, several launches), for the sanitizer.
+import torch
+from ampfunc import ops
+dev = "cuda"
+C = 65536
+sizes = [1, 7, 3 * C + 17, 4099] + [1 + i % 50 for i in range(700)]
+for dt in (torch.float32, torch.float16, torch.bfloat16):
+    xs = [torch.randn(n + 1, device=dev).to(dt)[1:] for n in sizes]  # offset by one element: unaligned
+    xs[2][-1] = float("inf")
+    ops.check(xs, per_leaf=True)
+    ops.unscale(xs, torch.tensor(0.5, device=dev))
+    ops.unscale_(xs, torch.tensor(0.5, device=dev))
+    ps = [torch.randn(n, device=dev) for n in sizes]
+    st = [torch.zeros(n, device=dev) for n in sizes]
+    st2 = [torch.zeros(n, device=dev) for n in sizes]
+    st3 = [torch.zeros(n, device=dev) for n in sizes]
+    model = [torch.empty(n, device=dev, dtype=torch.bfloat16) for n in sizes]
+    step = torch.zeros((), device=dev)
+    one, yes = torch.ones((), device=dev), torch.tensor(True, device=dev)
+    grads = [torch.randn(n, device=dev).to(dt) for n in sizes]
+    ops.adam_step_(ps, grads, st, st2, st3, model, step, one, yes, lr=1e-3, amsgrad=True, weight_decay=0.1,
+                   decoupled_weight_decay=True)
+    ops.sgd_step_(ps, grads, st, model, step, one, yes, lr=0.1, momentum=0.9, nesterov=True)
+    ops.sgd_step_(ps, grads, st, model, step, one, yes, lr=0.1, momentum=0.9, nesterov=True)
+s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
+ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
+                  min_scale=1.0, max_scale=2.0 ** 24, hysteresis=1)
+torch.cuda.synchronize()
+print("smoke ok")
+EOF
+  for tool in memcheck racecheck; do
+    banner "compute-sanitizer --tool $tool"
+    t=$(date +%s)
+    log=/tmp/gpu_check_$tool.log
+    # Without the caching allocator every tensor is its own allocation: overruns are caught.
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$SAN" --tool "$tool" --error-exitcode 99 --kernel-name regex:ampfunc \
+      "$PY" /tmp/gpu_check_smoke.py >"$log" 2>&1
+    st=$?
+    tail -5 "$log"
+    summary="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    row "compute-sanitizer $tool" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")" "$summary"
+  done
+fi
+
+# 6. benchmark ------------------------------------------------------------------------------
+if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_step.py ]; then
+  banner "benchmarks/bench_step.py --device cuda $QUICK"
+  t=$(date +%s)
+  timeout "${BENCH_TIMEOUT:-240}" "$PY" benchmarks/bench_step.py --device cuda $QUICK 2>&1 | tee /tmp/gpu_check_bench.log
+  st=${PIPESTATUS[0]}
+  [ -n "${OUT:-}" ] && cp /tmp/gpu_check_bench.log "$OUT/bench_cuda.log"
+  row "bench_step.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+else
+  row "bench_step.py --device cuda" skipped 0 "$([ -f benchmarks/bench_step.py ] || echo 'no benchmarks/bench_step.py')"
+fi
+
+# 7. table ----------------------------------------------------------------------------------
+echo
+echo "=== gpu_check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $(since "$T0")s total) ==="
+printf '%-34s %-8s %7s  %s\n' "step" "status" "time" "detail"
+for r in "${ROWS[@]}"; do echo "$r"; done
+if printf '%s\n' "${ROWS[@]}" | grep -q 'FAILED'; then exit 1; fi
+exit 0
