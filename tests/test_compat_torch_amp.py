@@ -398,6 +398,7 @@ def test_getters_setters_and_state_dict_keys_match_torch():
     assert ours.state_dict() == theirs.state_dict()
     assert ours.is_enabled() and ours.get_scale() == 4.0
     assert ours.loss_scale.growth_factor == 3.0  # the held loss scale carries the settings
+    assert ours._scale.item() == 4.0 and ours._growth_tracker.dtype == torch.int32  # torch's attributes
 
 
 def test_state_dict_round_trips_with_torch_in_both_directions():

@@ -113,6 +113,16 @@ class GradScaler:
         """The current :class:`ampfunc.DynamicLossScale` (``None`` before the first ``scale()``)."""
         return self._ls if self._enabled else None
 
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """torch's attribute: the 0-d fp32 scale tensor (``None`` before the first ``scale()``)."""
+        return self._ls.loss_scale if self._ls is not None else None
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """torch's attribute: the 0-d int32 count of clean steps since the last change."""
+        return self._ls.growth_tracker if self._ls is not None else None
+
     def _settings(self) -> DynamicConfig:
         return self._ls.config if self._ls is not None else self._config
 

@@ -212,6 +212,9 @@ class LossScaler:
     def __init__(self, loss_scale, init_scale: float = 2.0**16, scale_factor: float = 2.0,
                  scale_window: int = 2000, min_loss_scale: float | None = None, max_loss_scale: float = 2.0**24):
         self.dynamic = loss_scale == "dynamic"
+        # A static scale is also kept as a Python float: scale_loss checks it on the host every
+        # backward (the "scale 1, nothing to do" shortcut) and must not sync for that.
+        self._static_value = None if self.dynamic else float(loss_scale)
         if self.dynamic:
             self._ls = DynamicLossScale(min(max_loss_scale, init_scale), growth_factor=2.0, backoff_factor=0.5,
                                         growth_interval=scale_window, min_scale=min_loss_scale or 0.0,
@@ -239,6 +242,7 @@ class LossScaler:
         if self.dynamic:
             self._ls = DynamicLossScale.from_tensors(t, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
         else:
+            self._static_value = float(value)
             self._ls = StaticLossScale(t)
 
     @property
@@ -572,7 +576,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         raise ValueError(f"amp.scale_loss: loss_id={loss_id} but amp.initialize was called with "
                          f"num_losses={len(_amp_state.loss_scalers)}")
     scaler = _amp_state.loss_scalers[loss_id]
-    if not props.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
+    if not props.master_weights and not scaler.dynamic and scaler._static_value == 1.0:
         yield loss.float()
         return
     if not delay_unscale:
@@ -588,9 +592,11 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     for opt in opts:
         flags.append(opt._amp_stash.post_backward(scaler))
         opt._amp_stash.params_have_scaled_gradients = False
-    finite = _all_finite([f for f in flags if f is not None])
-    if finite is None or delay_overflow_check:
+    if delay_overflow_check:
         return
+    finite = _all_finite([f for f in flags if f is not None])
+    if finite is None:  # no gradient reached these optimizers: a clean step for the scale (apex's count)
+        finite = torch.ones((), dtype=torch.bool, device=scaler.loss_state.loss_scale.device)
     if scaler.update_scale(finite):
         for opt in opts:
             if opt._amp_stash.skip is None:
