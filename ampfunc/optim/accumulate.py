@@ -52,7 +52,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     def update(grads, state, params=None):
         if not isinstance(state, AccumulateState):
             raise TypeError(f"accumulate: state is {type(state).__name__}, expected AccumulateState")
-        _, gs, _ = checked_inputs(grads, params, state.grad_sum, "state.grad_sum", "accumulate")
+        gs, _ = checked_inputs(grads, params, state.grad_sum, "state.grad_sum", "accumulate")
         finite = ops.all_finite(gs).to(state.mini_step.device)
         sums = tree_flatten(state.grad_sum)[0]
         new_sums = []

@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ampfunc.optim.base import (
+    as_fp32,
+    device_groups,
     FusedSpec,
     ScalarOrSchedule,
     check_lr,
@@ -71,7 +73,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if amsgrad and state.max_exp_avg_sq is None:
             raise ValueError(f"{kind}: amsgrad=True but state.max_exp_avg_sq is None; "
                              f"was the state made without amsgrad?")
-        paths, gs, ps = checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)
+        gs, ps = checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)
         checked_inputs(grads, None, state.exp_avg_sq, "state.exp_avg_sq", kind)
         ms = tree_flatten(state.exp_avg)[0]
         vs = tree_flatten(state.exp_avg_sq)[0]
@@ -90,35 +92,41 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if decoupled and weight_decay != 0:
             decay = 1 - lr_t * weight_decay  # float, or 0-d fp32 tensor for a schedule
 
-        deltas, new_m, new_v, new_vmax = [], [], [], []
-        for i, g in enumerate(gs):
-            dev = g.device
-            g = g.to(torch.float32)
+        n = len(gs)
+        deltas, new_m, new_v, new_vmax = [None] * n, [None] * n, [None] * n, [None] * n
+        for dev, idx in device_groups(gs).items():
+            # One foreach launch per op and device; each op is the one torch's Adam performs.
+            g = as_fp32([gs[i] for i in idx])
             if maximize:
-                g = -g
-            p = ps[i].to(torch.float32) if ps is not None else None
+                g = torch._foreach_neg(g)
+            p = as_fp32([ps[i] for i in idx]) if ps is not None else None
             new_p = p
             if weight_decay != 0:
                 if decoupled:
-                    new_p = p * on(decay, dev)
+                    new_p = torch._foreach_mul(p, on(decay, dev))
                 else:
-                    g = g.add(p, alpha=weight_decay)
-            m = torch.lerp(ms[i], g, 1 - beta1)
-            v = torch.addcmul(vs[i] * beta2, g, g, value=1 - beta2)
-            new_m.append(m)
-            new_v.append(v)
+                    g = torch._foreach_add(g, p, alpha=weight_decay)
+            m = torch._foreach_lerp([ms[i] for i in idx], g, 1 - beta1)
+            v = torch._foreach_mul([vs[i] for i in idx], beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
             if amsgrad:
-                vmax = torch.maximum(vmaxs[i], v)
-                new_vmax.append(vmax)
-                denom = vmax.sqrt() / on(bc2_sqrt, dev) + eps
+                vmax = torch._foreach_maximum([vmaxs[i] for i in idx], v)
+                denom = torch._foreach_sqrt(vmax)
             else:
-                denom = v.sqrt() / on(bc2_sqrt, dev) + eps
+                denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, on(bc2_sqrt, dev))
+            torch._foreach_add_(denom, eps)
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == p + (-step_size * m) / denom
-            step_term = (on(neg_step_size, dev) * m) / denom
+            step_term = torch._foreach_mul(m, on(neg_step_size, dev))
+            torch._foreach_div_(step_term, denom)
             if new_p is None:
-                deltas.append(step_term)
+                d = step_term
             else:
-                deltas.append((new_p + step_term) - p)
+                d = torch._foreach_sub(torch._foreach_add(new_p, step_term), p)
+            for j, i in enumerate(idx):
+                deltas[i], new_m[i], new_v[i] = d[j], m[j], v[j]
+                if amsgrad:
+                    new_vmax[i] = vmax[j]
 
         spec = tree_structure(grads)
         unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731

@@ -13,7 +13,14 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from ampfunc.tree import PyTree, check_same_structure, float_leaves_with_paths, tree_leaves
+from ampfunc.tree import (
+    PyTree,
+    check_same_structure,
+    float_leaves_with_paths,
+    leaves_with_paths,
+    tree_flatten,
+    tree_leaves,
+)
 
 __all__ = ["FusedSpec", "Schedule", "ScalarOrSchedule"]
 
@@ -70,34 +77,39 @@ def lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> Union[float, torch.Tenso
 
 
 def checked_inputs(grads: PyTree, params: PyTree | None, slot: PyTree | None, slot_name: str,
-                   where: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor] | None]:
-    """Paths and leaves of ``grads`` (and ``params``), after checking them against each other.
+                   where: str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Leaves of ``grads`` (and ``params``), after checking them against each other.
 
     Raises ``ValueError`` naming the leaf path where ``grads``, ``params`` and the state slot
     ``slot`` disagree in structure or shape, and ``TypeError`` naming a non-floating leaf. Costs
-    flattening only; never touches tensor data.
+    one flatten per tree and a dtype/shape look per leaf; paths are only built to name a fault.
     """
-    try:
-        if params is not None:
-            check_same_structure(grads, params, "grads", "params")
-        if slot is not None:
-            check_same_structure(grads, slot, "grads", slot_name)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    paths, g = float_leaves_with_paths(grads, "grads")
-    p = None
+    g, g_spec = tree_flatten(grads)
+    trees = {"grads": grads}
     if params is not None:
-        _, p = float_leaves_with_paths(params, "params")
-        for path, gi, pi in zip(paths, g, p):
-            if gi.shape != pi.shape:
-                raise ValueError(f"{where}: leaf {path!r} has shape {tuple(gi.shape)} in grads "
-                                 f"and {tuple(pi.shape)} in params")
+        trees["params"] = params
     if slot is not None:
-        for path, gi, si in zip(paths, g, tree_leaves(slot)):
-            if gi.shape != si.shape:
+        trees[slot_name] = slot
+    flat = {"grads": g}
+    for name, tree in list(trees.items())[1:]:
+        leaves, spec = tree_flatten(tree)
+        if spec != g_spec:
+            try:
+                check_same_structure(grads, tree, "grads", name)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        flat[name] = leaves
+    for name, leaves in flat.items():
+        if not all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves):
+            float_leaves_with_paths(trees[name], name)  # raises, naming the leaf and its dtype
+        if name == "grads":
+            continue
+        for i, (gi, xi) in enumerate(zip(g, leaves)):
+            if gi.shape != xi.shape:
+                path = leaves_with_paths(grads)[i][0]
                 raise ValueError(f"{where}: leaf {path!r} has shape {tuple(gi.shape)} in grads "
-                                 f"and {tuple(si.shape)} in {slot_name}")
-    return paths, g, p
+                                 f"and {tuple(xi.shape)} in {name}")
+    return g, flat.get("params")
 
 
 def step_device(params: PyTree) -> torch.device:
@@ -115,3 +127,16 @@ def on(x: Any, device: torch.device) -> Any:
 
 def is_finite_float(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def device_groups(tensors: list) -> dict:
+    """Indices of ``tensors`` grouped by device, in first-seen order (one foreach launch each)."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return groups
+
+
+def as_fp32(tensors: list) -> list:
+    """The tensors in fp32 (no copy for those already fp32)."""
+    return [t.to(torch.float32) for t in tensors]

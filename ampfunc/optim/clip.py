@@ -7,7 +7,7 @@ import math
 import torch
 
 from ampfunc import ops
-from ampfunc.optim.base import FusedSpec
+from ampfunc.optim.base import FusedSpec, device_groups
 from ampfunc.transform import EmptyState, GradientTransformation
 from ampfunc.tree import float_leaves_with_paths, tree_structure, tree_unflatten
 
@@ -44,10 +44,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return updates, state
         _, sumsq = ops.check(leaves)
         coef = (max_norm / (sumsq.sqrt() + 1e-6)).clamp(max=1.0)
-        out = []
-        for u in leaves:
-            c = coef if coef.device == u.device else coef.to(u.device, non_blocking=True)
-            out.append(u * c)  # a 0-d fp32 factor keeps u's dtype
+        out: list = [None] * len(leaves)
+        for dev, idx in device_groups(leaves).items():
+            c = coef if coef.device == dev else coef.to(dev, non_blocking=True)
+            # a 0-d fp32 factor keeps each update's dtype
+            for i, u in zip(idx, torch._foreach_mul([leaves[i] for i in idx], c)):
+                out[i] = u
         return tree_unflatten(tree_structure(updates), out), state
 
     return GradientTransformation(init, update, FusedSpec("clip_by_global_norm", {"max_norm": max_norm}))

@@ -30,7 +30,7 @@ import torch
 
 from ampfunc.optim.base import checked_inputs, step_device
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import float_leaves_with_paths, tree_structure, tree_unflatten
+from ampfunc.tree import float_leaves_with_paths, leaves_with_paths, tree_structure, tree_unflatten
 
 __all__ = ["TorchOptimizerState", "from_torch"]
 
@@ -113,7 +113,7 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
         return optimizer_cls(params_list, **hparams)
 
     def init(params):
-        paths, leaves = float_leaves_with_paths(params, "params")
+        _, leaves = float_leaves_with_paths(params, "params")
         clones = [p.detach().clone() for p in leaves]
         for c in clones:
             c.grad = torch.zeros_like(c)
@@ -158,7 +158,7 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
             raise TypeError(f"from_torch({name}): state is {type(state).__name__}, expected TorchOptimizerState")
         if params is None:
             raise ValueError(f"from_torch({name}): update needs params; call update(grads, state, params)")
-        paths, gs, ps = checked_inputs(grads, params, None, "", f"from_torch({name})")
+        gs, ps = checked_inputs(grads, params, None, "", f"from_torch({name})")
         spec = tree_structure(params)
         st = _entries(state.state, spec, "state.state")
         sst = _entries(state.step_state, spec, "state.step_state")
@@ -175,8 +175,9 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
             new_ps = [pick(a, b) for a, b in zip(new_ps, first_ps)]
             new_entries = [{k: pick(e[k], f[k]) if k in f else e[k] for k in e}
                            for e, f in zip(new_entries, first_entries)]
-        for path, old, e in zip(paths, full, new_entries):
+        for i, (old, e) in enumerate(zip(full, new_entries)):
             if set(e) != set(old):
+                path = leaves_with_paths(params)[i][0]
                 raise RuntimeError(f"from_torch({name}): torch's state for {path!r} changed keys from "
                                    f"{sorted(old)} to {sorted(e)}; the state structure must stay fixed")
         deltas = []

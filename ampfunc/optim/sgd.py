@@ -11,6 +11,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ampfunc.optim.base import (
+    as_fp32,
+    device_groups,
     FusedSpec,
     ScalarOrSchedule,
     check_lr,
@@ -72,35 +74,45 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         if momentum != 0 and state.momentum_buffer is None:
             raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
                              "was the state made by an sgd without momentum?")
-        paths, gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
-        bufs = tree_flatten(state.momentum_buffer)[0] if momentum != 0 else [None] * len(gs)
+        gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
+        bufs = tree_flatten(state.momentum_buffer)[0] if momentum != 0 else None
         lr_t = lr_at(lr, state.step)
         first = state.step == 0
-        deltas, new_bufs = [], []
-        for i, g in enumerate(gs):
-            dev = g.device
-            g = g.to(torch.float32)
+        deltas: list = [None] * len(gs)
+        new_bufs: list = [None] * len(gs)
+        for dev, idx in device_groups(gs).items():
+            # One foreach launch per op and device; each op is the one torch's SGD performs.
+            g = as_fp32([gs[i] for i in idx])
             if maximize:
-                g = -g
-            p = ps[i].to(torch.float32) if ps is not None else None
+                g = torch._foreach_neg(g)
+            p = as_fp32([ps[i] for i in idx]) if ps is not None else None
             if weight_decay != 0:
-                g = g.add(p, alpha=weight_decay)
+                g = torch._foreach_add(g, p, alpha=weight_decay)
             if momentum != 0:
-                buf = bufs[i]
-                # torch starts the buffer as a copy of the first gradient; the choice is made
-                # on the device so that no step reads the count back to the host.
-                buf = torch.where(on(first, dev), g, torch.add(buf * momentum, g, alpha=1 - dampening))
-                new_bufs.append(buf)
-                g = g.add(buf, alpha=momentum) if nesterov else buf
+                old = [bufs[i] for i in idx]
+                buf = torch._foreach_mul(old, momentum)
+                torch._foreach_add_(buf, g, alpha=1 - dampening)
+                if dampening != 0:
+                    # torch starts the buffer as a copy of the first gradient. With zero dampening
+                    # the formula already gives that (the buffer starts at zero); otherwise the
+                    # choice is made on the device, so no step reads the count to the host.
+                    f = on(first, dev)
+                    buf = [torch.where(f, gi, bi) for gi, bi in zip(g, buf)]
+                for j, i in enumerate(idx):
+                    new_bufs[i] = buf[j]
+                g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
             lr_i = on(lr_t, dev)
             if p is None:
-                deltas.append(g * (-lr_i) if isinstance(lr_i, float) else -(g * lr_i))
-                continue
-            if isinstance(lr_i, float):
-                new_p = p.add(g, alpha=-lr_i)
+                d = torch._foreach_mul(g, -lr_i) if isinstance(lr_i, float) else torch._foreach_neg(
+                    torch._foreach_mul(g, lr_i))
             else:
-                new_p = torch.addcmul(p, g, lr_i, value=-1)
-            deltas.append(new_p - p)
+                if isinstance(lr_i, float):
+                    new_p = torch._foreach_add(p, g, alpha=-lr_i)
+                else:
+                    new_p = torch._foreach_sub(p, torch._foreach_mul(g, lr_i))
+                d = torch._foreach_sub(new_p, p)
+            for j, i in enumerate(idx):
+                deltas[i] = d[j]
         spec = tree_structure(grads)
         new_buf = tree_unflatten(tree_structure(state.momentum_buffer), new_bufs) if momentum != 0 else None
         return tree_unflatten(spec, deltas), SgdState(state.step + 1, new_buf)

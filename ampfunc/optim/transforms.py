@@ -29,7 +29,7 @@ def scale(step_size: float) -> GradientTransformation:
         return EmptyState()
 
     def update(updates, state, params=None):
-        _, us, _ = checked_inputs(updates, None, None, "", "scale")
+        us, _ = checked_inputs(updates, None, None, "", "scale")
         return tree_unflatten(tree_structure(updates), [u * step_size for u in us]), state
 
     return GradientTransformation(init, update)
@@ -45,7 +45,7 @@ def scale_by_schedule(schedule) -> GradientTransformation:
         return ScaleByScheduleState(torch.zeros((), dtype=torch.float32, device=step_device(params)))
 
     def update(updates, state, params=None):
-        _, us, _ = checked_inputs(updates, None, None, "", "scale_by_schedule")
+        us, _ = checked_inputs(updates, None, None, "", "scale_by_schedule")
         factor = lr_at(schedule, state.count)
         out = [u * on(factor, u.device) for u in us]
         return tree_unflatten(tree_structure(updates), out), ScaleByScheduleState(state.count + 1)
@@ -76,7 +76,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             return updates, state
         if params is None:
             raise ValueError("add_decayed_weights: needs params; call update(updates, state, params)")
-        _, us, ps = checked_inputs(updates, params, None, "", "add_decayed_weights")
+        us, ps = checked_inputs(updates, params, None, "", "add_decayed_weights")
         out = [u.add(p.to(u.dtype), alpha=weight_decay) for u, p in zip(us, ps)]
         return tree_unflatten(tree_structure(updates), out), state
 
