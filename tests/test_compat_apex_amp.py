@@ -382,3 +382,26 @@ def test_clip_master_grads_after_scale_loss_clips_unscaled_grads():
     expected = torch.cat([p.grad for p in ref.parameters()]).norm()
     torch.testing.assert_close(norm, expected)
     assert torch.cat([p.grad for p in amp.master_params(opt)]).norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_lr_scheduler_wraps_the_patched_step_and_skips_still_work():
+    model = MyModel(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    _amp_state.loss_scalers[0]._loss_scale = 4.0
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(X), opt) as scaled:
+        scaled.backward()
+        model.weight1.grad[1] = float("inf")
+    opt.step()
+    sched.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()
+    with amp.scale_loss(model(X), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0625
+    # one step at lr 0.125 with grad d(sum w0*w1)/dw0 = w1 = [2, 3]
+    torch.testing.assert_close(model.weight0.float(), torch.tensor([1.0, 2.0]) - 0.125 * torch.tensor([2.0, 3.0]))

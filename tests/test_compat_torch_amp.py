@@ -596,3 +596,21 @@ def test_compat_package_exports():
     assert compat.autocast is torch_amp.autocast
     assert compat.custom_fwd is torch_amp.custom_fwd and compat.custom_bwd is torch_amp.custom_bwd
     assert GradScaler("cpu").loss_scale is None  # created on the first scale(), on that tensor's device
+
+
+def test_sparse_gradients_match_torch():
+    def run(scaler):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        for i in range(6):
+            opt.zero_grad()
+            scaler.scale(emb(torch.tensor([1, 3, 3, 7])).pow(2).sum()).backward()
+            if i == 2:
+                emb.weight.grad._values()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), emb.weight.detach().clone()
+
+    (s0, w0), (s1, w1) = run(GradScaler("cpu", init_scale=8.0)), run(torch.amp.GradScaler("cpu", init_scale=8.0))
+    assert s0 == s1 == 4.0 and torch.equal(w0, w1)
