@@ -104,7 +104,10 @@ def scenario_ddp(env, out):
 
 
 def shard(model):
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
 
     for layer in (model[0], model[2]):
         fully_shard(layer)
@@ -145,7 +148,10 @@ def scenario_fsdp2(env, out):
 
     # distribute_tensor by hand: Shard(0) on an uneven tensor and Replicate count as whole tensors.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (env.world_size,))
     torch.manual_seed(11)

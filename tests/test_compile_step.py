@@ -64,6 +64,7 @@ def assert_states_close(a, b, rtol, atol):
             assert torch.equal(x, y), path
 
 
+@pytest.mark.slow
 def test_compiled_full_step_has_no_graph_break_and_matches_eager_including_a_skipped_step():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -86,7 +87,8 @@ def test_compiled_full_step_has_no_graph_break_and_matches_eager_including_a_ski
 # CUDA: compiled and CUDA-graph-captured steps (run by benchmarks/gpu_check.sh on a GPU machine)
 # ----------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def cuda(test):
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @cuda

@@ -22,6 +22,7 @@ sys.path.insert(0, HERE)
 from _dist_worker import INJECT_STEP, STEPS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+slow = pytest.mark.slow  # spawns two processes
 
 WORLD = 2
 EXPECTED_FINITE = [step != INJECT_STEP for step in range(STEPS)]
@@ -71,16 +72,19 @@ def fsdp2(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 
 
+@slow
 def test_ddp_every_rank_skips_the_step_where_one_rank_saw_an_inf(ddp):
     for out in ddp:
         assert out["finite"] == EXPECTED_FINITE, out["rank"]
 
 
+@slow
 def test_ddp_loss_scales_stay_equal_on_every_rank_and_to_the_single_process_run(ddp):
     assert ddp[0]["scales"] == ddp[1]["scales"] == ddp[0]["reference"]["scales"]
     assert ddp[0]["scales"][INJECT_STEP] < ddp[0]["scales"][INJECT_STEP - 1]  # backed off
 
 
+@slow
 def test_ddp_params_are_identical_across_ranks_and_equal_the_single_process_run(ddp):
     ref = ddp[0]["reference"]
     for k, p in ddp[0]["params"].items():
@@ -88,6 +92,7 @@ def test_ddp_params_are_identical_across_ranks_and_equal_the_single_process_run(
         assert torch.allclose(p, ref["params"][k], rtol=1e-5, atol=1e-6), k
 
 
+@slow
 def test_value_and_grad_with_a_group_averages_grads_and_agrees_on_finite(ddp):
     for out in ddp:
         # Rank 1's loss is inf in the second call; rank 0's is clean, yet both skip.
@@ -103,10 +108,12 @@ def test_value_and_grad_with_a_group_averages_grads_and_agrees_on_finite(ddp):
 # ----------------------------------------------------------------------------------------------
 
 
+@slow
 def test_fsdp2_grads_are_dtensor_shards(fsdp2):
     assert fsdp2[0]["grad_placements"] == ["(Shard(dim=0),)"]
 
 
+@slow
 def test_fsdp2_ranks_disagree_locally_but_every_rank_skips(fsdp2):
     # Without the flag all-reduce, rank 0 would have applied the step that rank 1 skipped.
     assert [out["local_finite_at_inject"] for out in fsdp2] == [True, False]
@@ -115,6 +122,7 @@ def test_fsdp2_ranks_disagree_locally_but_every_rank_skips(fsdp2):
     assert fsdp2[0]["scales"] == fsdp2[1]["scales"] == fsdp2[0]["reference"]["scales"]
 
 
+@slow
 def test_fsdp2_clipping_norm_is_the_single_process_global_norm(fsdp2):
     ref_norm = fsdp2[0]["reference"]["norm"]
     for out in fsdp2:
@@ -123,6 +131,7 @@ def test_fsdp2_clipping_norm_is_the_single_process_global_norm(fsdp2):
     assert float(ref_norm) > 0.05 * 2.0**10  # the clip (0.05, on unscaled grads) was active
 
 
+@slow
 def test_fsdp2_params_equal_the_single_process_run_with_global_clipping(fsdp2):
     ref = fsdp2[0]["reference"]["params"]
     for k, p in fsdp2[0]["params"].items():
@@ -130,12 +139,14 @@ def test_fsdp2_params_equal_the_single_process_run_with_global_clipping(fsdp2):
         assert torch.allclose(p, ref[k], rtol=1e-5, atol=1e-6), k
 
 
+@slow
 def test_global_norm_of_distribute_tensor_leaves_counts_each_whole_tensor_once(fsdp2):
     for out in fsdp2:
         assert torch.allclose(out["manual_dtensor_norm"], out["manual_full_norm"], rtol=1e-6)
         assert "Partial" in out["partial_error"] and "'p'" in out["partial_error"]
 
 
+@slow
 def test_sharded_state_saves_per_rank_and_resumes_bit_for_bit(tmp_path):
     outs = launch("checkpoint", tmp_path)
     assert outs[0]["files"] == ["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
