@@ -69,6 +69,7 @@ from ampfunc.optim import (  # noqa: F401
     global_norm,
     linear_schedule,
     scale,
+    scale_by_adam,
     scale_by_learning_rate,
     scale_by_schedule,
     sgd,

@@ -222,3 +222,20 @@ def test_chain_of_elementary_transforms_equals_sgd_with_weight_decay():
     b, _ = native.update(grads_at(params, 0), native.init(params), params)
     for x, y in zip(tree_leaves(a), tree_leaves(b)):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_built_from_scale_by_adam_with_masked_decay_tracks_native_adamw():
+    """Composition reproduces the native optimizer (to fp32 rounding: the lr is applied as a
+    separate multiply), and masked() exempts leaves from the decay."""
+    params = make_params()
+    mask = {"w": True, "b": False, "v": [True]}
+    hand = af.chain(af.scale_by_adam(), af.masked(af.add_decayed_weights(0.1), mask), af.scale_by_learning_rate(0.01))
+    native = af.partition({"decay": af.adamw(0.01, weight_decay=0.1), "plain": af.adamw(0.01, weight_decay=0.0)},
+                          {"w": "decay", "b": "plain", "v": ["decay"]})
+    hs, ns, hp, np_ = hand.init(params), native.init(params), params, params
+    for k in range(20):
+        hu, hs = hand.update(grads_at(hp, k), hs, hp)
+        nu, ns = native.update(grads_at(np_, k), ns, np_)
+        hp, np_ = af.apply_updates(hp, hu), af.apply_updates(np_, nu)
+    for a, e in zip(tree_leaves(hp), tree_leaves(np_)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)

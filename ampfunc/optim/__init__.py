@@ -6,7 +6,7 @@ and is re-exported at the top level: ``af.adamw(1e-3)``, ``af.from_torch(torch.o
 """
 
 from ampfunc.optim.accumulate import AccumulateState, accumulate
-from ampfunc.optim.adam import AdamState, adam, adamw
+from ampfunc.optim.adam import AdamState, adam, adamw, scale_by_adam
 from ampfunc.optim.base import FusedSpec
 from ampfunc.optim.clip import clip_by_global_norm, global_norm
 from ampfunc.optim.from_torch import TorchOptimizerState, from_torch
@@ -33,6 +33,7 @@ __all__ = [
     "AdamState",
     "adam",
     "adamw",
+    "scale_by_adam",
     "TorchOptimizerState",
     "from_torch",
     "clip_by_global_norm",

@@ -28,7 +28,7 @@ from ampfunc.optim.base import (
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
-__all__ = ["AdamState", "adam", "adamw"]
+__all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
 
 
 class AdamState(NamedTuple):
@@ -156,3 +156,50 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
     """AdamW as ``torch.optim.AdamW`` computes it: :func:`adam` with decoupled weight decay,
     ``p *= 1 - lr * weight_decay`` before the Adam step. Same state and cost as :func:`adam`."""
     return _make("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """The Adam direction without the learning rate (optax's ``scale_by_adam``), for building
+    optimizers by composition: ``chain(scale_by_adam(), masked(add_decayed_weights(wd), mask),
+    scale_by_learning_rate(lr))`` is AdamW with decay on selected leaves only.
+
+    Per leaf: ``m = lerp(m, g, 1 - b1)``, ``v = b2 v + (1 - b2) g^2``, output
+    ``m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps)``. State: :class:`AdamState` (no
+    ``max_exp_avg_sq``). Same cost as :func:`adam`; no host sync.
+    """
+    _check_hparams("scale_by_adam", 1.0, (b1, b2), eps, 0.0)
+    b1, b2 = float(b1), float(b2)
+
+    def init(params):
+        float_leaves_with_paths(params, "params")
+        zeros = lambda: tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)  # noqa: E731
+        return AdamState(torch.zeros((), dtype=torch.float32, device=step_device(params)), zeros(), zeros(), None)
+
+    def update(updates, state, params=None):
+        if not isinstance(state, AdamState):
+            raise TypeError(f"scale_by_adam: state is {type(state).__name__}, expected AdamState")
+        gs, _ = checked_inputs(updates, None, state.exp_avg, "state.exp_avg", "scale_by_adam")
+        ms, vs = tree_flatten(state.exp_avg)[0], tree_flatten(state.exp_avg_sq)[0]
+        step = state.step + 1
+        step64 = step.to(torch.float64)
+        inv_bc1 = (1 / (1 - torch.pow(b1, step64))).to(torch.float32)
+        bc2_sqrt = (1 - torch.pow(b2, step64)).sqrt().to(torch.float32)
+        n = len(gs)
+        out, new_m, new_v = [None] * n, [None] * n, [None] * n
+        for dev, idx in device_groups(gs).items():
+            g = as_fp32([gs[i] for i in idx])
+            m = torch._foreach_lerp([ms[i] for i in idx], g, 1 - b1)
+            v = torch._foreach_mul([vs[i] for i in idx], b2)
+            torch._foreach_addcmul_(v, g, g, value=1 - b2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, on(bc2_sqrt, dev))
+            torch._foreach_add_(denom, eps)
+            direction = torch._foreach_mul(m, on(inv_bc1, dev))
+            torch._foreach_div_(direction, denom)
+            for j, i in enumerate(idx):
+                out[i], new_m[i], new_v[i] = direction[j], m[j], v[j]
+        unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
+        new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v), None)
+        return tree_unflatten(tree_structure(updates), out), new_state
+
+    return GradientTransformation(init, update)
