@@ -566,8 +566,35 @@ def test_custom_fwd_bwd_find_the_cpu_device_and_match_torch():
         outs.append(out)
         grads.append((x.grad, w.grad))
     assert outs[0].dtype == torch.float32  # inputs were cast to fp32 and autocast was off inside
+    assert outs[0].grad_fn.fwd_autocast is False and outs[0].grad_fn.fwd_dtype == torch.float32
+    assert outs[0].grad_fn.bwd_autocast is False  # cast_inputs: forward ran without autocast, so does backward
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+class _Scale2(torch.autograd.Function):
+    @staticmethod
+    @torch_amp.custom_fwd
+    def forward(ctx, x):
+        ctx.fwd_autocast = torch.is_autocast_enabled("cpu")
+        return x * 2
+
+    @staticmethod
+    @torch_amp.custom_bwd
+    def backward(ctx, g):
+        ctx.bwd_autocast = torch.is_autocast_enabled("cpu")
+        ctx.bwd_dtype = torch.get_autocast_dtype("cpu")
+        return g * 2
+
+
+def test_custom_bwd_runs_backward_in_the_forward_autocast_state():
+    x = torch.ones(3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _Scale2.apply(x)
+    out.sum().backward()  # called outside the autocast region
+    assert out.grad_fn.fwd_autocast is True
+    assert out.grad_fn.bwd_autocast is True and out.grad_fn.bwd_dtype == torch.bfloat16
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
 def test_custom_fwd_accepts_a_policy_for_cast_inputs():
