@@ -239,3 +239,18 @@ def test_adamw_built_from_scale_by_adam_with_masked_decay_tracks_native_adamw():
         hp, np_ = af.apply_updates(hp, hu), af.apply_updates(np_, nu)
     for a, e in zip(tree_leaves(hp), tree_leaves(np_)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_inside_mixed_precision_an_overflowing_mini_step_is_skipped_and_not_counted():
+    params = af.tree_cast(make_params(), torch.float16)
+    tx = af.mixed_precision(af.accumulate(af.adamw(1e-3), every_k=2), loss_scale=af.DynamicLossScale(init_scale=2.0 ** 10))
+    state = tx.init(params)
+    counters = []
+    for k in range(5):
+        grads = af.tree_map(lambda g: (g * 2.0 ** 10).to(torch.float16), grads_at(make_params(), k))
+        if k == 2:
+            grads["w"][0, 0] = float("inf")
+        params, state = tx.step(params, grads, state)
+        counters.append((state.inner.mini_step.item(), state.inner.inner.step.item()))
+    # (mini-steps pending, inner steps applied): the overflow at k=2 changes neither
+    assert counters == [(1, 0.0), (0, 1.0), (0, 1.0), (1, 1.0), (0, 2.0)]
