@@ -243,7 +243,8 @@ def test_adamw_built_from_scale_by_adam_with_masked_decay_tracks_native_adamw():
 
 def test_inside_mixed_precision_an_overflowing_mini_step_is_skipped_and_not_counted():
     params = af.tree_cast(make_params(), torch.float16)
-    tx = af.mixed_precision(af.accumulate(af.adamw(1e-3), every_k=2), loss_scale=af.DynamicLossScale(init_scale=2.0 ** 10))
+    tx = af.mixed_precision(af.accumulate(af.adamw(1e-3), every_k=2),
+                            loss_scale=af.DynamicLossScale(init_scale=2.0 ** 10))
     state = tx.init(params)
     counters = []
     for k in range(5):
