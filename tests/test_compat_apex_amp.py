@@ -405,3 +405,25 @@ def test_lr_scheduler_wraps_the_patched_step_and_skips_still_work():
     assert opt.param_groups[0]["lr"] == 0.0625
     # one step at lr 0.125 with grad d(sum w0*w1)/dw0 = w1 = [2, 3]
     torch.testing.assert_close(model.weight0.float(), torch.tensor([1.0, 2.0]) - 0.125 * torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_param_group_added_after_initialize_trains_like_the_reference(opt_level):
+    ref0, ref1 = MyModel(1), MyModel(2)
+    ref_opt = torch.optim.SGD([{"params": ref0.parameters(), "lr": 0.25}, {"params": ref1.parameters(), "lr": 0.5}],
+                              momentum=0.125)
+    m0, m1 = MyModel(1), MyModel(2)
+    opt = torch.optim.SGD(m0.parameters(), lr=0.25, momentum=0.125)
+    [m0, m1], opt = amp.initialize([m0, m1], opt, opt_level=opt_level, verbosity=0, loss_scale=4.0)
+    opt.add_param_group({"params": list(m1.parameters()), "lr": 0.5})
+    for _ in range(3):
+        ref_opt.zero_grad()
+        (ref0(X) + ref1(X)).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        with amp.scale_loss(m0(X) + m1(X), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    for p, r in zip(list(m0.parameters()) + list(m1.parameters()), list(ref0.parameters()) + list(ref1.parameters())):
+        torch.testing.assert_close(p.float(), r.detach())
+    assert all(m.dtype == torch.float32 for m in amp.master_params(opt)) == (opt_level != "O3")

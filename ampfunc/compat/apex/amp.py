@@ -298,24 +298,31 @@ class _AmpStash:
         self.all_fp16_params: list[torch.Tensor] = []  # low-precision model params (fp16/bf16)
         self.all_fp32_from_fp16_params: list[torch.Tensor] = []  # their fp32 masters (master_weights only)
         self.all_fp32_params: list[torch.Tensor] = []
+        self.fp16_grad_stash: list = []
+        self.fp32_grad_stash: list = []
         for group in optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                if p.dtype in _LOW and master_weights:
-                    master = p.detach().clone().float()
-                    master.requires_grad = True
-                    group["params"][i] = master
-                    if p in optimizer.state:
-                        optimizer.state[master] = optimizer.state.pop(p)
-                    self.all_fp16_params.append(p)
-                    self.all_fp32_from_fp16_params.append(master)
-                elif p.dtype in _LOW:
-                    self.all_fp16_params.append(p)
-                else:
-                    self.all_fp32_params.append(p)
+            self.ingest_group(optimizer, group)
         if master_weights and self.all_fp16_params:
             optimizer.load_state_dict(optimizer.state_dict())  # recast moved state to fp32
-        self.fp16_grad_stash: list = [None] * len(self.all_fp16_params)
-        self.fp32_grad_stash: list = [None] * len(self.all_fp32_params)
+
+    def ingest_group(self, optimizer: torch.optim.Optimizer, group: dict) -> None:
+        """Sorts a param group's params by dtype; with master weights, swaps fp16/bf16 params for fp32 masters."""
+        for i, p in enumerate(group["params"]):
+            if p.dtype in _LOW and self.master_weights:
+                master = p.detach().clone().float()
+                master.requires_grad = True
+                group["params"][i] = master
+                if p in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(p)
+                self.all_fp16_params.append(p)
+                self.all_fp32_from_fp16_params.append(master)
+                self.fp16_grad_stash.append(None)
+            elif p.dtype in _LOW:
+                self.all_fp16_params.append(p)
+                self.fp16_grad_stash.append(None)
+            else:
+                self.all_fp32_params.append(p)
+                self.fp32_grad_stash.append(None)
 
     # Before a backward: set the current grads aside so that the new ones can be unscaled alone.
     def prepare_backward(self) -> None:
@@ -407,9 +414,16 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool) -> 
         for m in stash.all_fp32_from_fp16_params:
             m.grad = None
 
+    original_add_param_group = optimizer.add_param_group
+
+    def add_param_group(self, param_group):
+        original_add_param_group(param_group)
+        stash.ingest_group(self, self.param_groups[-1])  # new fp16 params get masters too
+
     # Bound methods (not plain functions) so that torch's LR schedulers can wrap them.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
 
 
 # ----------------------------------------------------------------------------------------------
