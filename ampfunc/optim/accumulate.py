@@ -64,9 +64,9 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         apply = mini_step >= every_k
         mean = tree_unflatten(tree_structure(state.grad_sum), [s / every_k for s in new_sums])
         inner_updates, inner_state = inner.update(mean, state.inner, params)
-        updates = tree_map(
-            lambda u: torch.where(apply.to(u.device), u, torch.zeros((), dtype=u.dtype, device=u.device)), inner_updates)
-        kept = [torch.where(apply.to(s.device), torch.zeros((), dtype=s.dtype, device=s.device), s) for s in new_sums]
+        zero = lambda x: torch.zeros((), dtype=x.dtype, device=x.device)  # noqa: E731
+        updates = tree_map(lambda u: torch.where(apply.to(u.device), u, zero(u)), inner_updates)
+        kept = [torch.where(apply.to(s.device), zero(s), s) for s in new_sums]
         new_state = AccumulateState(
             torch.where(apply, torch.zeros_like(mini_step), mini_step),
             tree_unflatten(tree_structure(state.grad_sum), kept),
