@@ -1,0 +1,334 @@
+"""One mixed-precision training step, ampfunc vs what PyTorch users write today.
+
+One run, one process, the same tree for every row. Prints medians, the spread (min-max) and
+ratios: to the memory-bandwidth floor measured in this run, and to the torch baseline.
+
+    python benchmarks/bench_step.py                  # CPU, 200 tensors / 32M elements (issue 3)
+    python benchmarks/bench_step.py --quick          # smoke run: 1M elements, fewer repeats
+    python benchmarks/bench_step.py --device cuda    # the GPU run (benchmarks/gpu_check.sh)
+
+Sections:
+  floor   in-place mul_ (read+write) and sum (read) over one flat fp32 buffer -> bandwidths;
+          the Adam floor is 28 bytes/element (read g, p, m, v; write p, m, v) at the read+write
+          bandwidth, the check floor 4 bytes/element at the read bandwidth.
+  (a)     fp32 full step: ampfunc (check + clip + AdamW + skip + scale update; fused, in place
+          and pure) vs AdamW(fused=True) + GradScaler + clip_grad_norm_ vs AdamW(foreach=True) +
+          GradScaler + clip_grad_norm_.
+  (b)     fp16 model params and grads, fp32 master weights: ampfunc vs the apex FP16_Optimizer
+          recipe written with torch (fp16 grads -> fp32 master grads, unscale, clip, fused AdamW on
+          the master, copy back to fp16).
+  (c)     the bookkeeping alone: ampfunc's read-only check + scale update, ampfunc's out-of-place
+          unscale_and_check, vs GradScaler.unscale_ + update.
+  (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
+          same on one flat buffer; torch fused AdamW + GradScaler + clip for reference).
+
+Gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
+huge so that repeated in-place unscaling and clipping by torch leave the values (and so the
+speed: no denormals) unchanged from one repeat to the next; every kernel still does its work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ampfunc as af  # noqa: E402
+from ampfunc import ops  # noqa: E402
+from ampfunc.flat import flatten  # noqa: E402
+
+MAX_NORM = 1e9  # clipping computed and applied, coefficient 1: values stay put between repeats
+LR = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+class Timer:
+    def __init__(self, device: torch.device, reps: int, warmup: int):
+        self.device, self.reps, self.warmup = device, reps, warmup
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, fn) -> list[float]:
+        for _ in range(self.warmup):
+            fn()
+        self.sync()
+        out = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# trees
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_sizes(total: int, n: int) -> list[int]:
+    """``n`` sizes summing to ``total``, transformer-like: a few big matrices and many small
+    vectors (every 4th leaf is 8x smaller)."""
+    weights = [1.0 if i % 4 else 0.125 for i in range(n)]
+    scale = total / sum(weights)
+    sizes = [max(1, int(w * scale)) for w in weights]
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
+def make_tree(sizes, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return {f"layer{i:05d}": (torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)
+            for i, s in enumerate(sizes)}
+
+
+def torch_grad_scaler(device):
+    return torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=10**9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the contenders
+# ---------------------------------------------------------------------------------------------
+
+
+def ampfunc_step(params, grads, inplace=True):
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(MAX_NORM), af.adamw(LR)),
+                            af.DynamicLossScale(1.0, growth_interval=10**9))
+    state = tx.init(params)
+    box = {"p": params, "s": state}
+    if inplace:
+        def run():
+            box["p"], box["s"] = tx.step_(box["p"], grads, box["s"])
+    else:
+        def run():
+            box["p"], box["s"] = tx.step(box["p"], grads, box["s"])
+    return run
+
+
+def torch_step(params, grads, device, *, fused: bool, clip: bool = True, scaler: bool = True):
+    ps = [p.clone().requires_grad_(True) for p in params.values()]
+    for p, g in zip(ps, grads.values()):
+        p.grad = g.clone()
+    kw = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(ps, lr=LR, **kw)
+    sc = torch_grad_scaler(device) if scaler else None
+    dummy = torch.zeros((), device=device)
+
+    def run():
+        if sc is not None:
+            sc.scale(dummy)  # the scaler's lazy init; the grads stand in for backward()
+            sc.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        if sc is not None:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+    return run
+
+
+def apex_style_step(params16, grads16, device):
+    """apex FP16_Optimizer / amp O2 written with torch: fp32 master params own the optimizer."""
+    model = list(params16.values())
+    model_grads = list(grads16.values())
+    master = [p.detach().float().requires_grad_(True) for p in model]
+    for m in master:
+        m.grad = torch.zeros_like(m)
+    master_grads = [m.grad for m in master]
+    opt = torch.optim.AdamW(master, lr=LR, fused=True)
+    sc = torch_grad_scaler(device)
+    dummy = torch.zeros((), device=device)
+
+    def run():
+        sc.scale(dummy)
+        torch._foreach_copy_(master_grads, model_grads)  # fp16 grads -> fp32 master grads
+        sc.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(master, MAX_NORM, foreach=True)
+        sc.step(opt)
+        sc.update()
+        with torch.no_grad():
+            torch._foreach_copy_(model, master)  # master -> fp16 model params
+    return run
+
+
+def ampfunc_bookkeeping(grads, device, out_of_place=False):
+    ls = af.DynamicLossScale(1.0, growth_interval=10**9, device=device)
+    leaves = list(grads.values())
+    if out_of_place:
+        box = {"ls": ls}
+
+        def run():
+            _, finite = af.unscale_and_check(grads, box["ls"])
+            box["ls"] = af.update_scale(box["ls"], finite)
+        return run
+
+    def run():
+        finite, _ = ops.check(leaves)
+        ls.adjust_(finite)
+    return run
+
+
+def grad_scaler_bookkeeping(params, grads, device):
+    ps = [p.clone().requires_grad_(True) for p in params.values()]
+    for p, g in zip(ps, grads.values()):
+        p.grad = g.clone()
+    opt = torch.optim.SGD(ps, lr=LR)
+    sc = torch_grad_scaler(device)
+    dummy = torch.zeros((), device=device)
+
+    def run():
+        sc.scale(dummy)
+        sc.unscale_(opt)
+        sc.update()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def section(self, title):
+        self.rows.append(("section", title))
+
+    def add(self, name, times, floor_ms=None, baseline=None, note=""):
+        med = statistics.median(times)
+        self.rows.append(("row", name, med, min(times), max(times),
+                          med / floor_ms if floor_ms else None, baseline / med if baseline else None, note))
+        return med
+
+    def print(self):
+        head = f"{'':58s} {'median ms':>10s} {'min-max ms':>17s} {'x floor':>8s} {'speedup':>8s}"
+        print(head)
+        print("-" * len(head))
+        for r in self.rows:
+            if r[0] == "section":
+                print(f"\n{r[1]}")
+                continue
+            _, name, med, lo, hi, xf, sp, note = r
+            xf_s = f"{xf:8.2f}" if xf is not None else " " * 8
+            sp_s = f"{sp:7.2f}x" if sp is not None else " " * 8
+            print(f"  {name:56s} {med:10.2f} {f'{lo:.2f}-{hi:.2f}':>17s} {xf_s} {sp_s}  {note}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="1M elements, 3 repeats: a smoke run")
+    ap.add_argument("--elements", type=int, default=None, help="total elements (default 32M; 1M with --quick)")
+    ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--many", type=int, default=10_000, help="tensor count of section (d)")
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    total = args.elements or (2**20 if args.quick else 32 * 2**20)
+    reps = args.reps or (3 if args.quick else 7)
+    timer = Timer(device, reps=reps, warmup=1 if args.quick else 2)
+    backend = ops.load()
+
+    print(f"# bench_step  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
+    print(f"# machine: {platform.node()} | {platform.processor() or platform.machine()} | "
+          f"{os.cpu_count()} CPUs (torch threads {torch.get_num_threads()})"
+          + (f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
+    print(f"# torch {torch.__version__} | python {platform.python_version()} | ampfunc backend: {backend}")
+    print(f"# command: python {' '.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))}")
+    print(f"# tree: {args.tensors} tensors, {total / 2**20:.1f}M elements; median of {reps} (min-max); "
+          f"'x floor' = time / floor, 'speedup' = torch baseline time / this time\n")
+
+    table = Table()
+
+    # floor ---------------------------------------------------------------------------------
+    table.section("floor: one flat fp32 buffer")
+    buf = torch.randn(total, device=device)
+    t_mul = table.add("x.mul_(1.0)  (read + write, 8 B/elem)", timer(lambda: buf.mul_(1.0)))
+    t_sum = table.add("x.sum()      (read, 4 B/elem)", timer(lambda: buf.sum()))
+    del buf
+    bw_rw = 8 * total / (t_mul * 1e-3) / 1e9
+    bw_r = 4 * total / (t_sum * 1e-3) / 1e9
+    adam_floor = 28 * total / (bw_rw * 1e9) * 1e3
+    check_floor = 4 * total / (bw_r * 1e9) * 1e3
+    print(f"# bandwidth: read+write {bw_rw:.1f} GB/s, read {bw_r:.1f} GB/s; Adam floor {adam_floor:.2f} ms, "
+          f"check floor {check_floor:.2f} ms")
+
+    sizes = tree_sizes(total, args.tensors)
+
+    # (a) fp32 ------------------------------------------------------------------------------
+    table.section(f"(a) fp32 params and grads, full step (x floor: Adam floor {adam_floor:.1f} ms)")
+    params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
+    t_fused = table.add("torch AdamW(fused) + GradScaler + clip_grad_norm_",
+                        timer(torch_step(params, grads, device, fused=True)), adam_floor)
+    table.add("torch AdamW(foreach) + GradScaler + clip_grad_norm_",
+              timer(torch_step(params, grads, device, fused=False)), adam_floor, t_fused)
+    table.add("torch AdamW(fused) alone (no scaler, no clip)",
+              timer(torch_step(params, grads, device, fused=True, clip=False, scaler=False)), adam_floor, t_fused)
+    table.add("ampfunc mixed_precision(clip+adamw).step_ (in place)",
+              timer(ampfunc_step({k: v.clone() for k, v in params.items()}, grads)), adam_floor, t_fused)
+    table.add("ampfunc mixed_precision(clip+adamw).step (pure)",
+              timer(ampfunc_step({k: v.clone() for k, v in params.items()}, grads, inplace=False)), adam_floor,
+              t_fused, "clones params+state")
+
+    # (c) bookkeeping -----------------------------------------------------------------------
+    table.section(f"(c) bookkeeping alone, fp32 grads (x floor: check floor {check_floor:.1f} ms)")
+    t_gs = table.add("GradScaler.unscale_ + update", timer(grad_scaler_bookkeeping(params, grads, device)),
+                     check_floor)
+    table.add("ampfunc ops.check + DynamicLossScale.adjust_ (read-only)",
+              timer(ampfunc_bookkeeping(grads, device)), check_floor, t_gs)
+    table.add("ampfunc unscale_and_check + update_scale (pure, fp32 out)",
+              timer(ampfunc_bookkeeping(grads, device, out_of_place=True)), check_floor, t_gs)
+    del params, grads
+
+    # (b) fp16 + fp32 master ----------------------------------------------------------------
+    master_floor = (2 + 28 + 2) * total / (bw_rw * 1e9) * 1e3  # + read fp16 g (check), write fp16 p
+    table.section(f"(b) fp16 params and grads, fp32 master weights (x floor: {master_floor:.1f} ms = 32 B/elem)")
+    p16, g16 = make_tree(sizes, torch.float16, device), make_tree(sizes, torch.float16, device, seed=1)
+    t_apex = table.add("apex FP16_Optimizer recipe with torch (fused AdamW on master)",
+                       timer(apex_style_step(p16, g16, device)), master_floor)
+    table.add("ampfunc mixed_precision(clip+adamw).step_ (master in state)",
+              timer(ampfunc_step({k: v.clone() for k, v in p16.items()}, g16)), master_floor, t_apex)
+    del p16, g16
+
+    # (d) many small tensors ----------------------------------------------------------------
+    table.section(f"(d) {args.many} small tensors vs {args.tensors} large, same {total / 2**20:.1f}M elements")
+    t_few = None
+    for n in (args.tensors, args.many):
+        s = tree_sizes(total, n)
+        params, grads = make_tree(s, torch.float32, device), make_tree(s, torch.float32, device, seed=1)
+        times = timer(ampfunc_step(params, grads))
+        note = "" if t_few is None else f"{statistics.median(times) / t_few:.2f}x the {args.tensors}-tensor time"
+        med = table.add(f"ampfunc step_, {n} tensors", times, adam_floor, None, note)
+        t_few = med if t_few is None else t_few
+        if n == args.many:
+            flat_p, flat_g = flatten(params), flatten(grads)
+            table.add(f"ampfunc step_, {n} tensors flattened to 1 buffer (af.flatten)",
+                      timer(ampfunc_step(flat_p.buffers, flat_g.buffers)), adam_floor)
+            table.add(f"torch AdamW(fused) + GradScaler + clip, {n} tensors",
+                      timer(torch_step(params, grads, device, fused=True)), adam_floor)
+        del params, grads
+
+    print()
+    table.print()
+
+
+if __name__ == "__main__":
+    main()
