@@ -82,6 +82,7 @@ from ampfunc.functional import (  # noqa: F401,E402
     TrainState,
     TrainStep,
     ValueAndGrad,
+    apply_module,
     clip_per_example,
     copy_to_module,
     make_train_step,

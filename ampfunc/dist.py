@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ampfunc import ops
 from ampfunc.mixed import agree_finite
 from ampfunc.transform import EmptyState, GradientTransformation
-from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_structure, tree_unflatten
+from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = [
     "DistEnv",

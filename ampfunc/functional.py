@@ -22,7 +22,7 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.func import functional_call
@@ -33,6 +33,7 @@ from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
+    "apply_module",
     "ValueAndGrad",
     "value_and_grad",
     "clip_per_example",
@@ -42,6 +43,19 @@ __all__ = [
     "make_train_step",
     "copy_to_module",
 ]
+
+
+def apply_module(model: torch.nn.Module, params: PyTree, buffers: PyTree, *args, **kwargs) -> tuple[Any, PyTree]:
+    """``(output, new_buffers)``: ``model(*args, **kwargs)`` run with ``params`` and ``buffers``.
+
+    A pure forward through ``torch.func.functional_call``: the buffers are copied first, so
+    what the forward writes into them (BatchNorm's running statistics, ``num_batches_tracked``)
+    lands in ``new_buffers`` and the given ``buffers`` stay untouched. Differentiable in
+    ``params``; usable under ``torch.func.grad``, ``vmap`` (without BatchNorm in training mode)
+    and ``torch.compile``. Cost: one copy of the buffers (small next to the params).
+    """
+    new_buffers = tree_map(lambda b: b.clone() if isinstance(b, torch.Tensor) else b, buffers)
+    return functional_call(model, (params, new_buffers), args, kwargs), new_buffers
 
 
 class ValueAndGrad(NamedTuple):
@@ -266,19 +280,19 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         return TrainState(params, buffers, tx.init(params), loss_scale.to(device))
 
     def loss_of(params, buffers, *batch):
-        # Fresh buffers: BatchNorm updates its running statistics in place, and a pure step must
-        # not touch the state it was given.
-        buffers = tree_map(lambda b: b.clone(), buffers)
         compute_params = cast_params(params, compute_dtype, keep=keep)
+        new_buffers = [buffers]
 
         def forward(*inputs, **kwargs):
             inputs, kwargs = policy.cast_to_compute((inputs, kwargs))
-            out = functional_call(model, (compute_params, buffers), inputs, kwargs)
+            # Each forward works on copies of the buffers it is given, so a pure step never
+            # touches the state it was handed; the last forward's buffers are the new ones.
+            out, new_buffers[0] = apply_module(model, compute_params, new_buffers[0], *inputs, **kwargs)
             return policy.cast_to_output(out)
 
         out = loss_fn(forward, *batch)
         loss, aux = out if has_aux else (out, ())
-        return loss, (buffers, aux)
+        return loss, (new_buffers[0], aux)
 
     grad_fn = value_and_grad(loss_of, has_aux=True, group=group)
 

@@ -26,7 +26,7 @@ from ampfunc.functional import _reject_mixed_precision
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import scale_loss, skip_or_apply, unscale_and_check, update_scale
 from ampfunc.transform import GradientTransformation, apply_updates
-from ampfunc.tree import PyTree, check_same_structure, tree_leaves, tree_map
+from ampfunc.tree import check_same_structure, tree_leaves, tree_map
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 

@@ -6,7 +6,6 @@ reference run of the same global batch, and writes what it saw to ``OUTDIR/rank{
 test to compare. An inf is injected into the gradients of rank 1 only, at ``INJECT_STEP``.
 """
 
-import copy
 import os
 import sys
 

@@ -39,8 +39,20 @@ def batches(n, size=8, seed=1):
 
 
 # ----------------------------------------------------------------------------------------------
-# value_and_grad
+# apply_module and value_and_grad
 # ----------------------------------------------------------------------------------------------
+
+
+def test_apply_module_returns_the_output_and_new_buffers_and_leaves_its_inputs_untouched():
+    model = mlp()
+    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    x, _ = batches(1)[0]
+    out, new_buffers = af.apply_module(model, params, buffers, x)
+    model.train()
+    assert torch.allclose(out, model(x))
+    for k, b in model.named_buffers():
+        assert torch.equal(new_buffers[k], b), k
+    assert torch.equal(buffers["1.running_var"], torch.ones(16)) and int(buffers["1.num_batches_tracked"]) == 0
 
 
 def test_value_and_grad_returns_exact_loss_and_fp32_grads_of_the_unscaled_loss():
@@ -91,8 +103,8 @@ def test_value_and_grad_has_aux_hands_back_functionally_updated_batchnorm_buffer
     x, y = batches(1)[0]
 
     def loss_fn(p, b, x, y):
-        b = af.tree_map(torch.clone, b)
-        return F.cross_entropy(functional_call(model, (p, b), (x,)), y), b
+        out, new_b = af.apply_module(model, p, b, x)
+        return F.cross_entropy(out, y), new_b
 
     (loss, new_buffers), grads, finite = af.value_and_grad(loss_fn, has_aux=True)(
         af.DynamicLossScale(), params, buffers, x, y)
@@ -218,8 +230,8 @@ def test_func_grad_with_batchnorm_and_dropout_matches_the_gradscaler_loop():
     ls = af.DynamicLossScale(2.0**10, growth_interval=2, min_scale=0.0, max_scale=math.inf)
 
     def loss_fn(p, b, x, y, w):
-        b = af.tree_map(torch.clone, b)
-        return F.cross_entropy(functional_call(model, (p, b), (x,)), y) * w, b
+        out, new_b = af.apply_module(model, p, b, x)
+        return F.cross_entropy(out, y) * w, new_b
 
     vg = af.value_and_grad(loss_fn, has_aux=True)
     ref_model.train()
