@@ -89,3 +89,5 @@ from ampfunc.functional import (  # noqa: F401,E402
     value_and_grad,
 )
 from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402
+# -- migration facades (ampfunc/compat/): torch.amp.GradScaler now, apex on first use
+from ampfunc import compat  # noqa: F401,E402
