@@ -8,7 +8,6 @@ generic pure path.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
@@ -123,10 +122,6 @@ def on(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor) and x.device != device:
         return x.to(device, non_blocking=True)
     return x
-
-
-def is_finite_float(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def device_groups(tensors: list) -> dict:
