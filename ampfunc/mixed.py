@@ -263,15 +263,9 @@ def _clone(x):
 
 
 def _fused_plan(inner: GradientTransformation):
-    """The fused kernel plan for ``inner`` (``ampfunc.fused``), or None for the generic path."""
-    import importlib
+    """The fused kernel plan for ``inner`` (see ``ampfunc.fused``), or None for the generic path."""
+    from ampfunc import fused  # imported late: fused builds on ops and the optimizer specs
 
-    try:
-        fused = importlib.import_module("ampfunc.fused")
-    except ModuleNotFoundError as e:  # until ampfunc/fused.py lands, everything runs generic
-        if e.name != "ampfunc.fused":
-            raise
-        return None
     return fused.plan_for(inner)
 
 
