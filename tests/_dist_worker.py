@@ -101,6 +101,24 @@ def scenario_ddp(env, out):
     out.update(functional_grads=grads, functional_full_grads=full_grads,
                functional_finite=(bool(finite_clean), bool(finite_poisoned)))
 
+    # make_train_step(group=): each rank steps on its rows, the run equals one process on all rows.
+    def step_loss(forward, x, y, w):
+        return F.cross_entropy(forward(x), y) * w
+
+    def run_steps(group, rows):
+        train = af.make_train_step(net(), step_loss, af.adam(1e-2), loss_scale=loss_scale(), group=group)
+        state, finite = train.init(), []
+        for step, (x, y) in enumerate(global_batches()):
+            poisoned = step == INJECT_STEP and (group is None or env.rank == 1)
+            w = torch.tensor(float("inf") if poisoned else 1.0)
+            state, o = train.step(state, *rows(x, y), w)
+            finite.append(bool(o.finite))
+        return state.params, finite, float(state.loss_scale.loss_scale)
+
+    mine = run_steps(env.group, lambda x, y: (my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)))
+    single = run_steps(None, lambda x, y: (x, y))
+    out.update(train_step=mine, train_step_reference=single)
+
 
 def shard(model):
     try:

@@ -103,6 +103,19 @@ def test_value_and_grad_with_a_group_averages_grads_and_agrees_on_finite(ddp):
         assert torch.equal(ddp[0]["functional_grads"][k], ddp[1]["functional_grads"][k])
 
 
+@slow
+def test_make_train_step_with_a_group_equals_one_process_on_the_global_batch(ddp):
+    ref_params, ref_finite, ref_scale = ddp[0]["train_step_reference"]
+    assert ref_finite == EXPECTED_FINITE
+    for out in ddp:
+        params, finite, scale = out["train_step"]
+        assert finite == EXPECTED_FINITE, out["rank"]  # only rank 1's loss was inf
+        assert scale == ref_scale
+    for k, p in ddp[0]["train_step"][0].items():
+        assert torch.equal(p, ddp[1]["train_step"][0][k]), k
+        assert torch.allclose(p, ref_params[k], rtol=1e-5, atol=1e-6), k
+
+
 # ----------------------------------------------------------------------------------------------
 # FSDP2 (fully_shard: DTensor params and grads)
 # ----------------------------------------------------------------------------------------------
