@@ -60,7 +60,7 @@ def _want_cuda() -> bool:
 
 
 def _cpu_flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    flags = ["-O3", "-fopenmp"]  # the C++ standard is cpp_extension's choice (torch 2.13 wants C++20)
     # The cache is per machine, so tune for it: AVX2/AVX-512 let at::vec use 256-bit vectors
     # (kernels.cpp selects CPU_CAPABILITY_AVX2 when the compiler targets AVX2+FMA+F16C).
     if platform.machine().lower() in ("x86_64", "amd64"):
@@ -84,7 +84,9 @@ def _build(with_cuda: bool):
     build_dir = cache_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     verbose = _flag("AMPFUNC_EXT_VERBOSE")
-    if not any(build_dir.glob("*.so")) and not verbose:
+    built = [p.stat().st_mtime for p in build_dir.glob("*.so")]
+    stale = not built or max(Path(f).stat().st_mtime for f in sources) > max(built)
+    if stale and not verbose:  # a (re)build is coming: say so once, it takes a while
         print(f"ampfunc: compiling the {'CPU+CUDA' if with_cuda else 'CPU'} kernels into {build_dir} "
               "(one time, about a minute)...", file=sys.stderr, flush=True)
     cpp_extension.load(
