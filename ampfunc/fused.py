@@ -37,6 +37,7 @@ from ampfunc.tree import PyTree, tree_leaves
 __all__ = ["FusedPlan", "plan_for"]
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
+_MODEL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
 def _spec_parts(spec: Any):
@@ -94,14 +95,16 @@ class FusedPlan:
         if self.kind != "sgd" and self.hparams.get("amsgrad") and opt.max_exp_avg_sq is None:
             return False
         master = getattr(state, "master", None)
+        # mixed_precision.init guarantees float tensor leaves; dtypes decide here. Devices are
+        # checked on the first leaf only: the kernels refuse a stray device with an error that
+        # names the leaf's index, before writing anything.
         ref = tree_leaves(master if master is not None else params)
         dev = opt.step.device
-        if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != dev for t in ref):
+        if ref and (ref[0].device != dev or {t.dtype for t in ref} != {torch.float32}):
             return False
         if master is not None:
-            kinds = (torch.float32, torch.float16, torch.bfloat16)
-            if any(not isinstance(t, torch.Tensor) or t.dtype not in kinds or t.device != dev
-                   for t in tree_leaves(params)):
+            model = tree_leaves(params)
+            if model and (model[0].device != dev or not {t.dtype for t in model} <= _MODEL_DTYPES):
                 return False
         return True
 
