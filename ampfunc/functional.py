@@ -30,7 +30,8 @@ from torch.func import functional_call
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import MixedPrecision, skip_or_apply, unscale_and_check, update_scale
 from ampfunc.transform import GradientTransformation, apply_updates
-from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from ampfunc.tree import (PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map,
+                          tree_unflatten)
 
 __all__ = [
     "apply_module",

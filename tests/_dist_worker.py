@@ -115,7 +115,8 @@ def scenario_ddp(env, out):
             finite.append(bool(o.finite))
         return state.params, finite, float(state.loss_scale.loss_scale)
 
-    mine = run_steps(env.group, lambda x, y: (my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)))
+    mine = run_steps(env.group, lambda x, y: (my_rows(x, env.rank, env.world_size),
+                                              my_rows(y, env.rank, env.world_size)))
     single = run_steps(None, lambda x, y: (x, y))
     out.update(train_step=mine, train_step_reference=single)
 

@@ -276,7 +276,8 @@ def test_make_train_step_is_the_primitive_loop_packaged():
 
     train = af.make_train_step(model, loss_fn, tx, loss_scale=ls)
     state = train.init()
-    params, buffers, opt_state = clone(af.params_of(model)), clone(af.buffers_of(model)), tx.init(clone(af.params_of(model)))
+    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    opt_state = tx.init(params)
 
     def manual_loss(p, b, x, y, w):
         b = af.tree_map(torch.clone, b)
