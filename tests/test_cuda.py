@@ -9,6 +9,8 @@ into launches) without a GPU.
 
 from __future__ import annotations
 
+import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,6 +35,56 @@ def needs_cuda(test):
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 7, 4099, CHUNK, 3 * CHUNK + 17]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers (any device)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rand(numel, dtype, gen, scale=1.0):
+    x = torch.randn(numel, generator=gen, device=gen.device, dtype=torch.float32) * scale
+    return x.to(dtype)
+
+
+def _poison(x, gen, count):
+    """Puts NaN/+inf/-inf at `count` random positions and always at the last element."""
+    if x.numel() == 0:
+        return x
+    values = torch.tensor([float("nan"), float("inf"), float("-inf")], device=x.device, dtype=x.dtype)
+    pos = torch.randint(0, x.numel(), (count,), generator=gen, device=x.device)
+    pos = torch.cat([pos, torch.tensor([x.numel() - 1], device=x.device)])
+    which = torch.randint(0, 3, (pos.numel(),), generator=gen, device=x.device)
+    x.view(-1)[pos] = values[which]
+    return x
+
+
+def _gen(seed, device="cuda"):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.is_floating_point():
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(a, b)
+
+
+ADAM_CASES = [
+    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, adamw=False),
+    dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, amsgrad=False, maximize=False, adamw=False),
+    dict(lr=3e-3, betas=(0.8, 0.999), eps=1e-8, weight_decay=5e-2, amsgrad=False, maximize=False, adamw=True),
+    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=True, maximize=True, adamw=True),
+    dict(lr=1e-2, betas=(0.3, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=True, maximize=False, adamw=False),
+]
+SGD_CASES = [
+    dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2, nesterov=False, maximize=False),
+    dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True, maximize=False),
+    dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=1e-2, nesterov=False, maximize=True),
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +196,466 @@ def test_multi_tensor_apply_visits_every_chunk_once_in_order(layout_harness, dep
 
 
 # ----------------------------------------------------------------------------------------------
+# Host emulation (needs g++ with C++20 and the CUDA headers, not a GPU)
+#
+# The real kernel sources, with each `kernel<<<grid, block, shmem, stream>>>(args)` rewritten
+# into a call of an emulated launch, are compiled as host C++: every block runs with blockDim.x
+# real threads, so barriers, warp shuffles and the block reductions behave as on a GPU, and
+# "device" pointers are plain host memory. The kernels' indexing, vector/tail paths, launch
+# packing, skips and arithmetic are then checked against torch on the CPU through the C ABI.
+# ----------------------------------------------------------------------------------------------
+
+_EMU_H = r"""// Host emulation of the CUDA features the ampfunc kernels use: each launch runs its blocks one
+// after another, each block with blockDim.x real threads, so barriers, shuffles and
+// block reductions behave as on a GPU; "device" memory is host memory.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __shared__
+#undef __forceinline__
+#undef __launch_bounds__
+#undef __grid_constant__
+#define __global__
+#define __device__
+#define __shared__ static
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+
+namespace emu {
+inline thread_local uint3 tid;
+inline thread_local uint3 bid;
+inline dim3 bdim;
+inline std::barrier<>* block_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline unsigned char warp_buf[32][32][8];
+inline std::atomic<int> or_flags[3];
+inline thread_local unsigned or_calls;
+
+template <class F>
+void launch(unsigned grid, unsigned block, size_t, cudaStream_t, F&& fn) {
+  bdim = dim3(block, 1, 1);
+  std::barrier<> bar(block);
+  block_barrier = &bar;
+  warp_barriers.clear();
+  for (unsigned w = 0; w < (block + 31) / 32; ++w)
+    warp_barriers.emplace_back(std::make_unique<std::barrier<>>(block - w * 32 < 32 ? block - w * 32 : 32));
+  for (auto& f : or_flags) f = 0;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t] {
+      tid = make_uint3(t, 0, 0);
+      or_calls = 0;
+      for (unsigned b = 0; b < grid; ++b) {
+        bid = make_uint3(b, 0, 0);
+        fn();
+        bar.arrive_and_wait();
+      }
+    });
+  for (auto& th : threads) th.join();
+  block_barrier = nullptr;
+}
+}  // namespace emu
+
+#define threadIdx (::emu::tid)
+#define blockIdx (::emu::bid)
+#define blockDim (::emu::bdim)
+
+inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+// One barrier per call: call k ORs into flag k%3; flag (k+1)%3, last read in call k-2 (before the
+// barrier of call k-1), is cleared before this barrier for call k+1.
+inline int __syncthreads_or(int p) {
+  const unsigned k = emu::or_calls++;
+  if (threadIdx.x == 0) emu::or_flags[(k + 1) % 3] = 0;
+  if (p) emu::or_flags[k % 3] = 1;
+  __syncthreads();
+  return emu::or_flags[k % 3];
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, int off) {
+  static_assert(sizeof(T) <= 8, "");
+  const unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  std::memcpy(emu::warp_buf[w][lane], &v, sizeof(T));
+  emu::warp_barriers[w]->arrive_and_wait();
+  T r = v;
+  if (lane + off < 32) std::memcpy(&r, emu::warp_buf[w][lane + off], sizeof(T));
+  emu::warp_barriers[w]->arrive_and_wait();
+  return r;
+}
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+using std::isnan;
+using std::isfinite;
+
+#ifdef EMU_RUNTIME
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return cudaSuccess; }
+extern "C" const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
+#endif
+"""
+
+_LAUNCH = re.compile(r"([A-Za-z_]\w*(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(([^;]*?)\);", re.S)
+CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
+
+
+def _cuda_include():
+    for cand in ("/usr/local/cuda/include", "/opt/cuda/include"):
+        if (Path(cand) / "cuda_fp16.h").exists():
+            return cand
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        inc = Path(nvcc).resolve().parents[1] / "include"
+        if (inc / "cuda_fp16.h").exists():
+            return str(inc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx, inc = shutil.which("g++"), _cuda_include()
+    if cxx is None or inc is None:
+        pytest.skip("needs g++ and the CUDA headers")
+    d = tmp_path_factory.mktemp("emu")
+    (d / "emu.h").write_text(_EMU_H)
+    objs, procs = [], []
+    for src in sorted((ROOT / "ext" / "cuda").glob("*.cu")):
+        text, n = _LAUNCH.subn(lambda m: f"::emu::launch({m.group(2)}, [&]() {{ {m.group(1)}({m.group(3)}); }});",
+                               src.read_text())
+        assert n > 0 or "<<<" not in src.read_text()
+        cpp = d / (src.stem + ".cpp")
+        cpp.write_text(text)
+        objs.append(d / (src.stem + ".o"))
+        flags = ["-DEMU_RUNTIME"] if not procs else []  # the runtime stubs go into one object
+        procs.append(subprocess.Popen(
+            [cxx, "-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-ffp-contract=off", "-include", str(d / "emu.h"),
+             *flags, "-I", str(ROOT / "ext" / "cuda"), "-I", inc, "-c", str(cpp), "-o", str(objs[-1])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out = p.communicate(timeout=600)[0]
+        if p.returncode:
+            if "barrier" in out and "No such file" in out:
+                pytest.skip("the C++ library lacks <barrier>")
+            raise AssertionError("emulated build failed:\n" + out[-4000:])
+    lib = d / "libampfunc_emu.so"
+    subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-o", str(lib)], check=True, timeout=120)
+    return _Abi(lib)
+
+
+class _AdamHyper(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("adamw", ctypes.c_int),
+                ("amsgrad", ctypes.c_int), ("maximize", ctypes.c_int)]
+
+
+class _SgdHyper(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("momentum", ctypes.c_double), ("dampening", ctypes.c_double),
+                ("weight_decay", ctypes.c_double), ("nesterov", ctypes.c_int), ("maximize", ctypes.c_int)]
+
+
+_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _p(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _ptrs(ts):
+    return None if ts is None else (ctypes.c_void_p * max(len(ts), 1))(*[t.data_ptr() for t in ts])
+
+
+def _numels(ts):
+    return (ctypes.c_int64 * max(len(ts), 1))(*[t.numel() for t in ts])
+
+
+class _Abi:
+    """The C ABI of ext/cuda/ampfunc_cuda.h through ctypes; arguments are torch tensors."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.ampfunc_cuda_check_workspace_bytes.restype = ctypes.c_int64
+        self.lib.ampfunc_cuda_error_string.restype = ctypes.c_char_p
+
+    def workspace_bytes(self, ts):
+        return self.lib.ampfunc_cuda_check_workspace_bytes(len(ts), _numels(ts))
+
+    def check(self, ts, *, finite=None, sumsq=None, leaf=None, scale=None, accumulate=0, ws_bytes=None, dtype=None):
+        ws_bytes = self.workspace_bytes(ts) if ws_bytes is None else ws_bytes
+        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8)
+        code = _CODE[ts[0].dtype] if dtype is None else dtype
+        return self.lib.ampfunc_cuda_check(len(ts), _ptrs(ts), _numels(ts), code, _p(scale), _p(finite), _p(sumsq),
+                                           _p(leaf), _p(ws), ctypes.c_int64(ws_bytes), accumulate, None)
+
+    def unscale_(self, ts, inv, finite, accumulate=0):
+        return self.lib.ampfunc_cuda_unscale_(len(ts), _ptrs(ts), _numels(ts), _CODE[ts[0].dtype], _p(inv),
+                                              _p(finite), accumulate, None)
+
+    def unscale(self, ts, outs, inv, finite, accumulate=0):
+        return self.lib.ampfunc_cuda_unscale(len(ts), _ptrs(ts), _ptrs(outs), _numels(ts), _CODE[ts[0].dtype],
+                                             _p(inv), _p(finite), accumulate, None)
+
+    def adam(self, grads, params, m, v, vmax, model, step, grad_scale, finite, *, lr_tensor=None, increment=1,
+             lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=False, amsgrad=False, maximize=False):
+        h = _AdamHyper(lr, betas[0], betas[1], eps, weight_decay, int(adamw), int(amsgrad), int(maximize))
+        return self.lib.ampfunc_cuda_adam_step(
+            len(params), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(m), _ptrs(v), _ptrs(vmax),
+            _ptrs(model), _CODE[model[0].dtype] if model else 0, _numels(params), _p(grad_scale), _p(finite),
+            _p(lr_tensor), _p(step), increment, ctypes.byref(h), None)
+
+    def sgd(self, grads, params, bufs, model, step, grad_scale, finite, *, lr_tensor=None, increment=1, lr=0.1,
+            momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+        h = _SgdHyper(lr, momentum, dampening, weight_decay, int(nesterov), int(maximize))
+        return self.lib.ampfunc_cuda_sgd_step(
+            len(params), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(bufs), _ptrs(model),
+            _CODE[model[0].dtype] if model else 0, _numels(params), _p(grad_scale), _p(finite), _p(lr_tensor),
+            _p(step), increment, ctypes.byref(h), None)
+
+    def update_scale(self, scale, gt, ht, finite, *, growth_factor, backoff_factor, growth_interval, min_scale,
+                     max_scale, hysteresis):
+        return self.lib.ampfunc_cuda_update_scale(
+            _p(scale), _p(gt), _p(ht), _p(finite), ctypes.c_double(growth_factor), ctypes.c_double(backoff_factor),
+            ctypes.c_int64(growth_interval), ctypes.c_double(min_scale), ctypes.c_double(max_scale),
+            ctypes.c_int64(hysteresis), None)
+
+
+def _cpu_gen(seed):
+    return _gen(seed, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_emulated_check_flags_and_sum_of_squares(emu, dtype, poisoned):
+    gen = _cpu_gen(1)
+    base = [_rand(n + 1, dtype, gen, 3.0) for n in (0, 1, 7, 4099, 3 * CHUNK + 17)]
+    tensors = [b[1:] if i % 2 else b[:-1] for i, b in enumerate(base)]  # odd ones misaligned for vectors
+    if poisoned:
+        _poison(tensors[3], gen, 2)
+    before = [t.clone() for t in tensors]
+    finite, sumsq = torch.zeros((), dtype=torch.bool), torch.full((), -1.0)
+    leaf = torch.full((len(tensors),), True)
+    assert emu.check(tensors, finite=finite, sumsq=sumsq, leaf=leaf) == 0
+    expected_leaf = torch.tensor([not bool(torch.isfinite(t).all()) for t in tensors])
+    assert torch.equal(leaf, expected_leaf) and bool(finite) == (not poisoned)
+    if poisoned:
+        assert not torch.isfinite(sumsq)
+    else:
+        exact = sum(float(t.double().square().sum()) for t in tensors)
+        assert float(sumsq) == pytest.approx(exact, rel=1e-6)
+    for t, b in zip(tensors, before):
+        _same_bits(t, b)
+
+
+def test_emulated_check_accumulates_scales_and_is_deterministic(emu):
+    gen = _cpu_gen(2)
+    a = [_rand(n, torch.float16, gen) for n in (5, CHUNK + 3)]
+    b = [_rand(n, torch.float32, gen) for n in (2 * CHUNK + 1, 9)]
+    scale = torch.tensor(0.5)
+    finite, sumsq = torch.zeros((), dtype=torch.bool), torch.full((), 123.0)
+    assert emu.check(a, finite=finite, sumsq=sumsq, scale=scale) == 0  # overwrites
+    first = sumsq.clone()
+    assert emu.check(b, finite=finite, sumsq=sumsq, scale=scale, accumulate=1) == 0  # adds
+    exact = sum(float((t.double() * 0.5).square().sum()) for t in a + b)
+    assert bool(finite) and float(sumsq) == pytest.approx(exact, rel=1e-6)
+    again = torch.full((), 7.0)
+    assert emu.check(a, sumsq=again, scale=scale) == 0
+    _same_bits(again, first)
+    _poison(b[1], gen, 0)
+    assert emu.check(b, finite=finite, sumsq=sumsq, accumulate=1) == 0 and not bool(finite)
+    assert emu.check(a, finite=finite, accumulate=1) == 0 and not bool(finite)  # AND keeps it false
+    assert emu.check(a, finite=finite) == 0 and bool(finite)                      # overwrite resets
+    empty_finite, empty_sum = torch.zeros((), dtype=torch.bool), torch.full((), 5.0)
+    assert emu.check([torch.empty(0)], finite=empty_finite, sumsq=empty_sum) == 0
+    assert bool(empty_finite) and float(empty_sum) == 0.0
+
+
+def test_emulated_check_refuses_bad_arguments(emu):
+    ts = [torch.ones(CHUNK + 1)]
+    assert emu.workspace_bytes(ts) == 2 * 2 * 4  # two chunks, two floats each
+    finite = torch.zeros((), dtype=torch.bool)
+    assert emu.check(ts, finite=finite, ws_bytes=8) == CUDA_INVALID_VALUE
+    assert emu.check(ts, finite=finite, dtype=7) == CUDA_INVALID_VALUE
+    assert b"" != emu.lib.ampfunc_cuda_error_string(CUDA_INVALID_VALUE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_unscale_in_place_and_out_of_place(emu, dtype):
+    gen = _cpu_gen(3)
+    base = [_rand(n + 1, dtype, gen, 1000.0) for n in (1, 7, 4099, 2 * CHUNK + 5)]
+    tensors = [b[1:] if i % 2 else b[:-1] for i, b in enumerate(base)]
+    _poison(tensors[2], gen, 1)
+    inv = torch.tensor(1.0 / 3072.0)
+    expected = [(t.float() * inv).to(dtype) for t in tensors]
+    outs = [torch.full(t.shape, -5.0) for t in tensors]
+    finite = torch.ones((), dtype=torch.bool)
+    before = [t.clone() for t in tensors]
+    assert emu.unscale(tensors, outs, inv, finite) == 0 and not bool(finite)
+    for o, t, b in zip(outs, tensors, before):
+        _same_bits(o, b.float() * inv)
+        _same_bits(t, b)
+    finite = torch.zeros((), dtype=torch.bool)
+    clean = tensors[:2] + tensors[3:]
+    assert emu.unscale_(clean, torch.ones(()), finite) == 0 and bool(finite)  # overwrite: set, not AND
+    for t, b in zip(clean, before[:2] + before[3:]):
+        _same_bits(t, b)  # factor 1 keeps the bits
+    assert emu.unscale_(tensors, inv, finite, accumulate=1) == 0 and not bool(finite)
+    for t, e in zip(tensors, expected):
+        _same_bits(t, e)
+    assert emu.unscale_(clean, inv, finite, accumulate=1) == 0 and not bool(finite)  # only ever cleared
+
+
+EMU_STEP_SIZES = [0, 1, 7, 4099, CHUNK + 5]
+
+
+@pytest.mark.parametrize("case", ADAM_CASES, ids=["adam", "adam-l2", "adamw", "adamw-ams-max", "adam-ams-b1low"])
+def test_emulated_adam_matches_torch_optim(emu, case):
+    gen = _cpu_gen(4)
+    p0 = [_rand(n, torch.float32, gen) for n in EMU_STEP_SIZES]
+    ref = [p.clone().requires_grad_(True) for p in p0]
+    cls = torch.optim.AdamW if case["adamw"] else torch.optim.Adam
+    opt = cls(ref, lr=case["lr"], betas=case["betas"], eps=case["eps"], weight_decay=case["weight_decay"],
+              amsgrad=case["amsgrad"], maximize=case["maximize"], foreach=False)
+    params = [p.clone() for p in p0]
+    m, v, vmax = ([torch.zeros_like(p) for p in params] for _ in range(3))
+    step, one, yes = torch.zeros(()), torch.ones(()), torch.tensor(True)
+    for _ in range(10):
+        grads = [_rand(p.numel(), torch.float32, gen) for p in params]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        assert emu.adam(grads, params, m, v, vmax if case["amsgrad"] else None, None, step, one, yes,
+                        **{k: case[k] for k in ("lr", "betas", "eps", "weight_decay", "adamw", "amsgrad",
+                                                "maximize")}) == 0
+    assert float(step) == 10.0
+    for p, mi, vi, r in zip(params, m, v, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+        if r.numel():
+            torch.testing.assert_close(mi, opt.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(vi, opt.state[r]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_emulated_adam_low_precision_copy_skip_and_lr_tensor(emu, grad_dtype):
+    gen = _cpu_gen(5)
+    sizes = [1, 7, 4099, CHUNK + 5]
+    p0 = [_rand(n, torch.float32, gen) for n in sizes]
+    ref = [p.clone().requires_grad_(True) for p in p0]
+    opt = torch.optim.AdamW(ref, lr=2e-3, weight_decay=1e-2, foreach=False)
+    params = [p.clone() for p in p0]
+    model = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    step, lr_tensor = torch.zeros(()), torch.tensor(2e-3)
+    grad_scale = torch.tensor(1.0 / 256.0)
+    for k in range(6):
+        grads = [_rand(n, grad_dtype, gen, 256.0) for n in sizes]
+        finite = torch.tensor(k != 3)
+        if k == 3:  # a skipped step: nothing moves, not even the step counter
+            _poison(grads[1], gen, 1)
+            everything = params + m + v + model + [step]
+            before = [t.clone() for t in everything]
+        assert emu.adam(grads, params, m, v, None, model, step, grad_scale, finite, lr_tensor=lr_tensor, lr=99.0,
+                        weight_decay=1e-2, adamw=True) == 0
+        if k == 3:
+            for t, b in zip(everything, before):
+                _same_bits(t, b)
+            continue
+        for r, g in zip(ref, grads):
+            r.grad = g.float() * grad_scale
+        opt.step()
+        for mp, p in zip(model, params):
+            _same_bits(mp, p.to(torch.bfloat16))
+    assert float(step) == 5.0
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+    # increment=0 (not the last dtype group of a step): the counter waits for the last call
+    assert emu.adam(grads, params, m, v, None, None, step, grad_scale, torch.tensor(True), increment=0) == 0
+    assert float(step) == 5.0
+    assert emu.adam(grads, params, m, v, None, None, step, grad_scale, torch.tensor(True), amsgrad=True) \
+        == CUDA_INVALID_VALUE  # amsgrad needs its list
+
+
+@pytest.mark.parametrize("case", SGD_CASES, ids=["momentum-damp-wd", "nesterov", "plain-max"])
+def test_emulated_sgd_matches_torch_optim(emu, case):
+    gen = _cpu_gen(6)
+    p0 = [_rand(n, torch.float32, gen) for n in EMU_STEP_SIZES]
+    ref = [p.clone().requires_grad_(True) for p in p0]
+    opt = torch.optim.SGD(ref, foreach=False, **case)
+    params = [p.clone() for p in p0]
+    bufs = [torch.full_like(p, float("nan")) for p in params]  # never read on the first step
+    model = [torch.empty(p.shape, dtype=torch.float16) for p in params]
+    step, one, yes = torch.zeros(()), torch.ones(()), torch.tensor(True)
+    for _ in range(10):
+        grads = [_rand(p.numel(), torch.float32, gen) for p in params]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        assert emu.sgd(grads, params, bufs if case["momentum"] else None, model, step, one, yes, **case) == 0
+    for p, r, mp in zip(params, ref, model):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+        _same_bits(mp, p.half())
+    if case["momentum"]:
+        for b, r in zip(bufs, ref):
+            if r.numel():
+                torch.testing.assert_close(b, opt.state[r]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+
+
+def test_emulated_many_leaves_span_several_launches(emu):
+    gen = _cpu_gen(7)
+    sizes = [1 + (i * 53) % 300 for i in range(300)]  # > 295 leaves: the Adam lists need two launches
+    grads = [_rand(n, torch.float16, gen, 64.0) for n in sizes]
+    p0 = [_rand(n, torch.float32, gen) for n in sizes]
+    params, rparams = [p.clone() for p in p0], [p.clone() for p in p0]
+    m, v, rm, rv = ([torch.zeros_like(p) for p in p0] for _ in range(4))
+    step, rstep = torch.zeros(()), torch.zeros(())
+    grad_scale, finite = torch.tensor(1.0 / 64.0), torch.tensor(True)
+    assert emu.adam(grads, params, m, v, None, None, step, grad_scale, finite, lr=1e-2, weight_decay=0.1,
+                    adamw=True) == 0
+    ops._ref_adam_step_(rparams, grads, rm, rv, [], [], rstep, grad_scale, finite, 1e-2, 0.9, 0.999, 1e-8, 0.1,
+                        False, True, False)
+    for a, b in zip(params + m + v, rparams + rm + rv):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    leaf = torch.ones(len(grads), dtype=torch.bool)
+    _poison(grads[297], gen, 0)
+    assert emu.check(grads, leaf=leaf) == 0
+    assert leaf.nonzero().flatten().tolist() == [297]
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_emulated_update_scale_follows_the_reference_rule(emu, hysteresis):
+    cfg = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, min_scale=1.0, max_scale=2.0 ** 20,
+               hysteresis=hysteresis)
+    scale, gt = torch.full((), 2.0 ** 18), torch.zeros((), dtype=torch.int32)
+    ht = torch.full((), hysteresis, dtype=torch.int32)
+    rs, rg, rh = scale.clone(), gt.clone(), ht.clone()
+    for f in [1] * 9 + [0, 1, 0, 0, 0, 0] + [0] * 30 + [1] * 7:
+        finite = torch.tensor(bool(f))
+        assert emu.update_scale(scale, gt, ht, finite, **cfg) == 0
+        rs, rg, rh = ops._ref_update_scale(rs, rg, rh, finite, **cfg)
+        _same_bits(scale, rs)
+        _same_bits(gt, rg)
+        _same_bits(ht, rh)
+    big, g1, h1 = torch.full((), 3.0e38), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32)
+    assert emu.update_scale(big, g1, h1, torch.tensor(True), growth_factor=2.0, backoff_factor=0.5,
+                            growth_interval=1, min_scale=0.0, max_scale=float("inf"), hysteresis=1) == 0
+    assert float(big) == pytest.approx(3.0e38) and int(g1) == 0  # an overflowing growth is not applied
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU: helpers
 # ----------------------------------------------------------------------------------------------
 
@@ -155,37 +667,6 @@ def cuda_backend():
     backend = ops.load()
     assert backend == "cpu+cuda", f"compiled CUDA kernels not loaded ({backend}): {ops.backend_reason()}"
     return backend
-
-
-def _rand(numel, dtype, gen, scale=1.0):
-    x = torch.randn(numel, generator=gen, device="cuda", dtype=torch.float32) * scale
-    return x.to(dtype)
-
-
-def _poison(x, gen, count):
-    """Puts NaN/+inf/-inf at `count` random positions and always at the last element."""
-    if x.numel() == 0:
-        return x
-    values = torch.tensor([float("nan"), float("inf"), float("-inf")], device=x.device, dtype=x.dtype)
-    pos = torch.randint(0, x.numel(), (count,), generator=gen, device="cuda")
-    pos = torch.cat([pos, torch.tensor([x.numel() - 1], device="cuda")])
-    which = torch.randint(0, 3, (pos.numel(),), generator=gen, device="cuda")
-    x.view(-1)[pos] = values[which]
-    return x
-
-
-def _gen(seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    return g
-
-
-def _same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.is_floating_point():
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    else:
-        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,13 +831,7 @@ def _flags(finite=True):
     return torch.ones((), device="cuda"), torch.tensor(bool(finite), device="cuda")
 
 
-ADAM_CASES = [
-    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, adamw=False),
-    dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, amsgrad=False, maximize=False, adamw=False),
-    dict(lr=3e-3, betas=(0.8, 0.999), eps=1e-8, weight_decay=5e-2, amsgrad=False, maximize=False, adamw=True),
-    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=True, maximize=True, adamw=True),
-    dict(lr=1e-2, betas=(0.3, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=True, maximize=False, adamw=False),
-]
+
 
 
 @needs_cuda
@@ -447,11 +922,7 @@ def test_fused_adam_matches_reference_op_on_many_leaves_with_scale(cuda_backend)
         _same_bits(a, b.half())
 
 
-SGD_CASES = [
-    dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2, nesterov=False, maximize=False),
-    dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True, maximize=False),
-    dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=1e-2, nesterov=False, maximize=True),
-]
+
 
 
 @needs_cuda
