@@ -1,7 +1,7 @@
 """The fused mixed-precision step: the whole of ``mixed_precision(inner).step_`` in two passes.
 
 :func:`plan_for` recognises an inner transform the kernels can run -- one of ``sgd``, ``adam``,
-``adamw`` with a constant (float) learning rate, optionally preceded by
+``adamw`` (a float learning rate or a schedule, evaluated on the device), optionally preceded by
 ``clip_by_global_norm`` in a ``chain`` -- and returns a :class:`FusedPlan`; anything else
 (``from_torch`` optimizers, schedules, other chains) gets ``None`` and runs through the generic
 pure path. :meth:`FusedPlan.step_` then does, on the device and without a host sync:
@@ -137,9 +137,15 @@ class FusedPlan:
                 norm = sumsq.sqrt() * inv_scale
                 grad_scale = inv_scale * (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
             h = self.hparams
+            lr = h["lr"]
+            if callable(lr):  # a schedule of the applied-step count, evaluated on the device
+                from ampfunc.optim.base import lr_at
+
+                lr = lr_at(lr, opt.step)
+                lr = lr.to(dev, torch.float32) if isinstance(lr, torch.Tensor) else lr
             if self.kind == "sgd":
                 ops.sgd_step_(ref, g, tree_leaves(opt.momentum_buffer) if h.get("momentum", 0) else None, model,
-                              opt.step, grad_scale, finite, lr=h["lr"], weight_decay=h.get("weight_decay", 0.0),
+                              opt.step, grad_scale, finite, lr=lr, weight_decay=h.get("weight_decay", 0.0),
                               momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
                               nesterov=h.get("nesterov", False), maximize=h.get("maximize", False))
             else:
@@ -147,7 +153,7 @@ class FusedPlan:
                 amsgrad = bool(h.get("amsgrad", False))
                 ops.adam_step_(ref, g, tree_leaves(opt.exp_avg), tree_leaves(opt.exp_avg_sq),
                                tree_leaves(opt.max_exp_avg_sq) if amsgrad else None, model, opt.step, grad_scale,
-                               finite, lr=h["lr"], beta1=beta1, beta2=beta2, eps=h.get("eps", 1e-8),
+                               finite, lr=lr, beta1=beta1, beta2=beta2, eps=h.get("eps", 1e-8),
                                weight_decay=h.get("weight_decay", 0.0), amsgrad=amsgrad,
                                decoupled_weight_decay=self.kind == "adamw", maximize=h.get("maximize", False))
             adjust_ = getattr(ls, "adjust_", None)
@@ -158,8 +164,8 @@ class FusedPlan:
 
 def plan_for(inner) -> FusedPlan | None:
     """The :class:`FusedPlan` for ``inner`` (a ``GradientTransformation``), or None when the
-    kernels cannot run it: only ``sgd``/``adam``/``adamw`` with a float ``lr``, alone or as
-    ``chain(clip_by_global_norm(max_norm), opt)``, are fused."""
+    kernels cannot run it: only ``sgd``/``adam``/``adamw`` (float ``lr`` or schedule), alone or
+    as ``chain(clip_by_global_norm(max_norm), opt)``, are fused."""
     fused = getattr(inner, "fused", None)
     if fused is None:
         return None
@@ -172,8 +178,8 @@ def plan_for(inner) -> FusedPlan | None:
     if kind not in _OPTIMIZERS:
         return None
     lr = hparams.get("lr")
-    if callable(lr) or isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        return None  # schedules run through the generic path
+    if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
+        return None
     max_norm = None
     if len(parts) == 2:
         if parts[0][0] != "clip_by_global_norm":

@@ -79,6 +79,13 @@ def _as_list(xs) -> list:
     return [] if xs is None else list(xs)
 
 
+def _split_lr(lr):
+    """``(float lr, None)`` for a number, ``(0.0, 0-d fp32 tensor)`` for a tensor."""
+    if isinstance(lr, torch.Tensor):
+        return 0.0, lr.reshape(()).to(torch.float32)
+    return float(lr), None
+
+
 # ----------------------------------------------------------------------------------------------
 # Read-only checks
 # ----------------------------------------------------------------------------------------------
@@ -196,8 +203,8 @@ def _commit_where(finite, dsts, news) -> None:
         d.copy_(torch.where(finite, n.to(d.dtype), d))
 
 
-def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, weight_decay,
-                   momentum, dampening, nesterov, maximize) -> None:
+def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
+                   weight_decay, momentum, dampening, nesterov, maximize) -> None:
     params, grads = list(params), list(grads)
     finite = finite.reshape(()).to(torch.bool)
     if params:
@@ -214,7 +221,10 @@ def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_sca
             torch._foreach_add_(bufs, g, alpha=1 - dampening)
             bufs = [torch.where(first, gi, bi) for gi, bi in zip(g, bufs)]
             g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
-        new_p = torch._foreach_add(params, g, alpha=-lr)
+        if lr_tensor is None:
+            new_p = torch._foreach_add(params, g, alpha=-lr)
+        else:  # a schedule's value, on the device
+            new_p = torch._foreach_add(params, torch._foreach_mul(g, lr_tensor.reshape(()).to(torch.float32).neg()))
         _commit_where(finite, params, new_p)
         if momentum != 0:
             _commit_where(finite, momentum_buffers, bufs)
@@ -222,7 +232,7 @@ def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_sca
     step.copy_(torch.where(finite, step + 1, step))
 
 
-def sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, *, lr: float,
+def sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, *, lr,
               weight_decay: float = 0.0, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
               maximize: bool = False) -> None:
     """One ``torch.optim.SGD`` step over fp32 ``params``, in place, in one pass.
@@ -233,16 +243,19 @@ def sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, f
     ``model_params`` (one per param, fp16/bf16/fp32) is given it receives the new params rounded
     to its dtype in the same pass. When the 0-d bool ``finite`` is false nothing is written:
     params, buffers, model copy and ``step`` (0-d fp32, incremented otherwise) stay bit-identical.
+    ``lr`` is a float or a 0-d tensor on the params' device (a schedule's value: read by the
+    kernel on the device, so no host sync and no recompilation when it changes).
     Cost: reads grad, param (+buffer), writes param (+buffer, +model copy); no host sync.
     """
     _ensure()
+    lr, lr_tensor = _split_lr(lr)
     torch.ops.ampfunc.sgd_step_(list(params), list(grads), _as_list(momentum_buffers), _as_list(model_params),
-                                step, grad_scale, finite, float(lr), float(weight_decay), float(momentum),
+                                step, grad_scale, finite, lr, lr_tensor, float(weight_decay), float(momentum),
                                 float(dampening), bool(nesterov), bool(maximize))
 
 
 def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
-                    lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize) -> None:
+                    lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize) -> None:
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     finite = finite.reshape(()).to(torch.bool)
     t = step + 1  # fp32, as torch's `step_t += 1`
@@ -251,9 +264,11 @@ def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model
         if maximize:
             g = torch._foreach_neg(g)
         base = params
+        lr64 = lr if lr_tensor is None else lr_tensor.reshape(()).to(torch.float64)
         if weight_decay != 0:
             if decoupled_weight_decay:
-                base = torch._foreach_mul(params, 1 - lr * weight_decay)
+                decay = 1 - lr64 * weight_decay
+                base = torch._foreach_mul(params, decay if lr_tensor is None else decay.to(torch.float32))
             else:
                 g = torch._foreach_add(g, params, alpha=weight_decay)
         m = torch._foreach_lerp(exp_avgs, g, 1 - beta1)
@@ -262,7 +277,7 @@ def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model
         # Bias corrections in double from the fp32 step, as torch's `beta ** _get_value(step)`,
         # but on the device.
         t64 = t.to(torch.float64)
-        neg_step_size = (-(lr / (1 - torch.pow(beta1, t64)))).to(torch.float32)
+        neg_step_size = (-(lr64 / (1 - torch.pow(beta1, t64)))).to(torch.float32)
         bc2_sqrt = (1 - torch.pow(beta2, t64)).sqrt().to(torch.float32)
         vmax = torch._foreach_maximum(list(max_exp_avg_sqs), v) if amsgrad else None
         denom = torch._foreach_sqrt(vmax if amsgrad else v)
@@ -281,7 +296,7 @@ def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model
 
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, *,
-               lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+               lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, decoupled_weight_decay: bool = False, maximize: bool = False) -> None:
     """One ``torch.optim.Adam`` (``decoupled_weight_decay=True``: ``AdamW``) step, in place, in
     one pass, with torch's single-tensor order of operations in fp32.
@@ -291,12 +306,14 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_para
     fp32 lists updated in place; ``step`` is the 0-d fp32 count of applied steps, the bias
     corrections use ``step + 1``. ``model_params`` (optional, one per param) receives the new
     params rounded to its dtype. When ``finite`` is false nothing is written (step included).
+    ``lr``: a float or a 0-d tensor on the params' device (a schedule's value, read on the device).
     Cost: reads g, p, m, v; writes p, m, v (+ model copy); no host sync.
     """
     _ensure()
+    lr, lr_tensor = _split_lr(lr)
     torch.ops.ampfunc.adam_step_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
                                  _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step,
-                                 grad_scale, finite, float(lr), float(beta1), float(beta2), float(eps),
+                                 grad_scale, finite, lr, lr_tensor, float(beta1), float(beta2), float(eps),
                                  float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
 
 
@@ -374,12 +391,14 @@ _SCHEMAS = {
     "unscale": "unscale(Tensor[] tensors, Tensor inv_scale) -> (Tensor[] outs, Tensor finite)",
     "sgd_step_": (
         "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, "
-        "Tensor(d!) step, Tensor grad_scale, Tensor finite, float lr, float weight_decay, float momentum, "
+        "Tensor(d!) step, Tensor grad_scale, Tensor finite, float lr, Tensor? lr_tensor, float weight_decay, "
+        "float momentum, "
         "float dampening, bool nesterov, bool maximize) -> ()"),
     "adam_step_": (
         "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] model_params, Tensor(f!) step, Tensor grad_scale, "
-        "Tensor finite, float lr, float beta1, float beta2, float eps, float weight_decay, bool amsgrad, "
+        "Tensor finite, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
+        "bool amsgrad, "
         "bool decoupled_weight_decay, bool maximize) -> ()"),
     "update_scale_": (
         "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor finite, "

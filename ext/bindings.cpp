@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -174,15 +175,25 @@ void check_step_args(const char* op, TensorList params, TensorList grads, Tensor
   check_scalar(op, "finite", finite, at::kBool, dev);
 }
 
+// The learning rate: the float, or the value of the 0-d fp32 tensor a schedule produced
+// (read in place on the CPU; on CUDA the launchers read it on the device).
+double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tensor, const at::Device& dev) {
+  if (!lr_tensor.has_value() || !lr_tensor->defined()) return lr;
+  check_scalar(op, "lr_tensor", *lr_tensor, at::kFloat, dev);
+  return dev.is_cpu() ? static_cast<double>(lr_tensor->item<float>()) : lr;
+}
+
 void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
-                   double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+                   const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
+                   bool nesterov, bool maximize) {
   const at::Device dev(at::kCPU);
   check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
   if (momentum != 0.0) {
     check_list("sgd_step_", "momentum_buffers", momentum_buffers, dev, true);
     check_same_numel("sgd_step_", "momentum_buffers", momentum_buffers, "params", params);
   }
+  lr = lr_value("sgd_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
   float* step_ptr = step.data_ptr<float>();
@@ -203,8 +214,9 @@ void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buff
 
 void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
                     TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
-                    const Tensor& grad_scale, const Tensor& finite, double lr, double beta1, double beta2,
-                    double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+                    const Tensor& grad_scale, const Tensor& finite, double lr,
+                    const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                    double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
   check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
   check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
@@ -215,6 +227,7 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
     check_list("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
     check_same_numel("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
   }
+  lr = lr_value("adam_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
       m(model_params);
@@ -395,8 +408,11 @@ std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const T
 
 void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
                     const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
-                    double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum,
+                    double dampening, bool nesterov, bool maximize) {
   const at::Device dev = device_of(params, step);
+  lr_value("sgd_step_", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
   const bool has_buf = momentum != 0.0;
   if (has_buf) {
@@ -422,7 +438,7 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
                              nn, pk.ptrs[1].data(), groups[k].first.first, pk.ptrs[0].data(),
                              has_buf ? pk.ptrs[2].data() : nullptr, has_model ? pk.ptrs.back().data() : nullptr,
                              groups[k].first.second, pk.numels.data(), grad_scale.data_ptr<float>(),
-                             reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), nullptr,
+                             reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), lr_ptr,
                              step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
   }
   if (groups.empty()) {  // no leaves: only the step counter moves (when finite)
@@ -435,9 +451,12 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
 
 void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
                      TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
-                     const Tensor& grad_scale, const Tensor& finite, double lr, double beta1, double beta2,
-                     double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+                     const Tensor& grad_scale, const Tensor& finite, double lr,
+                     const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                     double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev = device_of(params, step);
+  lr_value("adam_step_", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
   check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
   check_same_numel("adam_step_", "exp_avgs", exp_avgs, "params", params);
@@ -469,7 +488,7 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
                               pk.ptrs[3].data(), amsgrad ? pk.ptrs[4].data() : nullptr,
                               has_model ? pk.ptrs.back().data() : nullptr, groups[k].first.second,
                               pk.numels.data(), grad_scale.data_ptr<float>(),
-                              reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), nullptr,
+                              reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), lr_ptr,
                               step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
   }
   if (groups.empty()) step.add_(finite.to(at::kFloat));

@@ -182,7 +182,8 @@ SHAPES = [(7,), (1000,), (33, 17), (0,), (1,)]
 def _sgd(backend, params, grads, bufs, model, step, grad_scale, finite, **h):
     h = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, **h}
     if backend == "reference":
-        ops._ref_sgd_step_(params, grads, bufs, model or [], step, grad_scale, finite, h["lr"], h["weight_decay"],
+        lr, lr_tensor = ops._split_lr(h["lr"])
+        ops._ref_sgd_step_(params, grads, bufs, model or [], step, grad_scale, finite, lr, lr_tensor, h["weight_decay"],
                            h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
     else:
         ops.sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h)
@@ -192,8 +193,9 @@ def _adam(backend, params, grads, m, v, vmax, model, step, grad_scale, finite, *
     h = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
          "decoupled_weight_decay": False, "maximize": False, **h}
     if backend == "reference":
+        lr, lr_tensor = ops._split_lr(h["lr"])
         ops._ref_adam_step_(params, grads, m, v, vmax if h["amsgrad"] else [], model or [], step, grad_scale,
-                            finite, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
+                            finite, lr, lr_tensor, h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
                             h["decoupled_weight_decay"], h["maximize"])
     else:
         ops.adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
@@ -296,6 +298,25 @@ def test_skipped_fused_step_leaves_params_moments_model_copy_and_step_bit_identi
         assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
                            b.view(-1).view(torch.uint8) if b.numel() else b)
     assert float(step) == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,h", [OPTIMIZERS[2], OPTIMIZERS[6], OPTIMIZERS[9]])
+def test_a_learning_rate_tensor_gives_the_float_learning_rates_result(backend, kind, h):
+    # A schedule's value arrives as a 0-d fp32 tensor; the kernels read it on the device.
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    twin = [p.clone() for p in params]
+    state, twin_state = _fresh_state(kind, params), _fresh_state(kind, params)
+    step, twin_step = torch.zeros(()), torch.zeros(())
+    one, yes = torch.ones(()), torch.ones((), dtype=torch.bool)
+    lr = float(torch.tensor(h["lr"]))  # representable in fp32, so both forms mean the same number
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        _ours(kind, backend, params, grads, state, step, {**h, "lr": torch.tensor(lr)}, one, yes)
+        _ours(kind, backend, twin, grads, twin_state, twin_step, {**h, "lr": lr}, one, yes)
+    for a, b in zip(params, twin):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the reference rounds p - g*lr twice
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
