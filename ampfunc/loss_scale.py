@@ -50,10 +50,16 @@ def _scalar(value, dtype, device, name) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype, device=device)
 
 
-def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor, what: str):
-    """``(tree in fp32 times inv_scale, finite)``; errors name the non-floating leaf."""
+def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor | None, what: str):
+    """``(tree in fp32 times inv_scale, finite)``; errors name the non-floating leaf.
+
+    ``inv_scale=None`` means no scaling: the leaves are only cast (fp32 leaves are returned as
+    they are) and checked with one read-only pass.
+    """
     _, leaves = float_leaves_with_paths(tree, what)
     _, spec = tree_flatten(tree)
+    if inv_scale is None:
+        return tree_unflatten(spec, [t.to(torch.float32) for t in leaves]), ops.all_finite(leaves)
     outs, finite = ops.unscale(leaves, inv_scale)
     return tree_unflatten(spec, outs), finite
 
@@ -77,9 +83,17 @@ class LossScale:
         loss = _check_loss(loss)
         return loss.to(torch.float32) * self.loss_scale.to(loss.device)
 
+    def inv_scale_on(self, device) -> torch.Tensor:
+        """:attr:`inv_scale` on ``device`` (a no-op move when the scale already lives there)."""
+        return self.inv_scale.to(device)
+
     def unscale(self, tree: PyTree) -> PyTree:
         """Every floating leaf as fp32 times ``inv_scale``: one read and one fp32 write per leaf."""
-        return _fp32_unscaled(tree, self.inv_scale, "unscale")[0]
+        return self.unscale_and_check(tree, "unscale")[0]
+
+    def unscale_and_check(self, tree: PyTree, what: str = "grads") -> tuple[PyTree, torch.Tensor]:
+        """``(fp32 leaves times inv_scale, finite)``; see :func:`ampfunc.unscale_and_check`."""
+        return _fp32_unscaled(tree, self.inv_scale, what)
 
     def adjust(self, finite: torch.Tensor) -> "LossScale":
         return self
@@ -98,8 +112,16 @@ class NoOpLossScale(LossScale):
     def inv_scale(self) -> torch.Tensor:
         return torch.ones((), dtype=torch.float32)
 
+    def inv_scale_on(self, device) -> torch.Tensor:
+        # Made on the device (a fill, no host-to-device copy), so CUDA graph capture works.
+        return torch.ones((), dtype=torch.float32, device=device)
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return _check_loss(loss)
+
+    def unscale_and_check(self, tree: PyTree, what: str = "grads") -> tuple[PyTree, torch.Tensor]:
+        """fp32 casts of the leaves (no multiply) and the finite flag from one read-only pass."""
+        return _fp32_unscaled(tree, None, what)
 
     def to(self, device) -> "NoOpLossScale":
         return self

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, _fp32_unscaled
+from ampfunc.loss_scale import DynamicLossScale, LossScale
 from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,
@@ -93,13 +93,14 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
     """``(grads_fp32 / scale, finite)``.
 
     ``grads`` may hold fp32, fp16 or bf16 leaves (``None`` entries stay ``None``); every result
-    leaf is a new fp32 tensor. ``finite`` is a 0-d bool tensor on the device of the first leaf:
+    leaf is a new fp32 tensor (with :class:`NoOpLossScale`, fp32 leaves are passed through as
+    they are: there is nothing to divide). ``finite`` is a 0-d bool tensor on the device of the first leaf:
     ``True`` when every gradient element was finite. With ``group`` (a ``torch.distributed``
     process group) every rank agrees on ``finite``. Costs one read of the gradients and one fp32
     write; no host sync. A non-floating leaf raises ``TypeError`` naming its path.
     """
     _check_loss_scale(ls, "unscale_and_check")
-    out, finite = _fp32_unscaled(grads, ls.inv_scale, "unscale_and_check: grads")
+    out, finite = ls.unscale_and_check(grads, "unscale_and_check: grads")
     if group is not None:
         finite = agree_finite(finite, group)
     return out, finite

@@ -24,7 +24,6 @@ are averaged with an all-reduce and all ranks agree on skipping through ``group=
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -67,21 +66,12 @@ def load_digits(device):
     return (x[:n_train].to(device), y[:n_train].to(device)), (x[n_train:].to(device), y[n_train:].to(device))
 
 
-def _dist():
-    """(group, rank, world) under torchrun; (None, 0, 1) otherwise."""
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None, 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-
-
 def train(name, epochs=15, batch=64, lr=2e-3, device="cpu", seed=0):
     """Trains one configuration; returns a row of the results table."""
     storage_dtype, make_scale = CONFIGS[name]
-    group, rank, world = _dist()
+    env = af.dist.init_from_env()  # torchrun's environment; one process when WORLD_SIZE is unset
+    group, rank, world = env.group, env.rank, env.world_size
+    device = env.device if group is not None else device
     (x_tr, y_tr), (x_te, y_te) = load_digits(device)
     torch.manual_seed(seed)
     model = MLP().to(device)
@@ -108,11 +98,8 @@ def train(name, epochs=15, batch=64, lr=2e-3, device="cpu", seed=0):
             ls = af.loss_scale_of(state)
             xb, yb = x_tr[idx], y_tr[idx]
             grads = grad(lambda p: af.scale_loss(loss_fn(p, xb, yb), ls))(params)
-            if group is not None:
-                import torch.distributed as dist
-                for t in grads.values():
-                    dist.all_reduce(t, group=group)
-                    t.div_(world)
+            if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
+                grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
             zero_grads += sum((g == 0).sum() for g in grads.values())
             grad_elems += sum(g.numel() for g in grads.values())
             params, state = tx.step(params, grads, state)
@@ -158,7 +145,8 @@ def main(argv=None):
         if name not in CONFIGS:
             ap.error(f"unknown config {name!r}; choose from {list(CONFIGS)}")
         rows.append(train(name, args.epochs, args.batch, args.lr, args.device))
-    _, rank, world = _dist()
+    env = af.dist.init_from_env()
+    rank, world = env.rank, env.world_size
     if rank == 0:
         print(f"ampfunc {af.__version__} on {args.device} (kernels: {af.ops.backend()}, world size {world}), "
               f"digits: {args.epochs} epochs, batch {args.batch}")
