@@ -4,11 +4,15 @@
 #   2. puts this checkout on PYTHONPATH,
 #   3. builds the extension with its CUDA kernels (AMPFUNC_REQUIRE_EXT=1: a failed build fails),
 #   4. runs tests/test_cuda.py and the CUDA tests of the other test files (-k cuda),
-#   5. memcheck/racecheck of every kernel on odd sizes with compute-sanitizer (when present),
-#   6. runs benchmarks/bench_step.py --device cuda,
+#   5. runs benchmarks/bench_step.py --device cuda,
+#   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
+#      compute-sanitizer, when present and time is left,
 #   7. prints a short table.
+# Steps share a budget of GPU_CHECK_BUDGET seconds (default 450): each gets at most what is
+# left, so the whole call ends in time even when a step hangs.
 # Everything is also written to $OUT/gpu_check.log when $OUT is set (the device tool's folder).
 # Usage: bash benchmarks/gpu_check.sh [--quick]   (--quick: the benchmark's quick mode)
+#        BENCH_ARGS="--elements 268435456" bash benchmarks/gpu_check.sh   (extra benchmark flags)
 set -u
 SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 cd "$(dirname "$SELF")/.."
@@ -26,6 +30,11 @@ declare -a ROWS=()
 row() { ROWS+=("$(printf '%-34s %-8s %6ss  %s' "$1" "$2" "$3" "${4:-}")"); }
 since() { echo $(( $(date +%s) - $1 )); }
 banner() { echo; echo "=== $* ($(since "$T0")s) ==="; }
+BUDGET="${GPU_CHECK_BUDGET:-450}"
+left() {  # seconds a step may take: its cap, or what is left of the budget (minus the table)
+  local rest=$(( BUDGET - $(since "$T0") - 10 ))
+  [ "$rest" -lt "$1" ] && echo "$(( rest > 1 ? rest : 1 ))" || echo "$1"
+}
 
 # 1. carried wheels -------------------------------------------------------------------------
 banner "environment"
@@ -82,7 +91,7 @@ if [ "$BUILD_OK" = 1 ]; then
   banner "tests/test_cuda.py"
   t=$(date +%s)
   log=/tmp/gpu_check_test_cuda.log
-  AMPFUNC_REQUIRE_EXT=1 timeout 300 "$PY" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
+  AMPFUNC_REQUIRE_EXT=1 timeout "$(left 200)" "$PY" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
     ${OUT:+--junitxml="$OUT/test_cuda.xml"} 2>&1 | tee "$log"
   st=${PIPESTATUS[0]}
   pytest_row "pytest tests/test_cuda.py" "$log" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
@@ -90,7 +99,7 @@ if [ "$BUILD_OK" = 1 ]; then
   banner "CUDA tests of the other test files (-k cuda)"
   t=$(date +%s)
   log=/tmp/gpu_check_test_other.log
-  AMPFUNC_REQUIRE_EXT=1 timeout 240 "$PY" -m pytest tests -q -rfEs -p no:cacheprovider -k "cuda or gpu" \
+  AMPFUNC_REQUIRE_EXT=1 timeout "$(left 150)" "$PY" -m pytest tests -q -rfEs -p no:cacheprovider -k "cuda or gpu" \
     --ignore=tests/test_cuda.py --ignore=tests/test_notebooks.py 2>&1 | tee "$log"
   st=${PIPESTATUS[0]}
   [ "$st" = 5 ] && st=0  # "no tests collected" is not a failure
@@ -99,9 +108,23 @@ else
   row "pytest tests/test_cuda.py" skipped 0 "no CUDA build"
 fi
 
-# 5. compute-sanitizer ----------------------------------------------------------------------
+# 5. benchmark ------------------------------------------------------------------------------
+if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_step.py ]; then
+  banner "benchmarks/bench_step.py --device cuda $QUICK ${BENCH_ARGS:-}"
+  t=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$(left 200)" "$PY" benchmarks/bench_step.py --device cuda $QUICK ${BENCH_ARGS:-} 2>&1 \
+    | tee /tmp/gpu_check_bench.log
+  st=${PIPESTATUS[0]}
+  [ -n "${OUT:-}" ] && cp /tmp/gpu_check_bench.log "$OUT/bench_cuda.log"
+  row "bench_step.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+else
+  row "bench_step.py --device cuda" skipped 0 "$([ -f benchmarks/bench_step.py ] || echo 'no benchmarks/bench_step.py')"
+fi
+
+# 6. compute-sanitizer ----------------------------------------------------------------------
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
-if [ "$BUILD_OK" = 1 ] && [ -n "$SAN" ] && [ -z "${GPU_CHECK_NO_SANITIZER:-}" ]; then
+if [ "$BUILD_OK" = 1 ] && [ -n "$SAN" ] && [ -z "${GPU_CHECK_NO_SANITIZER:-}" ] && [ "$(left 60)" -ge 60 ]; then
   cat >/tmp/gpu_check_smoke.py <<'EOF'
 # Every CUDA kernel once on odd sizes (tails, unaligned views, several launches), for the sanitizer.
 import torch
@@ -133,30 +156,21 @@ ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, b
 torch.cuda.synchronize()
 print("smoke ok")
 EOF
-  for tool in memcheck racecheck; do
+  for tool in memcheck ${GPU_CHECK_RACECHECK:+racecheck}; do
+    [ "$(left 60)" -ge 40 ] || { row "compute-sanitizer $tool" skipped 0 "no time left"; continue; }
     banner "compute-sanitizer --tool $tool"
     t=$(date +%s)
     log=/tmp/gpu_check_$tool.log
     # Without the caching allocator every tensor is its own allocation: overruns are caught.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$SAN" --tool "$tool" --error-exitcode 99 --kernel-name regex:ampfunc \
-      "$PY" /tmp/gpu_check_smoke.py >"$log" 2>&1
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(left 120)" "$SAN" --tool "$tool" --error-exitcode 99 \
+      --kernel-name regex:ampfunc "$PY" /tmp/gpu_check_smoke.py >"$log" 2>&1
     st=$?
     tail -5 "$log"
     summary="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     row "compute-sanitizer $tool" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")" "$summary"
   done
-fi
-
-# 6. benchmark ------------------------------------------------------------------------------
-if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_step.py ]; then
-  banner "benchmarks/bench_step.py --device cuda $QUICK"
-  t=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-240}" "$PY" benchmarks/bench_step.py --device cuda $QUICK 2>&1 | tee /tmp/gpu_check_bench.log
-  st=${PIPESTATUS[0]}
-  [ -n "${OUT:-}" ] && cp /tmp/gpu_check_bench.log "$OUT/bench_cuda.log"
-  row "bench_step.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
-else
-  row "bench_step.py --device cuda" skipped 0 "$([ -f benchmarks/bench_step.py ] || echo 'no benchmarks/bench_step.py')"
+elif [ "$BUILD_OK" = 1 ]; then
+  row "compute-sanitizer" skipped 0 "$([ -n "$SAN" ] && echo 'no time left or disabled' || echo 'not installed')"
 fi
 
 # 7. table ----------------------------------------------------------------------------------

@@ -625,8 +625,9 @@ def test_emulated_many_leaves_span_several_launches(emu):
     grad_scale, finite = torch.tensor(1.0 / 64.0), torch.tensor(True)
     assert emu.adam(grads, params, m, v, None, None, step, grad_scale, finite, lr=1e-2, weight_decay=0.1,
                     adamw=True) == 0
-    ops._ref_adam_step_(rparams, grads, rm, rv, [], [], rstep, grad_scale, finite, 1e-2, 0.9, 0.999, 1e-8, 0.1,
-                        False, True, False)
+    ops._ref_adam_step_(rparams, grads, rm, rv, [], [], rstep, grad_scale, finite, lr=1e-2, lr_tensor=None,
+                        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=False,
+                        decoupled_weight_decay=True, maximize=False)
     for a, b in zip(params + m + v, rparams + rm + rv):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     leaf = torch.ones(len(grads), dtype=torch.bool)
@@ -914,7 +915,7 @@ def test_fused_adam_matches_reference_op_on_many_leaves_with_scale(cuda_backend)
     (p, m, v, vm, model, step), (rp, rm, rv, rvm, rmodel, rstep) = states
     for _ in range(3):
         ops.adam_step_(p, grads, m, v, vm, model, step, grad_scale, finite, **kw)
-        ops._ref_adam_step_(rp, grads, rm, rv, rvm, rmodel, rstep, grad_scale, finite, **kw)
+        ops._ref_adam_step_(rp, grads, rm, rv, rvm, rmodel, rstep, grad_scale, finite, lr_tensor=None, **kw)
     assert float(step) == float(rstep) == 7.0
     for a, b in zip(p + m + v + vm, rp + rm + rv + rvm):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
