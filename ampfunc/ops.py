@@ -203,8 +203,10 @@ def _commit_where(finite, dsts, news) -> None:
         d.copy_(torch.where(finite, n.to(d.dtype), d))
 
 
-def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
-                   weight_decay, momentum, dampening, nesterov, maximize) -> None:
+def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, weight_decay,
+                   momentum, dampening, nesterov, maximize, lr_tensor=None) -> None:
+    if isinstance(lr, torch.Tensor):
+        lr, lr_tensor = 0.0, lr
     params, grads = list(params), list(grads)
     finite = finite.reshape(()).to(torch.bool)
     if params:
@@ -255,7 +257,10 @@ def sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, f
 
 
 def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
-                    lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize) -> None:
+                    lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize,
+                    lr_tensor=None) -> None:
+    if isinstance(lr, torch.Tensor):
+        lr, lr_tensor = 0.0, lr
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     finite = finite.reshape(()).to(torch.bool)
     t = step + 1  # fp32, as torch's `step_t += 1`
@@ -411,6 +416,18 @@ def _ref_check_op(tensors, per_leaf):
     return _ref_check(tensors, per_leaf)
 
 
+def _ref_sgd_step_op(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
+                     *rest):
+    _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, *rest,
+                   lr_tensor=lr_tensor)
+
+
+def _ref_adam_step_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
+                      lr, lr_tensor, *rest):
+    _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, lr,
+                    *rest, lr_tensor=lr_tensor)
+
+
 def _ref_unscale_op(tensors, inv_scale):
     outs, finite = _ref_unscale(tensors, inv_scale)
     return outs, finite
@@ -420,8 +437,8 @@ _REFERENCE = {
     "check": _ref_check_op,
     "unscale_": _ref_unscale_,
     "unscale": _ref_unscale_op,
-    "sgd_step_": _ref_sgd_step_,
-    "adam_step_": _ref_adam_step_,
+    "sgd_step_": _ref_sgd_step_op,
+    "adam_step_": _ref_adam_step_op,
     "update_scale_": _ref_update_scale_,
 }
 

@@ -182,8 +182,7 @@ SHAPES = [(7,), (1000,), (33, 17), (0,), (1,)]
 def _sgd(backend, params, grads, bufs, model, step, grad_scale, finite, **h):
     h = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, **h}
     if backend == "reference":
-        lr, lr_tensor = ops._split_lr(h["lr"])
-        ops._ref_sgd_step_(params, grads, bufs, model or [], step, grad_scale, finite, lr, lr_tensor, h["weight_decay"],
+        ops._ref_sgd_step_(params, grads, bufs, model or [], step, grad_scale, finite, h["lr"], h["weight_decay"],
                            h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
     else:
         ops.sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h)
@@ -193,9 +192,8 @@ def _adam(backend, params, grads, m, v, vmax, model, step, grad_scale, finite, *
     h = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
          "decoupled_weight_decay": False, "maximize": False, **h}
     if backend == "reference":
-        lr, lr_tensor = ops._split_lr(h["lr"])
         ops._ref_adam_step_(params, grads, m, v, vmax if h["amsgrad"] else [], model or [], step, grad_scale,
-                            finite, lr, lr_tensor, h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
+                            finite, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
                             h["decoupled_weight_decay"], h["maximize"])
     else:
         ops.adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
