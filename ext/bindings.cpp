@@ -139,25 +139,47 @@ std::tuple<Tensor, Tensor, Tensor> check_cpu(TensorList tensors, bool per_leaf) 
   return {at::scalar_tensor(finite, at::kBool), at::scalar_tensor(static_cast<float>(sumsq), at::kFloat), leaf};
 }
 
+// float64 tensors (rare) take plain ATen here, with the reference's arithmetic: in place the
+// product is taken in double; out of place the value is cast to fp32 first, then multiplied.
 Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
-  check_list("unscale_", "tensors", tensors, dev, false);
+  check_list("unscale_", "tensors", tensors, dev, false, /*allow_fp64=*/true);
   check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
-  Work w(tensors);
-  const bool finite = ampfunc::cpu::unscale(w.tensors, w.tensors, inv_scale.item<float>());
+  std::vector<Tensor> fast;
+  bool finite = true;
+  for (const Tensor& t : tensors) {
+    if (kernel_dtype(t.scalar_type())) {
+      fast.push_back(t);
+    } else {
+      finite = at::isfinite(t).all().item<bool>() && finite;
+      t.mul_(static_cast<double>(inv_scale.item<float>()));
+    }
+  }
+  Work w(fast);
+  finite = ampfunc::cpu::unscale(w.tensors, w.tensors, inv_scale.item<float>()) && finite;
   w.write_back();
   return at::scalar_tensor(finite, at::kBool);
 }
 
 std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
-  check_list("unscale", "tensors", tensors, dev, false);
+  check_list("unscale", "tensors", tensors, dev, false, /*allow_fp64=*/true);
   check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
-  Work w(tensors);
-  std::vector<Tensor> outs;
+  std::vector<Tensor> fast_in, fast_out, outs;
   outs.reserve(tensors.size());
-  for (const Tensor& t : tensors) outs.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
-  const bool finite = ampfunc::cpu::unscale(w.tensors, outs, inv_scale.item<float>());
+  bool finite = true;
+  for (const Tensor& t : tensors) {
+    if (kernel_dtype(t.scalar_type())) {
+      outs.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+      fast_in.push_back(t.is_contiguous() ? t : t.contiguous());
+      fast_out.push_back(outs.back());
+    } else {
+      Tensor o = t.to(at::kFloat);
+      finite = at::isfinite(o).all().item<bool>() && finite;
+      outs.push_back(o.mul_(inv_scale));
+    }
+  }
+  finite = ampfunc::cpu::unscale(fast_in, fast_out, inv_scale.item<float>()) && finite;
   return {outs, at::scalar_tensor(finite, at::kBool)};
 }
 

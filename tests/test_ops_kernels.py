@@ -166,6 +166,18 @@ def test_unscale_in_place_writes_through_non_contiguous_views(backend):
     assert torch.equal(base, want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unscale_of_float64_leaves_follows_the_reference_arithmetic(backend):
+    inv = torch.tensor(0.3)
+    x = torch.tensor([1.0, 1e300, 3.0], dtype=torch.float64)  # 1e300 is finite in double, inf in fp32
+    y = x.clone()
+    assert bool(_unscale_(backend, [y, torch.ones(2)], inv))
+    assert torch.equal(y, x * float(inv))
+    outs, finite = _unscale(backend, [x], inv)
+    assert not bool(finite)  # the fp32 copy overflowed
+    assert outs[0].dtype == torch.float32 and torch.equal(outs[0], x.float() * inv)
+
+
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_unscale_refuses_a_float64_scale_naming_the_argument():
     with pytest.raises(RuntimeError, match="inv_scale has dtype Double"):
