@@ -215,9 +215,11 @@ _EMU_H = r"""// Host emulation of the CUDA features the ampfunc kernels use: eac
 #include <atomic>
 #include <barrier>
 #include <cmath>
+#include <latch>
+#include <pthread.h>
+#include <type_traits>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #undef __global__
@@ -243,6 +245,34 @@ inline unsigned char warp_buf[32][32][8];
 inline std::atomic<int> or_flags[3];
 inline thread_local unsigned or_calls;
 
+inline cudaError_t last_error = cudaSuccess;
+
+template <class F>
+struct Worker {
+  F* fn;
+  unsigned t, grid;
+  std::barrier<>* bar;
+  std::latch* gate;
+  const bool* abort;
+};
+
+template <class F>
+void* run_worker(void* arg) {
+  auto* w = static_cast<Worker<F>*>(arg);
+  w->gate->wait();
+  if (*w->abort) return nullptr;
+  tid = make_uint3(w->t, 0, 0);
+  or_calls = 0;
+  for (unsigned b = 0; b < w->grid; ++b) {
+    bid = make_uint3(b, 0, 0);
+    (*w->fn)();
+    w->bar->arrive_and_wait();
+  }
+  return nullptr;
+}
+
+// Runs the grid block after block, each block on blockDim.x threads (1 MiB stacks). If the
+// threads cannot be made, the launch fails like a real one: cudaGetLastError reports it.
 template <class F>
 void launch(unsigned grid, unsigned block, size_t, cudaStream_t, F&& fn) {
   bdim = dim3(block, 1, 1);
@@ -252,18 +282,26 @@ void launch(unsigned grid, unsigned block, size_t, cudaStream_t, F&& fn) {
   for (unsigned w = 0; w < (block + 31) / 32; ++w)
     warp_barriers.emplace_back(std::make_unique<std::barrier<>>(block - w * 32 < 32 ? block - w * 32 : 32));
   for (auto& f : or_flags) f = 0;
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < block; ++t)
-    threads.emplace_back([&, t] {
-      tid = make_uint3(t, 0, 0);
-      or_calls = 0;
-      for (unsigned b = 0; b < grid; ++b) {
-        bid = make_uint3(b, 0, 0);
-        fn();
-        bar.arrive_and_wait();
-      }
-    });
-  for (auto& th : threads) th.join();
+  std::latch gate(1);
+  bool abort = false;
+  std::vector<Worker<std::remove_reference_t<F>>> workers(block);
+  std::vector<pthread_t> threads;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 1 << 20);
+  for (unsigned t = 0; t < block; ++t) {
+    workers[t] = {&fn, t, grid, &bar, &gate, &abort};
+    pthread_t th;
+    if (pthread_create(&th, &attr, run_worker<std::remove_reference_t<F>>, &workers[t]) != 0) {
+      abort = true;
+      last_error = cudaErrorLaunchOutOfResources;
+      break;
+    }
+    threads.push_back(th);
+  }
+  pthread_attr_destroy(&attr);
+  gate.count_down();
+  for (pthread_t th : threads) pthread_join(th, nullptr);
   block_barrier = nullptr;
 }
 }  // namespace emu
@@ -305,9 +343,15 @@ using std::isnan;
 using std::isfinite;
 
 #ifdef EMU_RUNTIME
-extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+extern "C" cudaError_t cudaGetLastError(void) {
+  const cudaError_t e = emu::last_error;
+  emu::last_error = cudaSuccess;
+  return e;
+}
 extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return cudaSuccess; }
-extern "C" const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
+extern "C" const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : e == cudaErrorLaunchOutOfResources ? "emulation: no threads" : "emulated error";
+}
 #endif
 """
 
