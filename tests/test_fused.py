@@ -5,6 +5,7 @@ import torch
 
 import ampfunc as af
 from ampfunc import ops
+from ampfunc.flat import flatten
 from ampfunc.fused import FusedPlan, plan_for
 
 SHAPES = {"enc.w": (33, 17), "enc.b": (33,), "head.w": (5, 33), "tiny": (1,)}
@@ -138,7 +139,7 @@ def test_supports_refuses_states_it_cannot_run():
 
 def test_fused_path_on_flat_buffers_equals_the_per_leaf_path():
     params = _params()
-    flat = af.flat.flatten(params) if hasattr(af, "flat") else __import__("ampfunc.flat").flat.flatten(params)
+    flat = flatten(params)
     tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2)), af.StaticLossScale(4.0))
     s_leaf, s_flat = tx.init(params), tx.init(flat.buffers)
     p_leaf, p_flat = params, flat.buffers

@@ -83,7 +83,7 @@ inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
   if (n >= kW) v.store(p); else v.store(p, n);
 }
 
-// Calls fn(kind, ptr-as-void, ...) with the typed pointer for a tensor of float/half/bf16.
+// Calls fn(typed data pointer) for a tensor of float, half or bfloat16.
 template <typename Fn>
 inline void with_typed(const at::Tensor& t, Fn&& fn) {
   switch (kind_of(t)) {
