@@ -16,6 +16,7 @@ Environment:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import sys
@@ -43,9 +44,21 @@ def source_dir() -> Path | None:
     return None
 
 
+def _cpu_tag() -> str:
+    """A short fingerprint of the CPU's instruction sets: the build uses -march=native, so a
+    cache shared between machines (a network home) must not hand one CPU another's binary."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
 def cache_dir(with_cuda: bool) -> Path:
     root = Path(os.environ.get("AMPFUNC_EXT_CACHE") or Path.home() / ".cache" / "ampfunc" / "ext")
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{_cpu_tag()}"
     return root / (tag + ("-cuda" if with_cuda else "-cpu"))
 
 
