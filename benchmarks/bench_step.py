@@ -292,6 +292,9 @@ def main(argv=None):
     table.section(f"(c) bookkeeping alone, fp32 grads (x floor: check floor {check_floor:.1f} ms)")
     t_gs = table.add("GradScaler.unscale_ + update", timer(grad_scaler_bookkeeping(params, grads, device)),
                      check_floor)
+    leaves = list(grads.values())
+    table.add("ampfunc ops.check alone (read-only: finite + sum of squares)", timer(lambda: ops.check(leaves)),
+              check_floor, t_gs)
     table.add("ampfunc ops.check + DynamicLossScale.adjust_ (read-only)",
               timer(ampfunc_bookkeeping(grads, device)), check_floor, t_gs)
     table.add("ampfunc unscale_and_check + update_scale (pure, fp32 out)",
