@@ -218,7 +218,7 @@ class Table:
         return med
 
     def print(self):
-        head = f"{'':58s} {'median ms':>10s} {'min-max ms':>17s} {'x floor':>8s} {'speedup':>8s}"
+        head = f"{'':68s} {'median ms':>10s} {'min-max ms':>17s} {'x floor':>8s} {'speedup':>8s}"
         print(head)
         print("-" * len(head))
         for r in self.rows:
@@ -228,7 +228,7 @@ class Table:
             _, name, med, lo, hi, xf, sp, note = r
             xf_s = f"{xf:8.2f}" if xf is not None else " " * 8
             sp_s = f"{sp:7.2f}x" if sp is not None else " " * 8
-            print(f"  {name:56s} {med:10.2f} {f'{lo:.2f}-{hi:.2f}':>17s} {xf_s} {sp_s}  {note}")
+            print(f"  {name:66s} {med:10.2f} {f'{lo:.2f}-{hi:.2f}':>17s} {xf_s} {sp_s}  {note}")
 
 
 def main(argv=None):
