@@ -394,3 +394,25 @@ def test_update_scale_never_grows_past_fp32():
                       growth_interval=1, min_scale=1.0, max_scale=float("inf"), hysteresis=1)
     assert torch.equal(scale, torch.tensor(3.0e38))
     assert int(tracker) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the build's fallback contract
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monkeypatch):
+    from ampfunc import _build
+
+    monkeypatch.setattr(_build, "source_dir", lambda: None)  # as if the sources were not shipped
+    monkeypatch.setattr(_build, "_want_cuda", lambda: False)
+    monkeypatch.delenv("AMPFUNC_DISABLE_EXT", raising=False)
+    monkeypatch.delenv("AMPFUNC_REQUIRE_EXT", raising=False)
+    with pytest.warns(UserWarning, match="plain-torch reference") as record:
+        backend, why = _build.load()
+    assert backend == "reference" and "not shipped" in why and len(record) == 1
+    monkeypatch.setenv("AMPFUNC_REQUIRE_EXT", "1")
+    with pytest.raises(RuntimeError, match="AMPFUNC_REQUIRE_EXT=1"):
+        _build.load()
+    monkeypatch.setenv("AMPFUNC_DISABLE_EXT", "1")
+    assert _build.load() == ("reference", "AMPFUNC_DISABLE_EXT is set")
