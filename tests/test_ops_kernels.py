@@ -107,6 +107,16 @@ def test_check_handles_non_contiguous_and_float64_inputs(backend):
     assert not bool(_check(backend, [d, t])[0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_is_not_fooled_by_finite_values_whose_squares_overflow_fp32(backend):
+    big = torch.full((5000,), 3e19)  # finite, but x*x overflows fp32
+    finite, sumsq, leaf = _check(backend, [torch.ones(3), big], per_leaf=True)
+    assert bool(finite) and leaf.tolist() == [False, False]
+    big[-1] = float("inf")
+    finite, _, leaf = _check(backend, [torch.ones(3), big], per_leaf=True)
+    assert not bool(finite) and leaf.tolist() == [False, True]
+
+
 def test_check_of_an_empty_list_is_finite_with_zero_sum():
     finite, sumsq = ops.check([])
     assert bool(finite) and float(sumsq) == 0.0
