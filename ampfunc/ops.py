@@ -1,13 +1,21 @@
 """The one door to the tensor work of mixed precision.
 
-Every primitive in ampfunc calls these functions for its arithmetic over lists of tensors.
-Each function here has a plain-torch reference implementation (``_ref_*``), built from
-``torch._foreach_*`` and ``torch._amp_foreach_non_finite_check_and_unscale_`` so that even the
-reference is one launch per (device, dtype) group rather than one per leaf. The compiled
-extension in ``ext/`` (when built) serves the same functions with fused kernels; the results are
-the same bit for bit where the reference's arithmetic order allows it.
+Every primitive in ampfunc calls these functions for its arithmetic over lists of tensors. Each
+is a ``torch.library`` custom op in the ``ampfunc`` namespace (``torch.ops.ampfunc.*``) whose
+schema names what it mutates, with a fake kernel, so ``torch.compile(fullgraph=True)`` traces it
+and CUDA graphs capture it. Each op has up to three implementations:
 
-No function here reads a tensor value back to the host.
+* the compiled CPU kernels of ``ext/`` (one parallel pass over the concatenation of the list,
+  whatever the number of tensors), built on first use (:mod:`ampfunc._build`);
+* the compiled CUDA kernels (multi-tensor apply over raw pointers) when built with CUDA;
+* a plain-torch reference (``_ref_*`` here), built from ``torch._foreach_*`` and
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` so that even the reference is one
+  launch per (device, dtype) group rather than one per leaf. It serves whatever the compiled
+  kernels do not (every op under ``AMPFUNC_DISABLE_EXT=1`` or without a compiler).
+
+:func:`backend` says which is active. Lists may mix float dtypes; the compiled kernels take one
+device per call. Non-contiguous tensors are handled (through a contiguous copy, written back for
+the in-place ops). No function here reads a tensor value back to the host.
 """
 
 from __future__ import annotations
