@@ -91,3 +91,6 @@ from ampfunc.functional import (  # noqa: F401,E402
 from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402
 # -- migration facades (ampfunc/compat/): torch.amp.GradScaler now, apex on first use
 from ampfunc import compat  # noqa: F401,E402
+# -- flat buffers and the fused step (ampfunc/flat.py, ampfunc/fused.py)
+from ampfunc import flat, fused  # noqa: F401,E402
+from ampfunc.flat import FlatTree, flatten  # noqa: F401,E402
