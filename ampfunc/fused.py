@@ -87,6 +87,12 @@ class FusedPlan:
         ``MixedPrecisionState`` from ``mixed_precision(inner).init``): the optimizer state has
         the expected layout, the master params (or the params, without a master) are fp32, and
         everything lives on one device. Looks at dtypes and devices only; never at values."""
+        master = getattr(state, "master", None)
+        return self.supports_leaves(tree_leaves(params), None if master is None else tree_leaves(master), state)
+
+    def supports_leaves(self, params: list, master: list | None, state: Any) -> bool:
+        """:meth:`supports` on already-flattened ``params`` and ``master`` leaves (for callers
+        that flatten once per step: a 10,000-leaf dict costs milliseconds to flatten)."""
         opt = self._opt_state(getattr(state, "inner", None))
         if opt is None or not isinstance(opt.step, torch.Tensor) or opt.step.dtype != torch.float32:
             return False
@@ -94,16 +100,15 @@ class FusedPlan:
             return False
         if self.kind != "sgd" and self.hparams.get("amsgrad") and opt.max_exp_avg_sq is None:
             return False
-        master = getattr(state, "master", None)
         # mixed_precision.init guarantees float tensor leaves; dtypes decide here. Devices are
         # checked on the first leaf only: the kernels refuse a stray device with an error that
         # names the leaf's index, before writing anything.
-        ref = tree_leaves(master if master is not None else params)
+        ref = master if master is not None else params
         dev = opt.step.device
         if ref and (ref[0].device != dev or {t.dtype for t in ref} != {torch.float32}):
             return False
         if master is not None:
-            model = tree_leaves(params)
+            model = params
             if model and (model[0].device != dev or not {t.dtype for t in model} <= _MODEL_DTYPES):
                 return False
         return True
@@ -115,11 +120,17 @@ class FusedPlan:
         objects, their tensors updated). ``grads`` are the gradients of the scaled loss (any
         float dtype per leaf) and are only read. ``group``: a ``torch.distributed`` process
         group whose ranks must agree on skipping. See the module docstring for the passes."""
-        opt = self._opt_state(state.inner)
         master = state.master
-        ref = tree_leaves(master if master is not None else params)
-        model = tree_leaves(params) if master is not None else None
-        g = tree_leaves(grads)
+        self.step_leaves_(tree_leaves(params), tree_leaves(grads),
+                          None if master is None else tree_leaves(master), state, group=group)
+        return params, state
+
+    def step_leaves_(self, params: list, grads: list, master: list | None, state: Any, *, group=None) -> None:
+        """:meth:`step_` on already-flattened ``params``, ``grads`` and ``master`` leaves."""
+        opt = self._opt_state(state.inner)
+        ref = master if master is not None else params
+        model = params if master is not None else None
+        g = grads
         if len(g) != len(ref):
             raise ValueError(f"fused step: grads has {len(g)} leaves but the params have {len(ref)}")
         dev = opt.step.device
@@ -130,7 +141,7 @@ class FusedPlan:
                 from ampfunc.mixed import agree_finite
 
                 finite = agree_finite(finite, group)
-            inv_scale = ls.inv_scale.to(dev, torch.float32)
+            inv_scale = ls.inv_scale_on(dev)
             grad_scale = inv_scale
             if self.max_norm is not None:
                 # clip_grad_norm_'s coefficient, of the unscaled gradients' norm.
@@ -159,7 +170,6 @@ class FusedPlan:
             adjust_ = getattr(ls, "adjust_", None)
             if adjust_ is not None:
                 adjust_(finite.to(ls.loss_scale.device))
-        return params, state
 
 
 def plan_for(inner) -> FusedPlan | None:

@@ -248,15 +248,35 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
         return updates, new_state
 
     def step_(params, grads, state):
+        if fused_plan is not None:
+            # Flatten each tree once: for a 10,000-leaf dict every flatten costs milliseconds.
+            leaves = _flat_checked(params, grads, state, "mixed_precision.step_")
+            if fused_plan.supports_leaves(leaves[0], leaves[2], state):
+                fused_plan.step_leaves_(*leaves, state, group=group)
+                return params, state
         _check(params, grads, state, "mixed_precision.step_")
-        if fused_plan is not None and fused_plan.supports(params, state):
-            return fused_plan.step_(params, grads, state, group=group)
         new_params, new_state = step(params, grads, state)
         _copy_into(params, new_params)
         _copy_into(state, new_state)
         return params, state
 
     return MixedPrecision(init, update, step, step_, inner)
+
+
+def _flat_checked(params, grads, state, where):
+    """``(params, grads, master)`` leaf lists, one flatten per tree; mismatches name the leaf."""
+    if not isinstance(state, MixedPrecisionState):
+        raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
+    p, p_spec = tree_flatten(params)
+    g, g_spec = tree_flatten(grads)
+    if g_spec != p_spec:
+        check_same_structure(grads, params, "grads", "params")
+    m = None
+    if state.master is not None:
+        m, m_spec = tree_flatten(state.master)
+        if m_spec != p_spec:
+            check_same_structure(state.master, params, "state.master", "params")
+    return p, g, m
 
 
 def _clone(x):
