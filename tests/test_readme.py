@@ -5,6 +5,8 @@ A block fenced as ```python no-test (multi-process or GPU-only code) is skipped.
 
 import pathlib
 import re
+import sys
+import types
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
@@ -16,6 +18,8 @@ def test_readme_has_examples():
 
 def test_readme_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme"}
+    # A real module: torch.compile looks the code's module up in sys.modules.
+    module = types.ModuleType("ampfunc_readme_examples")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     for i, block in enumerate(BLOCKS):
-        exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+        exec(compile(block, f"README.md python block {i}", "exec"), module.__dict__)

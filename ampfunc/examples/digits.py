@@ -15,7 +15,7 @@ The loop is the functional one ampfunc is built for: ``torch.func.functional_cal
 params pytree, ``scale_loss``, autograd, and ``mixed_precision(chain(clip, adamw))`` whose state
 holds the master weights, the optimizer moments and the loss scale. Run::
 
-    python -m ampfunc.examples.digits [--epochs 15] [--configs fp32,fp16+dynamic]
+    python -m ampfunc.examples.digits [--epochs 40] [--configs fp32,fp16+dynamic]
 
 Under ``torchrun --nproc_per_node=N`` each rank trains on its shard of every batch; gradients
 are averaged with an all-reduce and all ranks agree on skipping through ``group=``.
@@ -66,7 +66,7 @@ def load_digits(device):
     return (x[:n_train].to(device), y[:n_train].to(device)), (x[n_train:].to(device), y[n_train:].to(device))
 
 
-def train(name, epochs=15, batch=64, lr=2e-3, device="cpu", seed=0):
+def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0):
     """Trains one configuration; returns a row of the results table."""
     storage_dtype, make_scale = CONFIGS[name]
     env = af.dist.init_from_env()  # torchrun's environment; one process when WORLD_SIZE is unset
@@ -133,7 +133,7 @@ def format_table(rows) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
