@@ -32,8 +32,11 @@ from ampfunc.mixed import (  # noqa: F401
     scale_loss,
     skip_or_apply,
     unscale,
+    skip_or_apply_,
     unscale_and_check,
+    unscale_and_check_,
     update_scale,
+    update_scale_,
 )
 # -- policies (ampfunc/policy.py)
 from ampfunc import monitor, policy  # noqa: F401

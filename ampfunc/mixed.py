@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicLossScale, LossScale
+from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,
@@ -40,6 +40,9 @@ __all__ = [
     "unscale_and_check",
     "skip_or_apply",
     "update_scale",
+    "unscale_and_check_",
+    "skip_or_apply_",
+    "update_scale_",
     "agree_finite",
     "MixedPrecisionState",
     "MixedPrecision",
@@ -130,6 +133,63 @@ def update_scale(ls, finite):
         return type(ls)(update_scale(v, f) for v, f in zip(ls, flags))
     _check_loss_scale(ls, "update_scale")
     return ls.adjust(finite)
+
+
+# ----------------------------------------------------------------------------------------------
+# In-place twins: the same numbers, written into the given tensors (the donating fast path)
+# ----------------------------------------------------------------------------------------------
+
+
+def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTree, torch.Tensor]:
+    """In-place :func:`unscale_and_check`: each gradient is multiplied by ``1/scale`` where it is.
+
+    The product is taken in fp32 and stored in the gradient's own dtype, so fp32 gradients get
+    exactly the values of the pure version; bf16 gradients are rounded back to bf16. fp16
+    gradients are refused (``TypeError`` naming the leaf), as ``GradScaler.unscale_`` refuses
+    them: dividing in place in fp16 loses the small values loss scaling exists to keep. Returns
+    ``(grads, finite)`` with ``grads`` the same tree. One read and one write, no allocation.
+    """
+    _check_loss_scale(ls, "unscale_and_check_")
+    paths, leaves = float_leaves_with_paths(grads, "unscale_and_check_: grads")
+    for path, leaf in zip(paths, leaves):
+        if leaf.dtype == torch.float16:
+            raise TypeError(f"unscale_and_check_: grads leaf {path!r} is float16; unscaling fp16 in place "
+                            "loses precision -- use the pure unscale_and_check (fp32 out)")
+    if isinstance(ls, NoOpLossScale):
+        finite = ops.all_finite(leaves)
+    else:
+        device = leaves[0].device if leaves else ls.loss_scale.device
+        finite = ops.unscale_(leaves, ls.inv_scale_on(device))
+    if group is not None:
+        finite = agree_finite(finite, group)
+    return grads, finite
+
+
+def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """In-place :func:`skip_or_apply`: ``old`` is overwritten with ``new`` when ``finite``.
+
+    Returns ``old`` (the same tensors). On the device, no host sync; one read of both trees and
+    one write of ``old``.
+    """
+    chosen = skip_or_apply(finite, new, old)
+    for dst, src in zip(tree_leaves(old), tree_leaves(chosen)):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    return old
+
+
+def update_scale_(ls, finite):
+    """In-place :func:`update_scale`: a :class:`DynamicLossScale`'s tensors are overwritten
+    (static and no-op scales have nothing to update). Returns ``ls``."""
+    if isinstance(ls, Mapping):
+        flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
+        for k, v in ls.items():
+            update_scale_(v, flags[k])
+        return ls
+    _check_loss_scale(ls, "update_scale_")
+    if isinstance(ls, DynamicLossScale):
+        ls.adjust_(finite)
+    return ls
 
 
 # ----------------------------------------------------------------------------------------------

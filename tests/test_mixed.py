@@ -288,3 +288,78 @@ def test_fp32_params_need_no_master_copy():
     assert state.master is None
     new, state = tx.step(params, {"w": torch.full((3,), 8.0)}, state)
     torch.testing.assert_close(new["w"], params["w"] - 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-place twins
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ls", [af.DynamicLossScale(2.0**12), af.StaticLossScale(3.0), af.NoOpLossScale()],
+                         ids=["dynamic", "static", "noop"])
+def test_unscale_and_check_in_place_gives_the_pure_numbers_in_the_grads_own_dtype(dtype, ls):
+    grads = {"w": (torch.randn(9, 4) * 4096).to(dtype), "b": (torch.randn(4) * 4096).to(dtype)}
+    pure, finite = af.unscale_and_check(grads, ls)
+    w = grads["w"]
+    out, finite_ = af.unscale_and_check_(grads, ls)
+    assert out is grads and out["w"] is w and out["w"].dtype == dtype
+    for k in grads:
+        assert torch.equal(out[k], pure[k].to(dtype))
+    assert bool(finite) == bool(finite_)
+
+
+def test_unscale_and_check_in_place_refuses_fp16_naming_the_leaf():
+    with pytest.raises(TypeError, match=r"'enc\.w'.*float16"):
+        af.unscale_and_check_({"enc": {"w": torch.ones(2, dtype=torch.float16)}}, af.DynamicLossScale())
+
+
+def test_unscale_and_check_in_place_flags_non_finite():
+    g = {"w": torch.tensor([1.0, float("nan")])}
+    _, finite = af.unscale_and_check_(g, af.DynamicLossScale())
+    assert not bool(finite)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_skip_or_apply_in_place_writes_the_pure_choice_into_old(flag):
+    old = {"w": torch.zeros(3), "s": af.DynamicLossScale(8.0)}
+    new = {"w": torch.ones(3), "s": af.DynamicLossScale(16.0)}
+    expected = af.skip_or_apply(torch.tensor(flag), new, old)
+    w = old["w"]
+    out = af.skip_or_apply_(torch.tensor(flag), new, old)
+    assert out is old and out["w"] is w
+    for a, b in zip(af.tree.tree_leaves(out), af.tree.tree_leaves(expected)):
+        assert torch.equal(a, b)
+
+
+def test_update_scale_in_place_follows_the_pure_sequence():
+    pure = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
+    donated = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
+    for finite in [True, True, False, False, True]:
+        f = torch.tensor(finite)
+        pure = af.update_scale(pure, f)
+        assert af.update_scale_(donated, f) is donated
+        assert torch.equal(pure.loss_scale, donated.loss_scale)
+    static = af.StaticLossScale(4.0)
+    assert af.update_scale_(static, torch.tensor(False)).loss_scale.item() == 4.0
+
+
+def test_mixed_precision_runs_any_torch_optimizer_through_the_generic_path():
+    params = {"w": torch.randn(5, 3).half(), "b": torch.zeros(3).half()}
+    tx = af.mixed_precision(af.from_torch(torch.optim.RMSprop, lr=1e-2, momentum=0.9),
+                            loss_scale=af.DynamicLossScale(2.0**8))
+    state = tx.init(params)
+    grads = {k: torch.ones_like(v) * 256 for k, v in params.items()}
+    stepped, state1 = tx.step(params, grads, state)
+    # the same update as from_torch on the unscaled fp32 grads of the fp32 master
+    ref_tx = af.from_torch(torch.optim.RMSprop, lr=1e-2, momentum=0.9)
+    master = af.tree.tree_map(lambda p: p.float(), params)
+    upd, _ = ref_tx.update(af.tree.tree_map(lambda g: g.float() / 256, grads), ref_tx.init(master), master)
+    for k in params:
+        assert torch.equal(state1.master[k], master[k] + upd[k])
+        assert torch.equal(stepped[k], state1.master[k].half())
+    bad = dict(grads, w=torch.full_like(grads["w"], float("inf")))
+    skipped, state2 = tx.step(stepped, bad, state1)
+    for a, b in zip(af.tree.tree_leaves((skipped, state2.master, state2.inner)),
+                    af.tree.tree_leaves((stepped, state1.master, state1.inner))):
+        assert torch.equal(a, b)
