@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from _trajectory import Trajectory, assert_rel_close
 from ampfunc.tree import select_tree, tree_leaves, tree_structure
 
 STEPS = 20
@@ -40,44 +41,8 @@ def make_params():
             "scale": torch.randn((), generator=g).abs() + 0.5}
 
 
-def grads_at(params, k):
-    g = torch.Generator().manual_seed(100 + k)
-    return af.tree_map(lambda p: 0.3 * p + torch.randn(p.shape, generator=g), params)
-
-
-def run_pure(tx, params, steps=STEPS, state=None, start=0):
-    state = tx.init(params) if state is None else state
-    for k in range(start, start + steps):
-        updates, state = tx.update(grads_at(params, k), state, params)
-        params = af.apply_updates(params, updates)
-    return params, state
-
-
-def run_torch(cls, params, steps=STEPS, **kw):
-    params = af.tree_map(lambda p: p.clone(), params)
-    leaves = tree_leaves(params)
-    opt = cls(leaves, **kw)
-    for k in range(steps):
-        for p, g in zip(leaves, tree_leaves(grads_at(params, k))):
-            p.grad = g
-        opt.step()
-    return params, opt
-
-
-def assert_rel_close(actual, expected, rel=1e-6, initial=None):
-    """Every leaf within ``rel`` of the leaf's magnitude (the 1e-6 relative contract).
-
-    The magnitude is the larger of the expected leaf and, when given, the leaf at the start of
-    the trajectory: updates are deltas added to the params, and fp32 cannot always represent
-    ``new - old`` exactly, so a param that wandered close to zero carries an error of an ulp
-    of the size it had, not of its current size.
-    """
-    refs = tree_leaves(initial) if initial is not None else [None] * len(tree_leaves(expected))
-    for a, e, r in zip(tree_leaves(actual), tree_leaves(expected), refs):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        size = max(e.abs().max().item(), r.abs().max().item() if r is not None else 0.0, 1e-30)
-        err = (a - e).abs().max().item()
-        assert err <= rel * size, f"max |diff| {err} vs leaf magnitude {size}"
+_TRAJECTORY = Trajectory(seed=100, pull=0.3, steps=STEPS)
+grads_at, run_pure, run_torch = _TRAJECTORY.grads_at, _TRAJECTORY.run_pure, _TRAJECTORY.run_torch
 
 
 @pytest.mark.parametrize("cls, kw", CASES)

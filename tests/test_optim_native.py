@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from _trajectory import Trajectory, assert_rel_close
 from ampfunc.tree import select_tree, tree_leaves, tree_structure
 
 STEPS = 50
@@ -17,49 +18,8 @@ def make_params():
             "head": [torch.randn(3, 6, generator=g)]}
 
 
-def grads_at(params, k):
-    """Gradients that depend on the params (a quadratic pull plus step-dependent noise), so a
-    trajectory that drifts from torch's would keep drifting."""
-    g = torch.Generator().manual_seed(1000 + k)
-    return af.tree_map(lambda p: 0.5 * p + torch.randn(p.shape, generator=g), params)
-
-
-def run_native(tx, params, steps=STEPS):
-    state = tx.init(params)
-    for k in range(steps):
-        updates, state = tx.update(grads_at(params, k), state, params)
-        params = af.apply_updates(params, updates)
-    return params, state
-
-
-def run_torch(cls, params, steps=STEPS, lr_at=None, **kw):
-    params = af.tree_map(lambda p: p.clone(), params)
-    leaves = tree_leaves(params)
-    opt = cls(leaves, **kw)
-    for k in range(steps):
-        if lr_at is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(k)
-        for p, g in zip(leaves, tree_leaves(grads_at(params, k))):
-            p.grad = g
-        opt.step()
-    return params, opt
-
-
-def assert_rel_close(actual, expected, rel=1e-6, initial=None):
-    """Every leaf within ``rel`` of the leaf's magnitude (the 1e-6 relative contract).
-
-    The magnitude is the larger of the expected leaf and, when given, the leaf at the start of
-    the trajectory: updates are deltas added to the params, and fp32 cannot always represent
-    ``new - old`` exactly, so a param that wandered close to zero carries an error of an ulp
-    of the size it had, not of its current size.
-    """
-    refs = tree_leaves(initial) if initial is not None else [None] * len(tree_leaves(expected))
-    for a, e, r in zip(tree_leaves(actual), tree_leaves(expected), refs):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        size = max(e.abs().max().item(), r.abs().max().item() if r is not None else 0.0, 1e-30)
-        err = (a - e).abs().max().item()
-        assert err <= rel * size, f"max |diff| {err} vs leaf magnitude {size}"
+_TRAJECTORY = Trajectory(seed=1000, pull=0.5, steps=STEPS)
+grads_at, run_native, run_torch = _TRAJECTORY.grads_at, _TRAJECTORY.run_pure, _TRAJECTORY.run_torch
 
 
 SGD_CONFIGS = [
