@@ -27,6 +27,7 @@ the same numbers bit for bit.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from ampfunc.tree import PyTree, tree_leaves
 __all__ = ["FusedPlan", "plan_for"]
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
+_dtype_of = operator.attrgetter("dtype")
 _MODEL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
@@ -105,11 +107,11 @@ class FusedPlan:
         # names the leaf's index, before writing anything.
         ref = master if master is not None else params
         dev = opt.step.device
-        if ref and (ref[0].device != dev or {t.dtype for t in ref} != {torch.float32}):
+        if ref and (ref[0].device != dev or set(map(_dtype_of, ref)) != {torch.float32}):
             return False
         if master is not None:
             model = params
-            if model and (model[0].device != dev or not {t.dtype for t in model} <= _MODEL_DTYPES):
+            if model and (model[0].device != dev or not set(map(_dtype_of, model)) <= _MODEL_DTYPES):
                 return False
         return True
 
@@ -122,11 +124,27 @@ class FusedPlan:
         group whose ranks must agree on skipping. See the module docstring for the passes."""
         master = state.master
         self.step_leaves_(tree_leaves(params), tree_leaves(grads),
-                          None if master is None else tree_leaves(master), state, group=group)
+                          None if master is None else tree_leaves(master),
+                          [tree_leaves(t) for t in self.slot_trees(state) or []], state, group=group)
         return params, state
 
-    def step_leaves_(self, params: list, grads: list, master: list | None, state: Any, *, group=None) -> None:
-        """:meth:`step_` on already-flattened ``params``, ``grads`` and ``master`` leaves."""
+    def slot_trees(self, state: Any) -> list:
+        """The optimizer's per-parameter state trees the kernel reads and writes, in the order
+        :meth:`step_leaves_` takes their leaves: SGD ``[momentum_buffer]`` (none without
+        momentum); Adam ``[exp_avg, exp_avg_sq]`` plus ``max_exp_avg_sq`` with amsgrad. None
+        when ``state.inner`` does not have the optimizer's layout."""
+        opt = self._opt_state(getattr(state, "inner", None))
+        if opt is None:
+            return None
+        if self.kind == "sgd":
+            return [opt.momentum_buffer] if self.hparams.get("momentum", 0) else []
+        slots = [opt.exp_avg, opt.exp_avg_sq]
+        return slots + [opt.max_exp_avg_sq] if self.hparams.get("amsgrad", False) else slots
+
+    def step_leaves_(self, params: list, grads: list, master: list | None, slots: list, state: Any, *,
+                     group=None) -> None:
+        """:meth:`step_` on already-flattened leaves: ``params``, ``grads``, ``master`` (or None)
+        and ``slots`` (the leaves of :meth:`slot_trees`), all in one consistent order."""
         opt = self._opt_state(state.inner)
         ref = master if master is not None else params
         model = params if master is not None else None
@@ -155,15 +173,14 @@ class FusedPlan:
                 lr = lr_at(lr, opt.step)
                 lr = lr.to(dev, torch.float32) if isinstance(lr, torch.Tensor) else lr
             if self.kind == "sgd":
-                ops.sgd_step_(ref, g, tree_leaves(opt.momentum_buffer) if h.get("momentum", 0) else None, model,
+                ops.sgd_step_(ref, g, slots[0] if slots else None, model,
                               opt.step, grad_scale, finite, lr=lr, weight_decay=h.get("weight_decay", 0.0),
                               momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
                               nesterov=h.get("nesterov", False), maximize=h.get("maximize", False))
             else:
                 beta1, beta2 = h.get("betas", (0.9, 0.999))
                 amsgrad = bool(h.get("amsgrad", False))
-                ops.adam_step_(ref, g, tree_leaves(opt.exp_avg), tree_leaves(opt.exp_avg_sq),
-                               tree_leaves(opt.max_exp_avg_sq) if amsgrad else None, model, opt.step, grad_scale,
+                ops.adam_step_(ref, g, slots[0], slots[1], slots[2] if amsgrad else None, model, opt.step, grad_scale,
                                finite, lr=lr, beta1=beta1, beta2=beta2, eps=h.get("eps", 1e-8),
                                weight_decay=h.get("weight_decay", 0.0), amsgrad=amsgrad,
                                decoupled_weight_decay=self.kind == "adamw", maximize=h.get("maximize", False))

@@ -32,6 +32,7 @@ from ampfunc.tree import (
     tree_map,
     tree_unflatten,
     register_state_classes,
+    aligned_leaves,
 )
 
 __all__ = [
@@ -274,8 +275,7 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
         return MixedPrecisionState(master, inner_state, loss_scale.to(_first_device(params)))
 
     def _check(params, grads, state, where):
-        if not isinstance(state, MixedPrecisionState):
-            raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
+        _check_state(state, where)
         check_same_structure(grads, params, "grads", "params")
         if state.master is not None:
             check_same_structure(state.master, params, "state.master", "params")
@@ -309,10 +309,21 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
 
     def step_(params, grads, state):
         if fused_plan is not None:
-            # Flatten each tree once: for a 10,000-leaf dict every flatten costs milliseconds.
-            leaves = _flat_checked(params, grads, state, "mixed_precision.step_")
-            if fused_plan.supports_leaves(leaves[0], leaves[2], state):
-                fused_plan.step_leaves_(*leaves, state, group=group)
+            _check_state(state, "mixed_precision.step_")
+            slot_trees = fused_plan.slot_trees(state)  # None: the inner state is not the kernel's layout
+            masters = [state.master] if state.master is not None else []
+            # Every list handed to the kernel must share one leaf order: the cheap dict-values
+            # order when all the trees allow it (and then their structures agree), else optree's,
+            # flattening each tree once (a 10,000-leaf dict costs milliseconds per flatten).
+            leaves = aligned_leaves([params, grads] + masters + (slot_trees or []))
+            if leaves is not None:
+                p, g, m, slots = leaves[0], leaves[1], (leaves[2] if masters else None), leaves[2 + len(masters):]
+            else:
+                (p, g, m), slots = _flat_checked(params, grads, state, "mixed_precision.step_"), None
+            if slot_trees is not None and fused_plan.supports_leaves(p, m, state):
+                if slots is None:
+                    slots = [tree_leaves(t) for t in slot_trees]
+                fused_plan.step_leaves_(p, g, m, slots, state, group=group)
                 return params, state
         _check(params, grads, state, "mixed_precision.step_")
         new_params, new_state = step(params, grads, state)
@@ -323,10 +334,14 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
     return MixedPrecision(init, update, step, step_, inner)
 
 
-def _flat_checked(params, grads, state, where):
-    """``(params, grads, master)`` leaf lists, one flatten per tree; mismatches name the leaf."""
+def _check_state(state, where):
     if not isinstance(state, MixedPrecisionState):
         raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
+
+
+def _flat_checked(params, grads, state, where):
+    """``(params, grads, master)`` leaf lists, one optree flatten per tree; mismatches name the leaf."""
+    _check_state(state, where)
     p, p_spec = tree_flatten(params)
     g, g_spec = tree_flatten(grads)
     if g_spec != p_spec:

@@ -363,3 +363,18 @@ def test_mixed_precision_runs_any_torch_optimizer_through_the_generic_path():
     for a, b in zip(af.tree.tree_leaves((skipped, state2.master, state2.inner)),
                     af.tree.tree_leaves((stepped, state1.master, state1.inner))):
         assert torch.equal(a, b)
+
+
+def test_fused_step_lines_leaves_up_whatever_order_the_grads_dict_was_built_in():
+    params = {f"l{i}": torch.randn(7 + i) for i in range(6)}
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adam(1e-2)), af.StaticLossScale(4.0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    shuffled = {k: grads[k] for k in reversed(list(grads))}  # same leaves, other insertion order
+    a, sa = tx.step(params, grads, tx.init(params))
+    b, sb = tx.step(params, shuffled, tx.init(params))
+    for k in params:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(sa.inner[1].exp_avg[k], sb.inner[1].exp_avg[k], rtol=1e-6, atol=1e-7)
+    # and each leaf moved by its own gradient: Adam's first step is -lr * sign(g) (clipped or not)
+    for k in params:
+        torch.testing.assert_close(a[k], params[k] - 1e-2 * torch.sign(grads[k]), rtol=1e-4, atol=1e-5)
