@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from ampfunc.transform import EmptyState
 from ampfunc.tree import select_tree, tree_leaves
 
 
@@ -255,3 +256,25 @@ def test_inside_mixed_precision_an_overflowing_mini_step_is_skipped_and_not_coun
         counters.append((state.inner.mini_step.item(), state.inner.inner.step.item()))
     # (mini-steps pending, inner steps applied): the overflow at k=2 changes neither
     assert counters == [(1, 0.0), (0, 1.0), (0, 1.0), (1, 1.0), (0, 2.0)]
+
+
+def test_clip_with_a_group_uses_the_all_reduced_norm_and_leaves_the_fused_path():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        grads = {"w": torch.full((4,), 3.0), "b": torch.full((2,), 4.0)}
+        sharded = af.clip_by_global_norm(1.0, group=group)
+        assert sharded.fused is None  # a collective sits between the norm and the update
+        out, _ = sharded.update(grads, sharded.init(grads))
+        ref, _ = af.clip_by_global_norm(1.0).update(grads, EmptyState())
+        for k in grads:
+            torch.testing.assert_close(out[k], ref[k])
+    finally:
+        dist.destroy_process_group()

@@ -22,8 +22,13 @@ def global_norm(tree) -> torch.Tensor:
     return sumsq.sqrt()
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformation:
     """Scales all updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` their global L2 norm.
+
+    With ``group`` (a ``torch.distributed`` process group) the updates are taken to be shards
+    (FSDP2 DTensors, or local shards of tensors sharded over ``group``) and the norm is the
+    all-reduced norm of the whole tensors: this is :func:`ampfunc.dist.clip_by_global_norm`,
+    which runs on the generic path (its norm needs a collective between the two kernel passes).
 
     The coefficient is ``clip_grad_norm_``'s (norm over every leaf, ``1e-6`` added, clamped at
     1), computed and applied on the device: no host sync. A non-finite gradient makes the norm
@@ -34,6 +39,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm <= 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive number, got {max_norm!r}")
     max_norm = float(max_norm)
+    if group is not None:
+        from ampfunc import dist  # late: dist builds on the optimizer package
+
+        return dist.clip_by_global_norm(max_norm, group)
 
     def init(params):
         return EmptyState()
