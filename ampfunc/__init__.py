@@ -79,7 +79,6 @@ from ampfunc.optim import (  # noqa: F401
     warmup_cosine_decay_schedule,
 )
 # -- torch.func / compile / distributed
-from ampfunc import dist  # noqa: F401,E402
 from ampfunc.functional import (  # noqa: F401,E402
     StepOutput,
     TrainState,
@@ -97,3 +96,12 @@ from ampfunc import compat  # noqa: F401,E402
 # -- flat buffers and the fused step (ampfunc/flat.py, ampfunc/fused.py)
 from ampfunc import flat, fused  # noqa: F401,E402
 from ampfunc.flat import FlatTree, flatten  # noqa: F401,E402
+
+
+def __getattr__(name):
+    # ampfunc.dist imports torch.distributed.tensor (about half a second): load it on first use.
+    if name == "dist":
+        import importlib
+
+        return importlib.import_module("ampfunc.dist")
+    raise AttributeError(f"module 'ampfunc' has no attribute {name!r}")
