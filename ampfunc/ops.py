@@ -33,6 +33,8 @@ __all__ = [
     "unscale_",
     "sgd_step_",
     "adam_step_",
+    "sgd_step",
+    "adam_step",
     "update_scale",
     "update_scale_",
 ]
@@ -330,6 +332,77 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_para
                                  float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
 
 
+# Out of place: the same kernels writing new tensors. The reference is the definition: clone,
+# then the in-place reference.
+
+
+def _fresh(tensors) -> list:
+    return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+
+
+def _ref_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, weight_decay,
+                  momentum, dampening, nesterov, maximize, lr_tensor=None):
+    p, b, m, s = _fresh(params), _fresh(momentum_buffers) if momentum != 0 else [], _fresh(model_params), step.clone()
+    _ref_sgd_step_(p, grads, b, m, s, grad_scale, finite, lr, weight_decay, momentum, dampening, nesterov, maximize,
+                   lr_tensor=lr_tensor)
+    return p, b, m, s
+
+
+def sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, *, lr,
+             weight_decay: float = 0.0, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+             maximize: bool = False):
+    """Out-of-place :func:`sgd_step_`: ``(new_params, new_momentum_buffers, new_model_params,
+    new_step)``, new tensors with the in-place op's numbers bit for bit; the inputs are only read.
+
+    ``new_momentum_buffers`` is empty when ``momentum == 0`` and ``new_model_params`` when no
+    ``model_params`` are given (they supply the dtypes of the model copy, and its values when the
+    step is skipped). When ``finite`` is false the outputs are copies of the inputs and
+    ``new_step`` equals ``step``. Cost: the in-place op's traffic, one pass, with the writes going
+    to new (contiguous) tensors; a skipped step costs one copy instead. No host sync (on CUDA the
+    state is copied first and the in-place kernel runs on the copy: one more read and write).
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    p, b, m, s = torch.ops.ampfunc.sgd_step(list(params), list(grads),
+                                            _as_list(momentum_buffers) if momentum != 0 else [],
+                                            _as_list(model_params), step, grad_scale, finite, lr, lr_tensor,
+                                            float(weight_decay), float(momentum), float(dampening), bool(nesterov),
+                                            bool(maximize))
+    return list(p), list(b), list(m), s
+
+
+def _ref_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, lr,
+                   beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize, lr_tensor=None):
+    p, m1, m2 = _fresh(params), _fresh(exp_avgs), _fresh(exp_avg_sqs)
+    vmax, m, s = _fresh(max_exp_avg_sqs) if amsgrad else [], _fresh(model_params), step.clone()
+    _ref_adam_step_(p, grads, m1, m2, vmax, m, s, grad_scale, finite, lr, beta1, beta2, eps, weight_decay, amsgrad,
+                    decoupled_weight_decay, maximize, lr_tensor=lr_tensor)
+    return p, m1, m2, vmax, m, s
+
+
+def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, *,
+              lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+              amsgrad: bool = False, decoupled_weight_decay: bool = False, maximize: bool = False):
+    """Out-of-place :func:`adam_step_`: ``(new_params, new_exp_avgs, new_exp_avg_sqs,
+    new_max_exp_avg_sqs, new_model_params, new_step)``, new tensors with the in-place op's numbers
+    bit for bit; the inputs are only read.
+
+    ``new_max_exp_avg_sqs`` is empty without ``amsgrad`` and ``new_model_params`` when no
+    ``model_params`` are given. When ``finite`` is false the outputs are copies of the inputs and
+    ``new_step`` equals ``step``. Cost: reads g, p, m, v, writes new p, m, v (+ model copy) in one
+    pass -- the in-place op's traffic; a skipped step costs one copy instead. No host sync (on
+    CUDA the state is copied first and the in-place kernel runs on the copy).
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    out = torch.ops.ampfunc.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                                      _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step,
+                                      grad_scale, finite, lr, lr_tensor, float(beta1), float(beta2), float(eps),
+                                      float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay),
+                                      bool(maximize))
+    return tuple(list(x) for x in out[:5]) + (out[5],)
+
+
 # ----------------------------------------------------------------------------------------------
 # Loss-scale update
 # ----------------------------------------------------------------------------------------------
@@ -413,6 +486,17 @@ _SCHEMAS = {
         "Tensor finite, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
         "bool amsgrad, "
         "bool decoupled_weight_decay, bool maximize) -> ()"),
+    "sgd_step": (
+        "sgd_step(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor[] model_params, Tensor step, "
+        "Tensor grad_scale, Tensor finite, float lr, Tensor? lr_tensor, float weight_decay, float momentum, "
+        "float dampening, bool nesterov, bool maximize) -> (Tensor[] new_params, Tensor[] new_momentum_buffers, "
+        "Tensor[] new_model_params, Tensor new_step)"),
+    "adam_step": (
+        "adam_step(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] max_exp_avg_sqs, Tensor[] model_params, Tensor step, Tensor grad_scale, Tensor finite, float lr, "
+        "Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, bool amsgrad, "
+        "bool decoupled_weight_decay, bool maximize) -> (Tensor[] new_params, Tensor[] new_exp_avgs, "
+        "Tensor[] new_exp_avg_sqs, Tensor[] new_max_exp_avg_sqs, Tensor[] new_model_params, Tensor new_step)"),
     "update_scale_": (
         "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor finite, "
         "float growth_factor, float backoff_factor, int growth_interval, float min_scale, float max_scale, "
@@ -436,6 +520,18 @@ def _ref_adam_step_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mod
                     *rest, lr_tensor=lr_tensor)
 
 
+def _ref_sgd_step_out_op(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
+                         *rest):
+    return _ref_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, *rest,
+                         lr_tensor=lr_tensor)
+
+
+def _ref_adam_step_out_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale,
+                          finite, lr, lr_tensor, *rest):
+    return _ref_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale,
+                          finite, lr, *rest, lr_tensor=lr_tensor)
+
+
 def _ref_unscale_op(tensors, inv_scale):
     outs, finite = _ref_unscale(tensors, inv_scale)
     return outs, finite
@@ -447,6 +543,8 @@ _REFERENCE = {
     "unscale": _ref_unscale_op,
     "sgd_step_": _ref_sgd_step_op,
     "adam_step_": _ref_adam_step_op,
+    "sgd_step": _ref_sgd_step_out_op,
+    "adam_step": _ref_adam_step_out_op,
     "update_scale_": _ref_update_scale_,
 }
 
@@ -470,12 +568,30 @@ def _fake_none(*args):
     return None
 
 
+def _empties(tensors) -> list:
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+
+
+def _fake_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
+                   weight_decay, momentum, *rest):
+    return (_empties(params), _empties(momentum_buffers) if momentum != 0 else [], _empties(model_params),
+            torch.empty_like(step))
+
+
+def _fake_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
+                    lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, *rest):
+    return (_empties(params), _empties(exp_avgs), _empties(exp_avg_sqs), _empties(max_exp_avg_sqs) if amsgrad else [],
+            _empties(model_params), torch.empty_like(step))
+
+
 _FAKE = {
     "check": _fake_check,
     "unscale_": _fake_unscale_,
     "unscale": _fake_unscale,
     "sgd_step_": _fake_none,
     "adam_step_": _fake_none,
+    "sgd_step": _fake_sgd_step,
+    "adam_step": _fake_adam_step,
     "update_scale_": _fake_none,
 }
 

@@ -205,16 +205,44 @@ double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tenso
   return dev.is_cpu() ? static_cast<double>(lr_tensor->item<float>()) : lr;
 }
 
+void check_sgd_args(const char* op, TensorList params, TensorList grads, TensorList momentum_buffers,
+                    TensorList model_params, const Tensor& step, const Tensor& grad_scale, const Tensor& finite,
+                    double momentum, const at::Device& dev) {
+  check_step_args(op, params, grads, model_params, step, grad_scale, finite, dev);
+  if (momentum != 0.0) {
+    check_list(op, "momentum_buffers", momentum_buffers, dev, true);
+    check_same_numel(op, "momentum_buffers", momentum_buffers, "params", params);
+  }
+}
+
+void check_adam_args(const char* op, TensorList params, TensorList grads, TensorList exp_avgs,
+                     TensorList exp_avg_sqs, TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+                     const Tensor& grad_scale, const Tensor& finite, bool amsgrad, const at::Device& dev) {
+  check_step_args(op, params, grads, model_params, step, grad_scale, finite, dev);
+  check_list(op, "exp_avgs", exp_avgs, dev, true);
+  check_same_numel(op, "exp_avgs", exp_avgs, "params", params);
+  check_list(op, "exp_avg_sqs", exp_avg_sqs, dev, true);
+  check_same_numel(op, "exp_avg_sqs", exp_avg_sqs, "params", params);
+  if (amsgrad) {
+    check_list(op, "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
+    check_same_numel(op, "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
+  }
+}
+
+// New contiguous tensors shaped and typed like `ts` (the outputs of the out-of-place steps).
+std::vector<Tensor> empty_like_list(TensorList ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(at::empty(t.sizes(), t.options()));
+  return out;
+}
+
 void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
                    bool nesterov, bool maximize) {
   const at::Device dev(at::kCPU);
-  check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
-  if (momentum != 0.0) {
-    check_list("sgd_step_", "momentum_buffers", momentum_buffers, dev, true);
-    check_same_numel("sgd_step_", "momentum_buffers", momentum_buffers, "params", params);
-  }
+  check_sgd_args("sgd_step_", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
   lr = lr_value("sgd_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
@@ -227,7 +255,7 @@ void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buff
                            nesterov,
                            maximize,
                            *step_ptr == 0.f};
-  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, m.tensors, h);
+  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p.tensors, b.tensors, m.tensors, h);
   p.write_back();
   b.write_back();
   m.write_back();
@@ -240,15 +268,8 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
                     const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
                     double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
-  check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
-  check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
-  check_same_numel("adam_step_", "exp_avgs", exp_avgs, "params", params);
-  check_list("adam_step_", "exp_avg_sqs", exp_avg_sqs, dev, true);
-  check_same_numel("adam_step_", "exp_avg_sqs", exp_avg_sqs, "params", params);
-  if (amsgrad) {
-    check_list("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
-    check_same_numel("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
-  }
+  check_adam_args("adam_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                  grad_scale, finite, amsgrad, dev);
   lr = lr_value("adam_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
@@ -257,13 +278,82 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
   const float next_step = *step_ptr + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
   ampfunc::cpu::AdamHyper h{grad_scale.item<float>(), lr, beta1, beta2, eps, weight_decay,
                             static_cast<double>(next_step), amsgrad, decoupled_weight_decay, maximize};
-  ampfunc::cpu::adam_step(p.tensors, g.tensors, m1.tensors, m2.tensors, vmax.tensors, m.tensors, h);
+  const ampfunc::cpu::AdamLists state{p.tensors, m1.tensors, m2.tensors, vmax.tensors};
+  ampfunc::cpu::adam_step(state, g.tensors, state, m.tensors, h);
   p.write_back();
   m1.write_back();
   m2.write_back();
   vmax.write_back();
   m.write_back();
   *step_ptr = next_step;
+}
+
+// The out-of-place steps: the same kernels with other destinations. Inputs are only read
+// (non-contiguous ones through a contiguous copy); every output is a new contiguous tensor.
+// A skipped step (finite false) copies the inputs to the outputs and returns the old step.
+
+using SgdOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor>;
+
+SgdOut sgd_step_cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
+                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
+                    bool nesterov, bool maximize) {
+  const at::Device dev(at::kCPU);
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
+  lr = lr_value("sgd_step", lr, lr_tensor, dev);
+  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
+  std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = empty_like_list(b.tensors),
+                      m_out = empty_like_list(m.tensors);
+  const float old_step = step.item<float>();
+  if (!finite.item<bool>()) {
+    ampfunc::cpu::copy(p.tensors, p_out);
+    ampfunc::cpu::copy(b.tensors, b_out);
+    ampfunc::cpu::copy(m.tensors, m_out);
+    return {p_out, b_out, m_out, at::scalar_tensor(old_step, at::kFloat)};
+  }
+  ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
+                           static_cast<float>(lr),
+                           static_cast<float>(weight_decay),
+                           static_cast<float>(momentum),
+                           static_cast<float>(dampening),
+                           nesterov,
+                           maximize,
+                           old_step == 0.f};
+  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p_out, b_out, m_out, h);
+  return {p_out, b_out, m_out, at::scalar_tensor(old_step + 1.f, at::kFloat)};
+}
+
+using AdamOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                           std::vector<Tensor>, Tensor>;
+
+AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                      TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+                      const Tensor& grad_scale, const Tensor& finite, double lr,
+                      const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                      double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev(at::kCPU);
+  check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                  grad_scale, finite, amsgrad, dev);
+  lr = lr_value("adam_step", lr, lr_tensor, dev);
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+      m(model_params);
+  std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = empty_like_list(m1.tensors),
+                      m2_out = empty_like_list(m2.tensors), vmax_out = empty_like_list(vmax.tensors),
+                      m_out = empty_like_list(m.tensors);
+  const float old_step = step.item<float>();
+  if (!finite.item<bool>()) {
+    for (auto [src, dst] : {std::pair{&p.tensors, &p_out}, {&m1.tensors, &m1_out}, {&m2.tensors, &m2_out},
+                            {&vmax.tensors, &vmax_out}, {&m.tensors, &m_out}}) {
+      ampfunc::cpu::copy(*src, *dst);
+    }
+    return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(old_step, at::kFloat)};
+  }
+  const float next_step = old_step + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
+  ampfunc::cpu::AdamHyper h{grad_scale.item<float>(), lr, beta1, beta2, eps, weight_decay,
+                            static_cast<double>(next_step), amsgrad, decoupled_weight_decay, maximize};
+  ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
+                          {p_out, m1_out, m2_out, vmax_out}, m_out, h);
+  return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(next_step, at::kFloat)};
 }
 
 void check_scale_args(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
@@ -521,6 +611,54 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   m.write_back();
 }
 
+// The out-of-place steps on CUDA: contiguous copies of the state, then the in-place launchers
+// on the copies. Correct (a skipped step leaves the copies equal to the inputs and the copied
+// step counter unchanged, decided on the device) but not one pass: the copies cost one more
+// read and write of the state than a kernel with separate destinations would (the CUDA
+// kernels of ext/cuda/ only know in place).
+
+std::vector<Tensor> clone_list(TensorList ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(t.clone(at::MemoryFormat::Contiguous));
+  return out;
+}
+
+SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+                     const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
+                     const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum,
+                     double dampening, bool nesterov, bool maximize) {
+  const at::Device dev = device_of(params, step);
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
+  lr_value("sgd_step", lr, lr_tensor, dev);  // validates lr_tensor
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Tensor> p_out = clone_list(params), b_out = clone_list(momentum != 0.0 ? momentum_buffers : TensorList()),
+                      m_out = clone_list(model_params);
+  Tensor step_out = step.clone();
+  sgd_step__cuda(p_out, grads, b_out, m_out, step_out, grad_scale, finite, lr, lr_tensor, weight_decay, momentum,
+                 dampening, nesterov, maximize);
+  return {p_out, b_out, m_out, step_out};
+}
+
+AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                       TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+                       const Tensor& grad_scale, const Tensor& finite, double lr,
+                       const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                       double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev = device_of(params, step);
+  check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                  grad_scale, finite, amsgrad, dev);
+  lr_value("adam_step", lr, lr_tensor, dev);  // validates lr_tensor
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Tensor> p_out = clone_list(params), m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
+                      vmax_out = clone_list(amsgrad ? max_exp_avg_sqs : TensorList()),
+                      m_out = clone_list(model_params);
+  Tensor step_out = step.clone();
+  adam_step__cuda(p_out, grads, m1_out, m2_out, vmax_out, m_out, step_out, grad_scale, finite, lr, lr_tensor, beta1,
+                  beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
+  return {p_out, m1_out, m2_out, vmax_out, m_out, step_out};
+}
+
 void update_scale__cuda(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
                         const Tensor& finite, double growth_factor, double backoff_factor, int64_t growth_interval,
                         double min_scale, double max_scale, int64_t hysteresis) {
@@ -544,6 +682,8 @@ TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
   m.impl("unscale", &unscale_cpu);
   m.impl("sgd_step_", &sgd_step__cpu);
   m.impl("adam_step_", &adam_step__cpu);
+  m.impl("sgd_step", &sgd_step_cpu);
+  m.impl("adam_step", &adam_step_cpu);
   m.impl("update_scale_", &update_scale__cpu);
 }
 
@@ -554,6 +694,8 @@ TORCH_LIBRARY_IMPL(ampfunc, CUDA, m) {
   m.impl("unscale", &unscale_cuda);
   m.impl("sgd_step_", &sgd_step__cuda);
   m.impl("adam_step_", &adam_step__cuda);
+  m.impl("sgd_step", &sgd_step_cuda);
+  m.impl("adam_step", &adam_step_cuda);
   m.impl("update_scale_", &update_scale__cuda);
 }
 #endif

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <atomic>
 #include <mutex>
 
@@ -233,15 +234,18 @@ bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& 
 // ---- SGD ----
 
 namespace {
+// Reads p_in / buf_in, writes p_out / buf_out (the same pointers in place: every element is
+// loaded before it is stored, and the math does not depend on where it goes).
 template <typename G, typename M>
-void sgd_segment(float* p, const G* g, float* buf, M* model, int64_t n, const SgdHyper& h) {
+void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
+                 int64_t n, const SgdHyper& h) {
   const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
       neg_lr(-h.lr);
   for (int64_t j = 0; j < n; j += kW) {
     const int64_t m = n - j;
     fVec ga, gb, pa, pb;
     load2(g + j, m, ga, gb);
-    load2(p + j, m, pa, pb);
+    load2(p_in + j, m, pa, pb);
     ga = ga * gs;
     gb = gb * gs;
     if (h.maximize) {
@@ -252,17 +256,17 @@ void sgd_segment(float* p, const G* g, float* buf, M* model, int64_t n, const Sg
       ga = at::vec::fmadd(pa, wd, ga);
       gb = at::vec::fmadd(pb, wd, gb);
     }
-    if (buf) {
+    if (buf_out) {
       fVec ba, bb;
       if (h.first_step) {
         ba = ga;
         bb = gb;
       } else {
-        load2(buf + j, m, ba, bb);
+        load2(buf_in + j, m, ba, bb);
         ba = at::vec::fmadd(ga, one_minus_damp, ba * mom);
         bb = at::vec::fmadd(gb, one_minus_damp, bb * mom);
       }
-      store2(buf + j, m, ba, bb);
+      store2(buf_out + j, m, ba, bb);
       if (h.nesterov) {
         ga = at::vec::fmadd(ba, mom, ga);
         gb = at::vec::fmadd(bb, mom, gb);
@@ -273,26 +277,30 @@ void sgd_segment(float* p, const G* g, float* buf, M* model, int64_t n, const Sg
     }
     pa = at::vec::fmadd(ga, neg_lr, pa);
     pb = at::vec::fmadd(gb, neg_lr, pb);
-    store2(p + j, m, pa, pb);
+    store2(p_out + j, m, pa, pb);
     if (model) store2(model + j, m, pa, pb);
   }
 }
 }  // namespace
 
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& model_params,
+              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& params_out,
+              const std::vector<at::Tensor>& momentum_buffers_out, const std::vector<at::Tensor>& model_params,
               const SgdHyper& h) {
   const Ranges r(params);
   const bool has_buf = !momentum_buffers.empty(), has_model = !model_params.empty();
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      float* p = params[i].data_ptr<float>() + s;
-      float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
+      const float* p = params[i].data_ptr<float>() + s;
+      float* p_out = params_out[i].data_ptr<float>() + s;
+      const float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
+      float* buf_out = has_buf ? momentum_buffers_out[i].data_ptr<float>() + s : nullptr;
       with_typed(grads[i], [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i], [&](auto* mp) { sgd_segment(p, g + s, buf, mp + s, count, h); });
+          with_typed(model_params[i],
+                     [&](auto* mp) { sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, count, h); });
         } else {
-          sgd_segment(p, g + s, buf, static_cast<float*>(nullptr), count, h);
+          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), count, h);
         }
       });
     });
@@ -307,9 +315,14 @@ struct AdamScalars {
   bool l2, decoupled, amsgrad, maximize, lerp_small;
 };
 
+// The source and destination pointers of one segment (equal in place).
+struct AdamPtrs {
+  const float *p, *m1, *m2, *vmax;  // vmax null without amsgrad
+  float *p_out, *m1_out, *m2_out, *vmax_out;
+};
+
 template <typename G, typename M>
-void adam_segment(float* p, const G* g, float* m1, float* m2, float* vmax, M* model, int64_t n,
-                  const AdamScalars& c) {
+void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c) {
   const fVec gs(c.grad_scale), wd(c.wd), decay(c.decay), b2(c.b2), c2(c.c2), bc2(c.bc2_sqrt), eps(c.eps),
       nss(c.neg_step_size);
   // torch's lerp: weight < 0.5 ? start + w * (end - start) : end + (w - 1) * (end - start), fused.
@@ -318,9 +331,9 @@ void adam_segment(float* p, const G* g, float* m1, float* m2, float* vmax, M* mo
     const int64_t k = n - j;
     fVec ga, gb, pa, pb, ma, mb, va, vb;
     load2(g + j, k, ga, gb);
-    load2(p + j, k, pa, pb);
-    load2(m1 + j, k, ma, mb);
-    load2(m2 + j, k, va, vb);
+    load2(x.p + j, k, pa, pb);
+    load2(x.m1 + j, k, ma, mb);
+    load2(x.m2 + j, k, va, vb);
     ga = ga * gs;
     gb = gb * gs;
     if (c.maximize) {
@@ -339,31 +352,29 @@ void adam_segment(float* p, const G* g, float* m1, float* m2, float* vmax, M* mo
     // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): two roundings, as torch.
     va = va * b2 + (c2 * ga) * ga;
     vb = vb * b2 + (c2 * gb) * gb;
-    store2(m1 + j, k, ma, mb);
-    store2(m2 + j, k, va, vb);
+    store2(x.m1_out + j, k, ma, mb);
+    store2(x.m2_out + j, k, va, vb);
     fVec da = va, db = vb;
-    if (vmax) {
+    if (x.vmax) {
       fVec xa, xb;
-      load2(vmax + j, k, xa, xb);
+      load2(x.vmax + j, k, xa, xb);
       da = at::vec::maximum(xa, va);
       db = at::vec::maximum(xb, vb);
-      store2(vmax + j, k, da, db);
+      store2(x.vmax_out + j, k, da, db);
     }
     da = da.sqrt() / bc2 + eps;
     db = db.sqrt() / bc2 + eps;
     // addcdiv_(m, denom, value=-step_size) is self + (value * t1) / t2 in ATen.
     pa = pa + (nss * ma) / da;
     pb = pb + (nss * mb) / db;
-    store2(p + j, k, pa, pb);
+    store2(x.p_out + j, k, pa, pb);
     if (model) store2(model + j, k, pa, pb);
   }
 }
 }  // namespace
 
-void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-               const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& model_params,
-               const AdamHyper& h) {
+void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
+               const std::vector<at::Tensor>& model_params, const AdamHyper& h) {
   AdamScalars c;
   c.grad_scale = h.grad_scale;
   c.wd = static_cast<float>(h.weight_decay);
@@ -382,21 +393,38 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   c.amsgrad = h.amsgrad;
   c.maximize = h.maximize;
 
-  const Ranges r(params);
+  const Ranges r(in.params);
   const bool has_model = !model_params.empty();
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      float* p = params[i].data_ptr<float>() + s;
-      float* m1 = exp_avgs[i].data_ptr<float>() + s;
-      float* m2 = exp_avg_sqs[i].data_ptr<float>() + s;
-      float* vmax = c.amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr;
+      const AdamPtrs x{in.params[i].data_ptr<float>() + s,
+                       in.exp_avgs[i].data_ptr<float>() + s,
+                       in.exp_avg_sqs[i].data_ptr<float>() + s,
+                       c.amsgrad ? in.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+                       out.params[i].data_ptr<float>() + s,
+                       out.exp_avgs[i].data_ptr<float>() + s,
+                       out.exp_avg_sqs[i].data_ptr<float>() + s,
+                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr};
       with_typed(grads[i], [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i], [&](auto* mp) { adam_segment(p, g + s, m1, m2, vmax, mp + s, count, c); });
+          with_typed(model_params[i], [&](auto* mp) { adam_segment(x, g + s, mp + s, count, c); });
         } else {
-          adam_segment(p, g + s, m1, m2, vmax, static_cast<float*>(nullptr), count, c);
+          adam_segment(x, g + s, static_cast<float*>(nullptr), count, c);
         }
       });
+    });
+  });
+}
+
+// ---- copy ----
+
+void copy(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs) {
+  const Ranges r(ins);
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      const int64_t bytes = ins[i].element_size();
+      std::memcpy(static_cast<char*>(outs[i].data_ptr()) + s * bytes,
+                  static_cast<const char*>(ins[i].data_ptr()) + s * bytes, count * bytes);
     });
   });
 }

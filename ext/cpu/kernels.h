@@ -41,10 +41,14 @@ struct SgdHyper {
 };
 
 // One pass: g = grad * grad_scale; torch.optim.SGD's update of params (fp32) and momentum
-// buffers (fp32, empty list when momentum == 0); model_params (empty, or one per param, any
-// float dtype) receive the rounded new params.
+// buffers (fp32, empty list when momentum == 0), read from `params` / `momentum_buffers` and
+// written to `params_out` / `momentum_buffers_out`; model_params (empty, or one per param, any
+// float dtype) receive the rounded new params. The step runs in place when the out lists are
+// the in lists (each element is loaded before it is stored) and out of place when they are
+// other tensors; the arithmetic is the same code either way, so the results are bit-identical.
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& model_params,
+              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& params_out,
+              const std::vector<at::Tensor>& momentum_buffers_out, const std::vector<at::Tensor>& model_params,
               const SgdHyper& h);
 
 struct AdamHyper {
@@ -60,11 +64,23 @@ struct AdamHyper {
   bool maximize;
 };
 
-// One pass of torch.optim.Adam / AdamW (single-tensor order of operations, fp32).
-void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-               const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& model_params,
-               const AdamHyper& h);
+// The fp32 lists an Adam step reads (or writes): max_exp_avg_sqs is empty without amsgrad.
+struct AdamLists {
+  const std::vector<at::Tensor>& params;
+  const std::vector<at::Tensor>& exp_avgs;
+  const std::vector<at::Tensor>& exp_avg_sqs;
+  const std::vector<at::Tensor>& max_exp_avg_sqs;
+};
+
+// One pass of torch.optim.Adam / AdamW (single-tensor order of operations, fp32): reads `in`
+// and the grads, writes `out` and model_params (empty, or the new params rounded to each
+// one's dtype). In place when `out` names the same tensors as `in`, out of place otherwise,
+// with the same code and so the same bits.
+void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
+               const std::vector<at::Tensor>& model_params, const AdamHyper& h);
+
+// outs[i] = ins[i], bit for bit (same dtype and numel): the skipped out-of-place step.
+void copy(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs);
 
 struct ScaleConfig {
   double growth_factor;
