@@ -84,6 +84,56 @@ inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
   if (n >= kW) v.store(p); else v.store(p, n);
 }
 
+// ---- streaming (non-temporal) stores, for destinations a kernel only writes ----
+//
+// A plain store first reads the cache line it writes into (read-for-ownership), so a new
+// output tensor costs two memory transfers per byte: an out-of-place Adam step would move 40
+// bytes per element against the in-place step's 28. A streaming store skips the read. It is
+// used for the new tensors of the out-of-place steps when the outputs are too large to stay in
+// cache anyway (kStreamMin elements), for full vectors at 32-byte aligned addresses; partial
+// tails and unaligned segments store normally. Only where the data goes changes, never a value.
+constexpr int64_t kStreamMin = 1 << 20;
+
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+constexpr bool kCanStream = true;
+static_assert(kVF == 8, "AVX2 float vectors hold 8 lanes");
+
+inline void store2(float* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
+  if (stream && n >= kW) {
+    _mm256_stream_ps(p, a);
+    _mm256_stream_ps(p + kVF, b);
+  } else {
+    store2(p, n, a, b);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
+  if (stream && n >= kW) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), at::vec::convert_from_float<T>(a, b));
+  } else {
+    store2(p, n, a, b);
+  }
+}
+
+inline void stream_fence() { _mm_sfence(); }
+#else
+constexpr bool kCanStream = false;
+
+template <typename T>
+inline void store2(T* p, int64_t n, const fVec& a, const fVec& b, bool /*stream*/) {
+  store2(p, n, a, b);
+}
+
+inline void stream_fence() {}
+#endif
+
+// Whether stores to `out` stream: enabled for this call, `out` is not the source (in place,
+// the line was just read and is in cache) and it is aligned for the vector stores.
+inline bool streams(bool enabled, const void* out, const void* in) {
+  return kCanStream && enabled && out != in && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+}
+
 // Calls fn(typed data pointer) for a tensor of float, half or bfloat16.
 template <typename Fn>
 inline void with_typed(const at::Tensor& t, Fn&& fn) {
@@ -236,9 +286,13 @@ bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& 
 namespace {
 // Reads p_in / buf_in, writes p_out / buf_out (the same pointers in place: every element is
 // loaded before it is stored, and the math does not depend on where it goes).
+struct Streams {
+  bool p, m1, m2, vmax, model;  // which destinations take streaming stores (SGD's buffer: m1)
+};
+
 template <typename G, typename M>
 void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
-                 int64_t n, const SgdHyper& h) {
+                 int64_t n, const SgdHyper& h, const Streams& st) {
   const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
       neg_lr(-h.lr);
   for (int64_t j = 0; j < n; j += kW) {
@@ -266,7 +320,7 @@ void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
         ba = at::vec::fmadd(ga, one_minus_damp, ba * mom);
         bb = at::vec::fmadd(gb, one_minus_damp, bb * mom);
       }
-      store2(buf_out + j, m, ba, bb);
+      store2(buf_out + j, m, ba, bb, st.m1);
       if (h.nesterov) {
         ga = at::vec::fmadd(ba, mom, ga);
         gb = at::vec::fmadd(bb, mom, gb);
@@ -277,8 +331,8 @@ void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
     }
     pa = at::vec::fmadd(ga, neg_lr, pa);
     pb = at::vec::fmadd(gb, neg_lr, pb);
-    store2(p_out + j, m, pa, pb);
-    if (model) store2(model + j, m, pa, pb);
+    store2(p_out + j, m, pa, pb, st.p);
+    if (model) store2(model + j, m, pa, pb, st.model);
   }
 }
 }  // namespace
@@ -289,6 +343,7 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
               const SgdHyper& h) {
   const Ranges r(params);
   const bool has_buf = !momentum_buffers.empty(), has_model = !model_params.empty();
+  const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
       const float* p = params[i].data_ptr<float>() + s;
@@ -297,13 +352,18 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
       float* buf_out = has_buf ? momentum_buffers_out[i].data_ptr<float>() + s : nullptr;
       with_typed(grads[i], [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i],
-                     [&](auto* mp) { sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, count, h); });
+          with_typed(model_params[i], [&](auto* mp) {
+            const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false,
+                             streams(big, mp + s, nullptr)};
+            sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, count, h, st);
+          });
         } else {
-          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), count, h);
+          const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false, false};
+          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), count, h, st);
         }
       });
     });
+    stream_fence();
   });
 }
 
@@ -322,7 +382,7 @@ struct AdamPtrs {
 };
 
 template <typename G, typename M>
-void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c) {
+void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c, const Streams& st) {
   const fVec gs(c.grad_scale), wd(c.wd), decay(c.decay), b2(c.b2), c2(c.c2), bc2(c.bc2_sqrt), eps(c.eps),
       nss(c.neg_step_size);
   // torch's lerp: weight < 0.5 ? start + w * (end - start) : end + (w - 1) * (end - start), fused.
@@ -352,23 +412,23 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
     // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): two roundings, as torch.
     va = va * b2 + (c2 * ga) * ga;
     vb = vb * b2 + (c2 * gb) * gb;
-    store2(x.m1_out + j, k, ma, mb);
-    store2(x.m2_out + j, k, va, vb);
+    store2(x.m1_out + j, k, ma, mb, st.m1);
+    store2(x.m2_out + j, k, va, vb, st.m2);
     fVec da = va, db = vb;
     if (x.vmax) {
       fVec xa, xb;
       load2(x.vmax + j, k, xa, xb);
       da = at::vec::maximum(xa, va);
       db = at::vec::maximum(xb, vb);
-      store2(x.vmax_out + j, k, da, db);
+      store2(x.vmax_out + j, k, da, db, st.vmax);
     }
     da = da.sqrt() / bc2 + eps;
     db = db.sqrt() / bc2 + eps;
     // addcdiv_(m, denom, value=-step_size) is self + (value * t1) / t2 in ATen.
     pa = pa + (nss * ma) / da;
     pb = pb + (nss * mb) / db;
-    store2(x.p_out + j, k, pa, pb);
-    if (model) store2(model + j, k, pa, pb);
+    store2(x.p_out + j, k, pa, pb, st.p);
+    if (model) store2(model + j, k, pa, pb, st.model);
   }
 }
 }  // namespace
@@ -395,6 +455,7 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
 
   const Ranges r(in.params);
   const bool has_model = !model_params.empty();
+  const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
       const AdamPtrs x{in.params[i].data_ptr<float>() + s,
@@ -405,14 +466,20 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
                        out.exp_avgs[i].data_ptr<float>() + s,
                        out.exp_avg_sqs[i].data_ptr<float>() + s,
                        c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr};
+      Streams st{streams(big, x.p_out, x.p), streams(big, x.m1_out, x.m1), streams(big, x.m2_out, x.m2),
+                 streams(big, x.vmax_out, x.vmax), false};
       with_typed(grads[i], [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i], [&](auto* mp) { adam_segment(x, g + s, mp + s, count, c); });
+          with_typed(model_params[i], [&](auto* mp) {
+            st.model = streams(big, mp + s, nullptr);
+            adam_segment(x, g + s, mp + s, count, c, st);
+          });
         } else {
-          adam_segment(x, g + s, static_cast<float*>(nullptr), count, c);
+          adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st);
         }
       });
     });
+    stream_fence();
   });
 }
 
