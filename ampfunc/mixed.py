@@ -291,8 +291,12 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
 
     def step(params, grads, state):
         _check(params, grads, state, "mixed_precision.step")
-        if fused_plan is not None and fused_plan.supports(params, state):
-            return step_(tree_map(lambda x: x.clone(), params), grads, tree_map(_clone, state))
+        if fused_plan is not None:
+            # Out of place in one optimizer pass (new tensors, inputs untouched); None when the
+            # kernels cannot run these trees.
+            out = fused_plan.step(params, grads, state, group=group)
+            if out is not None:
+                return out
         new_ref, new_inner, _, new_ls = _generic(params, grads, state)
         if state.master is None:
             return new_ref, MixedPrecisionState(None, new_inner, new_ls)

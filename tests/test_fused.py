@@ -162,3 +162,85 @@ def test_mixed_precision_takes_the_fused_path_for_native_optimizers_only(monkeyp
         state = tx.init(params)
         tx.step_({k: v.clone() for k, v in params.items()}, _scaled_grads(0, 1.0, torch.float16), state)
         assert len(calls) == (1 if fused else 0)
+
+
+PURE_CASES = [
+    lambda: af.sgd(0.05, momentum=0.9, weight_decay=0.01),
+    lambda: af.sgd(0.05, momentum=0.9, nesterov=True),
+    lambda: af.sgd(0.05),
+    lambda: af.adam(1e-2, weight_decay=0.01, amsgrad=True),
+    lambda: af.chain(af.clip_by_global_norm(0.5), af.adamw(1e-2, weight_decay=0.05)),
+    lambda: af.adamw(af.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10), amsgrad=True),
+]
+
+
+def _nested(tree):
+    """The same leaves in a tree that is not one flat dict (optree's order, not dict order)."""
+    return {"enc": {"w": tree["enc.w"], "b": tree["enc.b"]}, "rest": [tree["head.w"], tree["tiny"]]}
+
+
+@pytest.mark.parametrize("layout", ["dict", "nested"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inner", PURE_CASES)
+def test_pure_step_equals_the_in_place_step_bit_for_bit_over_steps_with_a_skip(inner, param_dtype, layout):
+    tx = af.mixed_precision(inner(), af.DynamicLossScale(2.0**8, growth_interval=2))
+    shape = (lambda t: t) if layout == "dict" else _nested
+    pure_p = shape(_params(param_dtype))
+    pure_s = tx.init(pure_p)
+    inplace_p, inplace_s = af.tree_map(torch.clone, pure_p), af.tree_map(torch.clone, pure_s)
+    for step in range(5):  # OVERFLOW_STEPS holds 3: that step is skipped
+        grads = shape(_scaled_grads(step, af.loss_scale_of(pure_s).loss_scale, param_dtype))
+        inputs = af.tree.tree_leaves((pure_p, pure_s))
+        snapshot = [t.clone() for t in inputs]
+        new_p, new_s = tx.step(pure_p, grads, pure_s)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, snapshot))  # the inputs are untouched
+        inplace_p, inplace_s = tx.step_(inplace_p, grads, inplace_s)
+        assert af.tree.tree_structure((new_p, new_s)) == af.tree.tree_structure((inplace_p, inplace_s))
+        # the caller's key order, not a sorted one
+        assert list(new_p) == list(pure_p) and (layout == "dict" or list(new_p["enc"]) == ["w", "b"])
+        for a, b in zip(af.tree.tree_leaves((new_p, new_s)), af.tree.tree_leaves((inplace_p, inplace_s))):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        new_leaves = af.tree.tree_leaves((new_p, new_s))
+        assert not {id(t) for t in new_leaves} & {id(t) for t in inputs}  # new tensors throughout
+        if step in OVERFLOW_STEPS:  # skipped: params, master and optimizer state equal the inputs
+            for a, b in zip(af.tree.tree_leaves((new_p, new_s.master, new_s.inner)),
+                            af.tree.tree_leaves((pure_p, pure_s.master, pure_s.inner))):
+                assert torch.equal(a, b)
+            assert float(af.loss_scale_of(new_s).loss_scale) == float(af.loss_scale_of(pure_s).loss_scale) / 2
+        pure_p, pure_s = new_p, new_s
+    opt = pure_s.inner[-1] if type(pure_s.inner) is tuple else pure_s.inner  # a chain: the last state
+    assert float(opt.step) == 4.0
+
+
+def test_pure_step_and_update_take_the_out_of_place_kernel_and_never_the_in_place_one(monkeypatch):
+    calls = []
+    for name in ("adam_step", "adam_step_"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+    tx = af.mixed_precision(af.adamw(1e-3))
+    params = _params(torch.bfloat16)
+    state = tx.init(params)
+    tx.step(params, _scaled_grads(0, 2.0**16, torch.bfloat16), state)
+    tx.update(_scaled_grads(0, 2.0**16, torch.bfloat16), state, params)
+    assert calls == ["adam_step", "adam_step"]
+
+
+@pytest.mark.slow
+def test_compiled_fullgraph_pure_step_equals_eager_including_a_skipped_one():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2, weight_decay=0.01)),
+                            af.DynamicLossScale(2.0**8, growth_interval=2))
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(tx.step, fullgraph=True, backend=counter)  # a graph break raises
+    eager_p = compiled_p = _params(torch.float16)
+    eager_s = compiled_s = tx.init(eager_p)
+    for step in range(5):  # step 3 overflows
+        grads = _scaled_grads(step, 2.0**8, torch.float16)
+        eager_p, eager_s = tx.step(eager_p, grads, eager_s)
+        compiled_p, compiled_s = compiled(compiled_p, grads, compiled_s)
+        for a, b in zip(af.tree.tree_leaves((eager_p, eager_s)), af.tree.tree_leaves((compiled_p, compiled_s))):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1  # one graph; the changing scale and step count never recompile
+    assert float(compiled_s.inner[-1].step) == 4.0

@@ -366,6 +366,138 @@ def test_compiled_step_refuses_mismatched_lists_naming_the_index_and_writes_noth
 
 
 # ---------------------------------------------------------------------------------------------
+# out-of-place optimizer steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _ours_out(kind, backend, params, grads, state, step, h, grad_scale, finite, model=None):
+    """The out-of-place step: ``(new_params, new_state, new_model, new_step)``, the in-place
+    helpers' layout (``state``: ``[buffers]`` for SGD, ``[m, v, vmax]`` for Adam)."""
+    model = model or []
+    if kind == "sgd":
+        h = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, **h}
+        if backend == "reference":
+            p, b, m, s = ops._ref_sgd_step(params, grads, state[0], model, step, grad_scale, finite, h["lr"],
+                                           h["weight_decay"], h["momentum"], h["dampening"], h["nesterov"],
+                                           h["maximize"])
+        else:
+            p, b, m, s = ops.sgd_step(params, grads, state[0], model, step, grad_scale, finite, **h)
+        return p, [b], m, s
+    h = dict(h)
+    b1, b2 = h.pop("betas", (0.9, 0.999))
+    h = {"eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False, **h, "beta1": b1, "beta2": b2,
+         "decoupled_weight_decay": kind == "adamw"}
+    if backend == "reference":
+        p, m1, m2, vmax, m, s = ops._ref_adam_step(
+            params, grads, state[0], state[1], state[2] if h["amsgrad"] else [], model, step, grad_scale, finite,
+            h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"], h["decoupled_weight_decay"],
+            h["maximize"])
+    else:
+        p, m1, m2, vmax, m, s = ops.adam_step(params, grads, state[0], state[1], state[2], model, step, grad_scale,
+                                              finite, **h)
+    return p, [m1, m2, vmax if h["amsgrad"] else state[2]], m, s
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def _assert_bits_equal(actual, expected, what):
+    assert len(actual) == len(expected), what
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a.dtype == e.dtype and a.shape == e.shape, f"{what}[{i}]"
+        assert torch.equal(_bits(a), _bits(e)), f"{what}[{i}]"
+
+
+def _written_slots(kind, h, state):
+    """The state lists a step writes: SGD's buffers with momentum, Adam's m, v (+ vmax)."""
+    if kind == "sgd":
+        return state[:1] if h.get("momentum", 0) else []
+    return state if h.get("amsgrad") else state[:2]
+
+
+OUT_OF_PLACE = [OPTIMIZERS[1], OPTIMIZERS[3], OPTIMIZERS[7], OPTIMIZERS[8], OPTIMIZERS[9]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,h", OUT_OF_PLACE)
+@pytest.mark.parametrize("model_dtype", [None, torch.float16, torch.bfloat16])
+def test_out_of_place_step_gives_the_in_place_bits_and_leaves_its_inputs_alone(backend, kind, h, model_dtype):
+    # Five steps, the third skipped (an inf in the grads and finite false); grads alternate fp32 and bf16.
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    state, step = _fresh_state(kind, params), torch.zeros(())
+    model = [p.to(model_dtype) for p in params] if model_dtype else None
+    twin = ([p.clone() for p in params], [[x.clone() for x in lst] for lst in state], step.clone(),
+            [m.clone() for m in model] if model else None)
+    grad_scale = torch.tensor(0.5)
+    for k in range(5):
+        grads = [(torch.randn(s, generator=gen) * 2).to(torch.bfloat16 if k % 2 else torch.float32) for s in SHAPES]
+        finite = torch.tensor(k != 2)
+        if k == 2:
+            grads[2][0, 0] = float("inf")
+        inputs = params + [x for lst in state for x in lst] + [step] + (model or [])
+        saved = [t.clone() for t in inputs]
+        new_p, new_state, new_model, new_step = _ours_out(kind, backend, params, grads, state, step, h, grad_scale,
+                                                          finite, model)
+        _assert_bits_equal(inputs, saved, "inputs")  # nothing given was written
+        tp, ts, tstep, tm = twin
+        _ours(kind, backend, tp, grads, ts, tstep, h, grad_scale, finite, tm)
+        _assert_bits_equal(new_p, tp, "params")
+        for a, e in zip(_written_slots(kind, h, new_state), _written_slots(kind, h, ts)):
+            _assert_bits_equal(a, e, "state")
+        _assert_bits_equal(new_model, tm or [], "model_params")
+        assert torch.equal(new_step, tstep) and new_step is not step
+        if k == 2:  # skipped: new tensors equal to the inputs, the step count unchanged
+            _assert_bits_equal(new_p, params, "skipped params")
+            _assert_bits_equal(new_model, model or [], "skipped model_params")
+            assert float(new_step) == float(step) == 2.0
+            assert all(a is not b for a, b in zip(new_p, params))
+        params, step, model = new_p, new_step, (new_model or None)
+        state = [lst if i < len(_written_slots(kind, h, state)) else state[i] for i, lst in enumerate(new_state)]
+    assert float(step) == 4.0
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+@pytest.mark.parametrize("kind,h,model_dtype", [(*OPTIMIZERS[9], torch.bfloat16), (*OPTIMIZERS[3], torch.float16),
+                                                (*OPTIMIZERS[8], None)])
+def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(kind, h, model_dtype):
+    # Past 2**20 elements the kernels store new outputs with streaming stores; the thread split
+    # puts some segments at unaligned offsets (normal stores there). Same bits either way. One
+    # param is a transposed (non-contiguous) view, read through a contiguous copy.
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(2**20 + 3,), (4097,), (1,), (257, 129)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    params[3] = params[3].t()
+    state, step = _fresh_state(kind, params), torch.zeros(())
+    model = [p.to(model_dtype) for p in params] if model_dtype else None
+    yes = torch.ones((), dtype=torch.bool)
+    for k in range(2):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        saved = [t.clone() for t in params + (model or [])]
+        new_p, new_state, new_model, new_step = _ours_out(kind, "compiled", params, grads, state, step, h,
+                                                          torch.ones(()), yes, model)
+        _assert_bits_equal(params + (model or []), saved, "inputs")
+        _ours(kind, "compiled", params, grads, state, step, h, torch.ones(()), yes, model)
+        _assert_bits_equal(new_p, params, "params")
+        for a, e in zip(_written_slots(kind, h, new_state), _written_slots(kind, h, state)):
+            _assert_bits_equal(a, e, "state")
+        _assert_bits_equal(new_model, model or [], "model_params")
+        assert torch.equal(new_step, step)
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+def test_compiled_out_of_place_step_names_the_mismatched_list_and_index():
+    params, grads = [torch.ones(3), torch.ones(4)], [torch.ones(3), torch.ones(4)]
+    with pytest.raises(RuntimeError, match=r"ampfunc\.adam_step: exp_avg_sqs\[1\] has 5 elements but params\[1\]"):
+        ops.adam_step(params, grads, [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)], None, None,
+                      torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"ampfunc\.sgd_step: momentum_buffers\[0\] has dtype Half"):
+        ops.sgd_step(params, grads, [torch.zeros(3, dtype=torch.float16), torch.zeros(4)], None, torch.zeros(()),
+                     torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1, momentum=0.9)
+
+
+# ---------------------------------------------------------------------------------------------
 # loss-scale update
 # ---------------------------------------------------------------------------------------------
 
