@@ -358,10 +358,6 @@ def _flat_checked(params, grads, state, where):
     return p, g, m
 
 
-def _clone(x):
-    return x.clone() if isinstance(x, torch.Tensor) else x
-
-
 def _fused_plan(inner: GradientTransformation):
     """The fused kernel plan for ``inner`` (see ``ampfunc.fused``), or None for the generic path."""
     from ampfunc import fused  # imported late: fused builds on ops and the optimizer specs

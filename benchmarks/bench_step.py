@@ -286,7 +286,7 @@ def main(argv=None):
               timer(ampfunc_step({k: v.clone() for k, v in params.items()}, grads)), adam_floor, t_fused)
     table.add("ampfunc mixed_precision(clip+adamw).step (pure)",
               timer(ampfunc_step({k: v.clone() for k, v in params.items()}, grads, inplace=False)), adam_floor,
-              t_fused, "clones params+state")
+              t_fused, "fused out-of-place kernel")
 
     # (c) bookkeeping -----------------------------------------------------------------------
     table.section(f"(c) bookkeeping alone, fp32 grads (x floor: check floor {check_floor:.1f} ms)")
