@@ -525,12 +525,9 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
   const at::Device dev = device_of(params, step);
   lr_value("sgd_step_", lr, lr_tensor, dev);  // validates lr_tensor
   const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
-  check_step_args("sgd_step_", params, grads, model_params, step, grad_scale, finite, dev);
+  check_sgd_args("sgd_step_", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum,
+                 dev);
   const bool has_buf = momentum != 0.0;
-  if (has_buf) {
-    check_list("sgd_step_", "momentum_buffers", momentum_buffers, dev, true);
-    check_same_numel("sgd_step_", "momentum_buffers", momentum_buffers, "params", params);
-  }
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList()), m(model_params);
@@ -569,15 +566,8 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   const at::Device dev = device_of(params, step);
   lr_value("adam_step_", lr, lr_tensor, dev);  // validates lr_tensor
   const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
-  check_step_args("adam_step_", params, grads, model_params, step, grad_scale, finite, dev);
-  check_list("adam_step_", "exp_avgs", exp_avgs, dev, true);
-  check_same_numel("adam_step_", "exp_avgs", exp_avgs, "params", params);
-  check_list("adam_step_", "exp_avg_sqs", exp_avg_sqs, dev, true);
-  check_same_numel("adam_step_", "exp_avg_sqs", exp_avg_sqs, "params", params);
-  if (amsgrad) {
-    check_list("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
-    check_same_numel("adam_step_", "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
-  }
+  check_adam_args("adam_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                  grad_scale, finite, amsgrad, dev);
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),

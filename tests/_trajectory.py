@@ -42,6 +42,24 @@ class Trajectory:
         return params, opt
 
 
+    def run_both_on(self, device, tx, cls, params, state=None, **kw):
+        """The trajectory on ``device`` through the pure ``tx`` and through ``cls(**kw)`` side by
+        side (gradients drawn on the CPU, then moved); returns ``(ours, theirs)``."""
+        params = af.tree_map(lambda p: p.to(device), params)
+        state = tx.init(params) if state is None else state
+        ours, theirs = params, af.tree_map(lambda p: p.clone(), params)
+        leaves = tree_leaves(theirs)
+        opt = cls(leaves, **kw)
+        for k in range(self.steps):
+            grads = self.grads_at(af.tree_map(lambda p: p.cpu(), ours), k)
+            updates, state = tx.update(af.tree_map(lambda g: g.to(device), grads), state, ours)
+            ours = af.apply_updates(ours, updates)
+            for p, g in zip(leaves, tree_leaves(self.grads_at(af.tree_map(lambda p: p.cpu(), theirs), k))):
+                p.grad = g.to(device)
+            opt.step()
+        return ours, theirs
+
+
 def assert_rel_close(actual, expected, rel=1e-6, initial=None):
     """Every leaf within ``rel`` of the leaf's magnitude (the 1e-6 relative contract).
 

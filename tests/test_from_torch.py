@@ -177,16 +177,5 @@ def test_mismatched_trees_and_non_float_leaves_name_the_leaf():
                                      (torch.optim.Adam, dict(lr=0.01, capturable=True))])
 def test_from_torch_on_cuda_matches_the_optimizer_run_natively(cls, kw):
     params = af.tree_map(lambda p: p.cuda(), make_params())
-    tx = af.from_torch(cls, **kw)
-    state = tx.init(params)
-    ours, theirs = params, af.tree_map(lambda p: p.clone(), params)
-    leaves = tree_leaves(theirs)
-    opt = cls(leaves, **kw)
-    for k in range(STEPS):
-        updates, state = tx.update(af.tree_map(lambda g: g.cuda(), grads_at(af.tree_map(lambda p: p.cpu(), ours), k)),
-                                   state, ours)
-        ours = af.apply_updates(ours, updates)
-        for p, g in zip(leaves, tree_leaves(grads_at(af.tree_map(lambda p: p.cpu(), theirs), k))):
-            p.grad = g.cuda()
-        opt.step()
+    ours, theirs = _TRAJECTORY.run_both_on("cuda", af.from_torch(cls, **kw), cls, params, **kw)
     assert_rel_close(ours, theirs, initial=params)

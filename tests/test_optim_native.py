@@ -240,14 +240,5 @@ def test_native_optimizers_match_torchs_default_cuda_path(name, cls, kw):
     tx = getattr(af, name)(**kw)
     state = tx.init(params)
     assert state.step.device.type == "cuda"
-    ours, theirs = params, af.tree_map(lambda p: p.clone(), params)
-    leaves = tree_leaves(theirs)
-    opt = cls(leaves, **kw)
-    for k in range(STEPS):
-        updates, state = tx.update(af.tree_map(lambda g: g.cuda(), grads_at(af.tree_map(lambda p: p.cpu(), ours), k)),
-                                   state, ours)
-        ours = af.apply_updates(ours, updates)
-        for p, g in zip(leaves, tree_leaves(grads_at(af.tree_map(lambda p: p.cpu(), theirs), k))):
-            p.grad = g.cuda()
-        opt.step()
+    ours, theirs = _TRAJECTORY.run_both_on("cuda", tx, cls, params, state=state, **kw)
     assert_rel_close(ours, theirs, initial=params)
