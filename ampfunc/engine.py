@@ -50,6 +50,11 @@ from ampfunc.tree import (
 
 __all__ = ["MixedPrecisionState", "Engine", "validate_step", "check_no_overlap", "skip_stats"]
 
+# Whether the ops validate every call before writing (shapes across lists, overlapping or
+# aliased written tensors, meta/foreign devices, dtypes) and name the list and index at fault
+# (``ops.error_items`` parses their messages). Then the fused path leaves those checks to them
+# and names the leaf paths on the error path only.
+KERNELS_VALIDATE = hasattr(ops, "error_items")
 _MODEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
@@ -119,31 +124,39 @@ def _path(tree: PyTree, index: int) -> str:
     return leaves_with_paths(tree)[index][0]
 
 
-def validate_step(where: str, named: list, *, shapes: bool = True) -> None:
+def validate_step(where: str, named: list, *, shapes: bool = True, param_shapes: Optional[list] = None,
+                  dtypes: Optional[list] = None) -> list:
     """Raises a clear error when the leaf lists of one step cannot go together.
 
     ``named`` is ``[(tree_name, tree, leaves), ...]`` with the params first; every list must
     have the params' length (the structures were compared when they were flattened). Checks:
     every leaf is a floating tensor not on the ``meta`` device, and (``shapes``) every leaf has
-    its param's shape. Errors name the tree and the leaf path. Cost: a dtype/device/shape look
-    per leaf at C speed (``map``); no host sync.
+    its param's shape. ``param_shapes`` / ``dtypes`` (one set per list) may be passed when the
+    caller already has them. Errors name the tree and the leaf path. Returns the params' shapes.
+    Cost: a dtype/device/shape look per leaf at C speed (``map``); no host sync.
     """
     p_name, p_tree, p_leaves = named[0]
-    p_shapes = _attrs("shape", p_leaves) if shapes else None
-    for name, tree, leaves in named:
-        if not all(isinstance(x, torch.Tensor) for x in leaves) or not all(_attrs("floating", leaves)):
+    p_shapes = param_shapes if param_shapes is not None or not shapes else _attrs("shape", p_leaves)
+    for k, (name, tree, leaves) in enumerate(named):
+        kinds = dtypes[k] if dtypes is not None and dtypes[k] is not None else None
+        if kinds is None:
+            if not all(isinstance(x, torch.Tensor) for x in leaves):
+                float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf
+            kinds = set(_attrs("dtype", leaves))
+        if not all(d.is_floating_point for d in kinds):
             float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf and its dtype
         devices = set(_attrs("device", leaves))
         if any(d.type == "meta" for d in devices):
             i = next(i for i, t in enumerate(leaves) if t.device.type == "meta")
             raise ValueError(f"{where}: {name} leaf {_path(tree, i)!r} is on the meta device (no data); "
                              "materialize it first (e.g. module.to_empty(device=...) and initialize)")
-        if shapes and tree is not p_tree:
+        if shapes and leaves is not p_leaves:
             s = _attrs("shape", leaves)
             if s != p_shapes:
                 i = next(i for i, (a, b) in enumerate(zip(s, p_shapes)) if a != b)
                 raise ValueError(f"{where}: leaf {_path(p_tree, i)!r} has shape {tuple(s[i])} in {name} but "
                                  f"{tuple(p_shapes[i])} in {p_name}")
+    return p_shapes
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -257,9 +270,9 @@ class Engine:
         self.group = group
         self.where = where
         self.plan: Optional[FusedPlan] = plan_for(inner)
-        # What an in-place step writes, validated once per set of tensors (identity): the same
-        # module's parameters and state come back every step.
-        self._written_ok: tuple = ()
+        # (ids of the params/master/state leaves, fused-ok, the lists): what was validated last,
+        # so an in-place step, which gets the same tensors back, validates them once.
+        self._seen: Optional[tuple] = None
 
     # -- init --------------------------------------------------------------------------------
 
@@ -328,43 +341,76 @@ class Engine:
 
         return _Lined(p, flat[0], m, slots, rebuild)
 
-    def _fusable(self, lined: _Lined, opt) -> bool:
-        """Whether the kernels can run these leaves: fp32 reference, kernel dtypes, one device.
-        Looks at dtypes and devices, never at values."""
+    def _state_fusable(self, lined: _Lined, opt) -> bool:
+        """Whether the kernels can run the params/master/state leaves: an fp32 reference (the
+        master, or the params without one), model dtypes, one device, no DTensor. Looks at
+        dtypes and devices, never at values. (The gradients must also be in the kernels'
+        dtypes -- fp64 takes the generic path, so both paths give it the same numbers -- and
+        on the optimizer's device: first leaf; the kernels refuse a stray one, naming it.)"""
         ref = lined.m if lined.m is not None else lined.p
         if not ref:
             return False
         dev = opt.step.device
         if set(_attrs("dtype", ref)) != {torch.float32}:
             return False
-        if not set(_attrs("dtype", lined.g)) <= KERNEL_GRAD_DTYPES:
-            return False
         if lined.m is not None and not set(_attrs("dtype", lined.p)) <= _MODEL_DTYPES:
             return False
-        if any(set(_attrs("device", lst)) != {dev} for lst in [ref, lined.g] + lined.slots):
-            return False
-        if lined.m is not None and set(_attrs("device", lined.p)) != {dev}:
+        lists = [ref] + lined.slots + ([lined.p] if lined.m is not None else [])
+        if any(set(_attrs("device", lst)) != {dev} for lst in lists):
             return False
         return _compiling() or not any_dtensor(ref)
 
-    def _prepare(self, params, grads, state, where, *, trust_grads=False):
-        """``(lined, opt, named)``: the leaves, the fused plan's optimizer state (None: take the
-        generic plan) and the named lists for validation/blame. Validates shapes."""
+    def _prepare(self, params, grads, state, where, *, trust_grads=False, inplace=False):
+        """``(lined, opt, named)``: the leaves lined up, the fused plan's optimizer state (None:
+        take the generic plan) and the named leaf lists (for validation and blame).
+
+        What depends only on the params/master/state tensors (their shapes, dtypes, devices, and
+        for in-place steps that no two of them share memory) is checked once per set of tensors
+        (by identity: an in-place step gets the same tensors back every step) unless the kernels
+        validate every call themselves (:data:`KERNELS_VALIDATE`); the gradients are new every
+        step and checked every step, unless ``trust_grads`` (autograd already guarantees their
+        shapes) or the kernels do it.
+        """
         self._check_state(state, where)
         opt = self.plan.opt_state(state.inner) if self.plan is not None else None
         slot_trees = self.plan.slot_trees(opt) if opt is not None else []
         slot_names = [f"state.inner.{n}" for n in self.plan.slot_names()] if opt is not None else []
         lined = self._line_up(params, grads, state.master, slot_trees, slot_names, where)
-        named = [("params", params, lined.p)]
-        if not trust_grads:
-            named.append(("grads", grads, lined.g))
+        stable = [("params", params, lined.p)]
         if lined.m is not None:
-            named.append(("state.master", state.master, lined.m))
-        named += [(n, t, lst) for n, t, lst in zip(slot_names, slot_trees, lined.slots)]
-        validate_step(where, named)
-        if opt is not None and not self._fusable(lined, opt):
-            opt = None
-        return lined, opt, named
+            stable.append(("state.master", state.master, lined.m))
+        stable += [(n, t, lst) for n, t, lst in zip(slot_names, slot_trees, lined.slots)]
+        named = stable[:1] + [("grads", grads, lined.g)] + stable[1:]
+        compiling = _compiling()
+        key = None
+        if inplace and not compiling:
+            extra = [state.finite, state.skipped, opt.step if opt is not None else None, state.loss_scale]
+            if opt is None:  # the generic in-place step writes every tensor of the inner state
+                extra += tree_leaves(state.inner)
+            key = [list(map(id, lst)) for _, _, lst in stable] + [list(map(id, extra))]
+        cached = self._seen if (key is not None and self._seen is not None and self._seen[0] == key) else None
+        if cached is None:
+            state_ok = opt is not None and self._state_fusable(lined, opt)
+            p_shapes = None
+            if not (state_ok and KERNELS_VALIDATE):
+                p_shapes = validate_step(where, stable)
+            if key is not None:
+                self._check_written(state, opt, stable, where)
+                # Strong references keep the ids meaningful (an id is reused only after its
+                # object is gone); the in-place caller holds these tensors anyway.
+                self._seen = (key, state_ok, p_shapes, [lst for _, _, lst in stable], extra)
+        else:
+            state_ok, p_shapes = cached[1], cached[2]
+        if not all(isinstance(x, torch.Tensor) for x in lined.g):
+            float_leaves_with_paths(grads, f"{where}: grads")  # raises, naming the leaf
+        g_dtypes = set(_attrs("dtype", lined.g))
+        fused = state_ok and g_dtypes <= KERNEL_GRAD_DTYPES and (not lined.g or lined.g[0].device == opt.step.device)
+        if not (fused and KERNELS_VALIDATE):
+            p_shapes = validate_step(where, [named[0], named[1]], shapes=not trust_grads, param_shapes=p_shapes,
+                                     dtypes=[set(), g_dtypes])
+            if key is not None and cached is not None and cached[2] is None:
+                self._seen = cached[:2] + (p_shapes,) + cached[3:]
+        return lined, (opt if fused else None), named
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -450,9 +496,7 @@ class Engine:
         param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
         """
         where = where or f"{self.where}.step_"
-        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads)
-        written = [n for n in named if n[0] != "grads"]
-        self._check_written(state, written, where)
+        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
         if opt is None:
             new_params, new_state = self._generic(params, grads, state, where)
             with torch.no_grad():
@@ -471,24 +515,18 @@ class Engine:
                 ls.adjust_(finite.to(ls.loss_scale.device))
         return params, self._commit_stats(state, finite)
 
-    def _check_written(self, state, written, where):
-        """Overlap checks of the tensors an in-place step writes, once per set of tensors."""
+    def _check_written(self, state, opt, written, where):
+        """No two tensors an in-place step writes may share memory (nor one overlap itself)."""
         extra = [t for t in (state.finite, state.skipped) if isinstance(t, torch.Tensor)]
         extra += [t for t in tree_leaves(state.loss_scale) if isinstance(t, torch.Tensor)]
-        key = tuple(id(t) for _, _, lst in written for t in lst) + tuple(map(id, extra))
-        if self._written_ok and self._written_ok[0] == key:
-            return
-        opt = self.plan.opt_state(state.inner) if self.plan is not None else None
         named = list(written)
         if opt is None:  # generic: every tensor of the inner state is written
             inner_leaves = [t for t in tree_leaves(state.inner) if isinstance(t, torch.Tensor)]
             named.append(("state.inner", state.inner, inner_leaves))
         else:
-            named.append(("state.inner.step", opt.step, [opt.step]))
+            named.append(("state.inner.step", [opt.step], [opt.step]))
         named.append(("state.loss_scale/finite/skipped", extra, extra))
         check_no_overlap(where, named)
-        # Strong references: an id can only be reused once its object is gone.
-        self._written_ok = (key, [lst for _, _, lst in written], extra)
 
     def _commit_stats(self, state, finite):
         if state.finite is None or state.skipped is None:
