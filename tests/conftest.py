@@ -29,6 +29,12 @@ def grads_at(step: int, scale=1.0, dtype=torch.float32, shapes=SHAPES, overflow_
     return g
 
 
+def random_like(tree, seed: int, scale=1.0):
+    """A tree like ``tree`` of fp32 normal samples times ``scale``, reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return af.tree_map(lambda p: scale * torch.randn(p.shape, generator=gen), tree)
+
+
 def unregistered(tx: af.GradientTransformation) -> af.GradientTransformation:
     """``tx`` with an update function the kernel registry does not know: the generic path."""
     update = tx.update
@@ -40,7 +46,8 @@ def unregistered(tx: af.GradientTransformation) -> af.GradientTransformation:
 
 
 def clone_tree(tree):
-    return af.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+    """Detached copies of every tensor leaf (other leaves as they are)."""
+    return af.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def assert_trees_equal(a, b):
