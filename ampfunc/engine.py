@@ -140,7 +140,7 @@ def validate_step(where: str, named: list, *, shapes: bool = True, param_shapes:
     for k, (name, tree, leaves) in enumerate(named):
         kinds = dtypes[k] if dtypes is not None and dtypes[k] is not None else None
         if kinds is None:
-            if not all(isinstance(x, torch.Tensor) for x in leaves):
+            if not all(issubclass(t, torch.Tensor) for t in (set(map(type, leaves)) if not _compiling() else ())):
                 float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf
             kinds = set(_attrs("dtype", leaves))
         if not all(d.is_floating_point for d in kinds):
@@ -198,13 +198,15 @@ def check_no_overlap(where: str, named: list) -> None:
                              f"{what}; an in-place step would update that memory twice -- pass separate tensors")
 
 
-_KERNEL_LIST = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|model_params|momentum_buffers|"
-                          r"tensors)\[(\d+)\]")
+_KERNEL_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
 
 
 def _blame(err: Exception, where: str, lists: dict) -> Exception:
-    """A kernel error ("grads[2] has ...") re-raised with the leaf path and the tree name."""
+    """A kernel's error ("ampfunc: grads[2] has shape ...") as the same exception type with the
+    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only."""
     msg = str(err)
+    if msg.startswith("ampfunc: "):
+        msg = msg[len("ampfunc: "):]
 
     def name(m):
         entry = lists.get(m.group(1))
@@ -213,10 +215,10 @@ def _blame(err: Exception, where: str, lists: dict) -> Exception:
         tree_name, tree = entry
         try:
             return f"{tree_name} leaf {_path(tree, int(m.group(2)))!r}"
-        except (IndexError, ValueError):
+        except (IndexError, ValueError, TypeError):
             return m.group(0)
 
-    return type(err)(f"{where}: " + _KERNEL_LIST.sub(name, msg))
+    return type(err)(f"{where}: " + _KERNEL_ITEM.sub(name, msg))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,6 +396,10 @@ class Engine:
             p_shapes = None
             if not (state_ok and KERNELS_VALIDATE):
                 p_shapes = validate_step(where, stable)
+            elif lined.m is not None:
+                # The kernels compare every list with the master (their reference list): a master
+                # from another model would be reported against the gradients. Blame it here.
+                p_shapes = validate_step(where, stable[:2])
             if key is not None:
                 self._check_written(state, opt, stable, where)
                 # Strong references keep the ids meaningful (an id is reused only after its
@@ -401,7 +407,7 @@ class Engine:
                 self._seen = (key, state_ok, p_shapes, [lst for _, _, lst in stable], extra)
         else:
             state_ok, p_shapes = cached[1], cached[2]
-        if not all(isinstance(x, torch.Tensor) for x in lined.g):
+        if not all(issubclass(t, torch.Tensor) for t in (set(map(type, lined.g)) if not compiling else ())):
             float_leaves_with_paths(grads, f"{where}: grads")  # raises, naming the leaf
         g_dtypes = set(_attrs("dtype", lined.g))
         fused = state_ok and g_dtypes <= KERNEL_GRAD_DTYPES and (not lined.g or lined.g[0].device == opt.step.device)

@@ -195,10 +195,11 @@ def test_fused_path_checks_shapes_and_names_the_leaf_and_the_tree(method):
     params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
     state = tx.init(params)
     snap = _snapshot(params, state)
-    with pytest.raises(ValueError, match=r"leaf 'w' has shape \(4, 3\) in grads but \(3, 4\) in params"):
+    # the engine's own check, or the kernels' (when they validate every call), mapped to paths
+    with pytest.raises(ValueError, match=r"(?s)\A(?=.*\bgrads\b)(?=.*leaf 'w' has shape \(4, 3\))"):
         getattr(tx, method)(params, {"w": torch.randn(4, 3), "b": torch.randn(4)}, state)
     other = tx.init({"w": torch.randn(4, 3), "b": torch.randn(4)})  # state from another model
-    with pytest.raises(ValueError, match=r"leaf 'w' has shape \(4, 3\) in state.inner.exp_avg"):
+    with pytest.raises(ValueError, match=r"(?s)\A(?=.*state\.inner\.exp_avg)(?=.*leaf 'w' has shape)(?=.*\(4, 3\))"):
         getattr(tx, method)(params, {"w": torch.randn(3, 4), "b": torch.randn(4)}, other)
     assert _unchanged(snap, params, state)
 
@@ -207,7 +208,8 @@ def test_a_master_from_another_model_is_blamed_not_the_gradients():
     tx = af.mixed_precision(af.adamw(1e-3))
     params = {"w": torch.randn(3, 4).half()}
     other = tx.init({"w": torch.randn(2, 6).half()})
-    with pytest.raises(ValueError, match=r"'w' has shape \(2, 6\) in state.master"):
+    with pytest.raises(ValueError, match=r"(?s)\A(?=.*state\.master leaf 'w'|.*'w' has shape \(2, 6\) in state\.master)"
+                                         r"(?=.*\(2, 6\))(?!.*grads)"):
         tx.step_(params, {"w": torch.randn(3, 4).half()}, other)
 
 
