@@ -234,6 +234,7 @@ class _Lined(NamedTuple):
     m: Optional[list]
     slots: list
     rebuild: Callable  # (tree index: 0 params, 1 master, 2 + k slot tree k, new leaves) -> tree
+    keys: Optional[list] = None  # the params' keys when the leaves are in dict order, else optree's order
 
 
 def _clone(x):
@@ -259,6 +260,19 @@ class Engine:
     The fused plan is chosen once from the kernel registry (:func:`ampfunc.fused.plan_for`)
     and used on every step whose trees allow it; the generic plan otherwise. Both give the
     same numbers (bit for bit on one backend in eager mode).
+
+    ``engine.on_check``, when set, is called on every eager step after the check pass with
+    ``(finite, leaf_nonfinite, leaf_paths)``: this rank's 0-d bool flag, a 1-d bool tensor with
+    one entry per gradient leaf (True where it holds an inf/NaN), and a function returning the
+    leaf paths in that order. The tensors stay on the device (no host sync); on the fused path
+    the per-leaf flags come from the same read-only pass, on the generic path from one extra
+    read of the gradients. Not called inside a ``torch.compile`` trace.
+
+    Example::
+
+        engine = Engine(af.adamw(1e-3))
+        state = engine.init(params, af.DynamicLossScale())
+        params, state = engine.step_(params, grads, state)
     """
 
     def __init__(self, inner: GradientTransformation, *, master_dtype: Optional[torch.dtype] = torch.float32,
@@ -272,6 +286,8 @@ class Engine:
         self.group = group
         self.where = where
         self.plan: Optional[FusedPlan] = plan_for(inner)
+        # Monitoring hook: on_check(finite, leaf_nonfinite, leaf_paths), see the class docstring.
+        self.on_check: Optional[Callable] = None
         # (ids of the params/master/state leaves, fused-ok, the lists): what was validated last,
         # so an in-place step, which gets the same tensors back, validates them once.
         self._seen: Optional[tuple] = None
@@ -322,7 +338,7 @@ class Engine:
 
             p, g = leaves[0], leaves[1]
             m = leaves[2] if masters else None
-            return _Lined(p, g, m, leaves[2 + len(masters):], rebuild)
+            return _Lined(p, g, m, leaves[2 + len(masters):], rebuild, keys)
         names = ["grads"] + (["state.master"] if masters else []) + list(slot_names)
         p, p_spec = tree_flatten(params)
         flat = []
@@ -431,14 +447,35 @@ class Engine:
         where = where or f"{self.where}.step"
         lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads)
         if opt is None:
+            self._generic_hook(params, grads, lined)
             return self._generic(params, grads, state, where)
         return self._fused(params, grads, state, lined, opt, named, where)
+
+    def _hook(self, params, lined):
+        """``on_check`` bound to this step's leaf order, or None."""
+        if self.on_check is None or _compiling():
+            return None
+        on_check = self.on_check
+
+        def leaf_paths():
+            if lined.keys is not None:
+                return [str(k) for k in lined.keys]
+            return [p for p, _ in leaves_with_paths(params)]
+
+        return lambda finite, leaf_nonfinite: on_check(finite, leaf_nonfinite, leaf_paths)
+
+    def _generic_hook(self, params, grads, lined):
+        hook = self._hook(params, lined)
+        if hook is not None and lined.g:
+            finite, _, leaf_nonfinite = ops.check(lined.g, per_leaf=True)
+            hook(finite, leaf_nonfinite)
 
     def _fused(self, params, grads, state, lined, opt, named, where):
         ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
         try:
             new_ref, new_model, new_slots, new_step, finite = self.plan.run(
-                ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group)
+                ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
+                on_check=self._hook(params, lined))
         except (RuntimeError, ValueError, TypeError) as e:
             raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
         if lined.m is not None:
@@ -504,6 +541,7 @@ class Engine:
         where = where or f"{self.where}.step_"
         lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
         if opt is None:
+            self._generic_hook(params, grads, lined)
             new_params, new_state = self._generic(params, grads, state, where)
             with torch.no_grad():
                 _copy_into(params, new_params)
@@ -512,7 +550,8 @@ class Engine:
             return params, self._commit_stats(state, new_state.finite)
         ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
         try:
-            finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group)
+            finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
+                                    on_check=self._hook(params, lined))
         except (RuntimeError, ValueError, TypeError) as e:
             raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
         ls = state.loss_scale

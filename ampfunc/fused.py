@@ -116,11 +116,16 @@ class FusedPlan:
 
     # -- the passes -----------------------------------------------------------------------------
 
-    def _prologue(self, grads: list, opt: Any, loss_scale: Any, group):
+    def _prologue(self, grads: list, opt: Any, loss_scale: Any, group, on_check=None):
         """``(finite, grad_scale, lr)``: one read-only pass over ``grads`` and a few 0-d ops.
-        Call under ``torch.no_grad()``."""
+        ``on_check(finite, leaf_nonfinite)`` gets this rank's flag and the per-leaf flags of the
+        same pass (device tensors). Call under ``torch.no_grad()``."""
         dev = opt.step.device
-        finite, sumsq = ops.check(grads)
+        if on_check is None:
+            finite, sumsq = ops.check(grads)
+        else:
+            finite, sumsq, leaf_nonfinite = ops.check(grads, per_leaf=True)
+            on_check(finite, leaf_nonfinite)
         if group is not None:
             finite = agree_finite(finite, group)
         inv_scale = loss_scale.inv_scale_on(dev)
@@ -148,13 +153,13 @@ class FusedPlan:
                     maximize=h["maximize"])
 
     def run_(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
-             group=None) -> torch.Tensor:
+             group=None, on_check=None) -> torch.Tensor:
         """The in-place step on validated leaf lists: ``ref`` (fp32 params, or the master),
         ``grads``, ``model`` (the low-precision params with a master, else None) and ``slots``
         (:meth:`slot_trees`' leaves) are written, ``opt.step`` advanced; returns ``finite``.
         The loss scale is not touched (the engine updates it)."""
         with torch.no_grad():
-            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group)
+            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             if self.kind == "sgd":
                 ops.sgd_step_(ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,
                               **self._sgd_kwargs(lr))
@@ -165,12 +170,12 @@ class FusedPlan:
         return finite
 
     def run(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
-            group=None):
+            group=None, on_check=None):
         """The pure :meth:`run_`: nothing given is written. Returns ``(new_ref, new_model,
         new_slots, new_step, finite)`` (``new_model`` None without ``model``); on a skipped
         step the outputs are copies of the inputs. Same numbers as :meth:`run_` bit for bit."""
         with torch.no_grad():
-            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group)
+            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             if self.kind == "sgd":
                 new_ref, new_buf, new_model, new_step = ops.sgd_step(
                     ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,

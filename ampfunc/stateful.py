@@ -125,6 +125,12 @@ class ModuleTrainer:
         return grads
 
     @property
+    def engine(self) -> Engine:
+        """The :class:`ampfunc.engine.Engine` that runs :meth:`step` (set ``engine.on_check`` to
+        record which leaves overflowed, without a host sync)."""
+        return self._engine
+
+    @property
     def finite(self) -> torch.Tensor:
         """0-d bool: whether the last step was applied (True before the first). No host sync."""
         return self._state.finite

@@ -255,3 +255,20 @@ def test_module_trainer_exposes_the_skip_flag_and_counter_without_a_sync():
         flag = trainer.step()
         assert flag is not trainer.finite  # a snapshot: the state's flag is reused next step
     assert int(trainer.skipped) == 1 and bool(trainer.finite)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_the_monitoring_hook_gets_per_leaf_flags_from_the_check_pass_and_their_paths(generic):
+    inner = unregistered(af.adamw(1e-3)) if generic else af.adamw(1e-3)
+    tx = af.mixed_precision(inner, af.DynamicLossScale(2.0**4))
+    seen = []
+    tx.engine.on_check = lambda finite, leaf_nonfinite, paths: seen.append((finite, leaf_nonfinite, paths()))
+    params = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    state = tx.init(params)
+    grads = {"b": torch.ones(2), "w": torch.ones(3, 2)}  # another key order: optree's order is used
+    grads["w"][1, 1] = float("nan")
+    params, state = tx.step_(params, grads, state)
+    (finite, flags, paths), = seen
+    assert not bool(finite) and flags.dtype == torch.bool
+    assert dict(zip(paths, flags.tolist())) == {"w": True, "b": False}
+    assert int(state.skipped) == 1
