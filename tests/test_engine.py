@@ -272,3 +272,40 @@ def test_the_monitoring_hook_gets_per_leaf_flags_from_the_check_pass_and_their_p
     assert not bool(finite) and flags.dtype == torch.bool
     assert dict(zip(paths, flags.tolist())) == {"w": True, "b": False}
     assert int(state.skipped) == 1
+
+
+class _Overwrite(torch.autograd.Function):
+    """Forward: x unchanged; backward: the gradient of ``state`` is its new value (state + 1)."""
+
+    @staticmethod
+    def forward(x, state):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (state,) = ctx.saved_tensors
+        return g, state + 1
+
+
+def test_make_train_step_overwrites_chosen_params_with_their_gradient_around_the_optimizer():
+    class Net(_Net):
+        def __init__(self):
+            super().__init__()
+            self.amax = torch.nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return super().forward(_Overwrite.apply(x, self.amax))
+
+    train = af.make_train_step(Net(), _loss, af.adamw(1e-2), loss_scale=af.DynamicLossScale(2.0**6),
+                               overwrite_with_gradient=lambda path: path == "amax")
+    state = train.init()
+    assert "amax" not in state.opt_state.exp_avg and "fc1.weight" in state.opt_state.exp_avg
+    for step in range(5):  # step 3 overflows: amax keeps its value then
+        state, out = train.step(state, *_batch(step))
+    assert int(state.skipped) == 1
+    assert torch.equal(state.params["amax"], torch.full((2,), 4.0))
+    assert list(state.params) == list(af.params_of(Net()))
