@@ -19,9 +19,8 @@ INNERS = {
 }
 
 
-def test_a_gradient_transformation_is_exactly_the_pair_init_update():
+def test_a_gradient_transformation_is_exactly_the_pair_init_update(params):
     init, update = af.adamw(1e-3)
-    params = make_params()
     state = init(params)
     updates, state = update(grads_at(0), state, params)
     assert set(updates) == set(params)
@@ -309,3 +308,15 @@ def test_make_train_step_overwrites_chosen_params_with_their_gradient_around_the
     assert int(state.skipped) == 1
     assert torch.equal(state.params["amax"], torch.full((2,), 4.0))
     assert list(state.params) == list(af.params_of(Net()))
+
+
+def test_generic_in_place_step_writes_parameter_leaves_like_the_pure_step():
+    tx = af.mixed_precision(af.from_torch(torch.optim.AdamW, lr=1e-2), af.StaticLossScale(4.0))
+    params = {"w": torch.nn.Parameter(torch.randn(3, 2)), "b": torch.randn(2)}
+    state = tx.init(params)
+    grads = {"w": torch.randn(3, 2) * 4, "b": torch.randn(2) * 4}
+    new, new_state = tx.step(params, grads, state)
+    p2, s2 = tx.step_(params, grads, state)
+    assert p2 is params and isinstance(params["w"], torch.nn.Parameter)
+    assert torch.equal(params["w"].detach(), new["w"]) and torch.equal(params["b"], new["b"])
+    assert_trees_equal(s2.inner, new_state.inner)
