@@ -320,3 +320,16 @@ def test_generic_in_place_step_writes_parameter_leaves_like_the_pure_step():
     assert p2 is params and isinstance(params["w"], torch.nn.Parameter)
     assert torch.equal(params["w"].detach(), new["w"]) and torch.equal(params["b"], new["b"])
     assert_trees_equal(s2.inner, new_state.inner)
+
+
+def test_make_train_step_never_writes_the_state_it_is_given():
+    train = af.make_train_step(_Net(), _loss, af.chain(af.clip_by_global_norm(0.5), af.adamw(1e-2)),
+                               loss_scale=af.DynamicLossScale(2.0**6))
+    state = train.init()
+    for step in (0, 3):  # an applied step and a skipped one
+        snap = _snapshot(state)
+        new_state, _ = train.step(state, *_batch(step))
+        assert _unchanged(snap, state)
+        ids = {id(t) for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)}
+        assert not ids & {id(t) for t in af.tree.tree_leaves(new_state.params)}
+        state = new_state
