@@ -43,6 +43,7 @@ __all__ = [
     "adam_update",
     "apply_updates",
     "error_items",
+    "kernel_ready",
 ]
 
 
@@ -150,11 +151,11 @@ def _self_overlaps(t: torch.Tensor) -> bool:
     if t.numel() <= 1 or t.is_contiguous():
         return False
     dims = sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) > 1)
-    extent = 1
+    reach = 0
     for stride, size in dims:
-        if stride < extent:
+        if stride <= reach:
             return True
-        extent = stride * size
+        reach += stride * (size - 1)
     return False
 
 
@@ -591,6 +592,37 @@ def check_norm(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None =
 # ----------------------------------------------------------------------------------------------
 # Pure optimizer updates (optax form) and apply_updates
 # ----------------------------------------------------------------------------------------------
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _transforms_active() -> bool:
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def kernel_ready(device: torch.device, fp32_lists=(), float_lists=()) -> bool:
+    """Whether the list ops can serve these tensors as they are: every tensor a plain dense
+    tensor on ``device`` (no subclass, no torch.func transform active, none requiring grad
+    while grad mode is on), those of ``fp32_lists`` float32 and those of ``float_lists``
+    float32/float16/bfloat16. A cheap look per tensor (no host sync); callers take their
+    generic path when it is False, so unusual trees keep today's behaviour."""
+    if _transforms_active():
+        return False
+    grad_on = torch.is_grad_enabled()
+    f32 = torch.float32
+    for ts in fp32_lists:
+        for t in ts:
+            if (type(t) not in _PLAIN or t.dtype is not f32 or t.device != device or t.layout != torch.strided
+                    or (grad_on and t.requires_grad)):
+                return False
+    for ts in float_lists:
+        for t in ts:
+            if (type(t) not in _PLAIN or t.dtype not in _ANY or t.device != device or t.layout != torch.strided
+                    or (grad_on and t.requires_grad)):
+                return False
+    return True
 
 
 def _ones_like_step(step: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ struct ListSpec {
 
 // Whether a strided tensor maps two of its elements to one memory location (an expand()ed or
 // otherwise stride-0 view, or strides that interleave). Sufficient test: with the dims sorted by
-// stride, each stride must step over the whole extent of the dims below it.
+// stride, each stride must step past the furthest offset the dims below it reach.
 bool self_overlaps(const Tensor& t) {
   if (t.numel() <= 1 || t.is_contiguous()) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
@@ -127,10 +127,10 @@ bool self_overlaps(const Tensor& t) {
     if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
   }
   std::sort(dims.begin(), dims.end());
-  int64_t extent = 1;
+  int64_t reach = 0;  // the furthest offset the dims below reach
   for (auto [stride, size] : dims) {
-    if (stride < extent) return true;
-    extent = stride * size;
+    if (stride <= reach) return true;
+    reach += stride * (size - 1);
   }
   return false;
 }

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ampfunc import ops
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -53,6 +54,13 @@ def _check_hparams(where, lr, betas, eps, weight_decay):
     check_nonneg(weight_decay, "weight_decay")
 
 
+def _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad):
+    unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
+    new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v),
+                          unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
+    return tree_unflatten(tree_structure(grads), deltas), new_state
+
+
 def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
     _check_hparams(kind, lr, betas, eps, weight_decay)
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -80,6 +88,14 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         vmaxs = tree_flatten(state.max_exp_avg_sq)[0] if amsgrad else [None] * len(gs)
 
         lr_t = lr_at(lr, state.step)
+        n = len(gs)
+        if n and ops.kernel_ready(state.step.device, [ps or [], ms, vs] + ([vmaxs] if amsgrad else []), [gs]):
+            # One fused out-of-place pass (reads g, p, m, v; writes the updates and new moments),
+            # with the arithmetic below bit for bit.
+            deltas, new_m, new_v, new_vmax, step = ops.adam_update(
+                ps, gs, ms, vs, vmaxs if amsgrad else None, state.step, lr=lr_t, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=decoupled, maximize=maximize)
+            return _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad)
         step = state.step + 1
         # Bias corrections in float64 on the device (torch: Python doubles after a host read).
         step64 = step.to(torch.float64)
@@ -92,7 +108,6 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if decoupled and weight_decay != 0:
             decay = 1 - lr_t * weight_decay  # float, or 0-d fp32 tensor for a schedule
 
-        n = len(gs)
         deltas, new_m, new_v, new_vmax = [None] * n, [None] * n, [None] * n, [None] * n
         for dev, idx in device_groups(gs).items():
             # One foreach launch per op and device; each op is the one torch's Adam performs.
@@ -128,11 +143,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
                 if amsgrad:
                     new_vmax[i] = vmax[j]
 
-        spec = tree_structure(grads)
-        unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
-        new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v),
-                              unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
-        return tree_unflatten(spec, deltas), new_state
+        return _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad)
 
     return GradientTransformation(init, update, FusedSpec(kind, hparams))
 

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ampfunc import ops
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -77,6 +78,14 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
         bufs = tree_flatten(state.momentum_buffer)[0] if momentum != 0 else None
         lr_t = lr_at(lr, state.step)
+        if gs and ops.kernel_ready(state.step.device, [ps or []] + ([bufs] if momentum != 0 else []), [gs]):
+            # One fused out-of-place pass (reads g, p, buffer; writes the updates and new buffer),
+            # with the arithmetic below bit for bit.
+            deltas, new_bufs, step = ops.sgd_update(ps, gs, bufs, state.step, lr=lr_t, weight_decay=weight_decay,
+                                                    momentum=momentum, dampening=dampening, nesterov=nesterov,
+                                                    maximize=maximize)
+            new_buf = tree_unflatten(tree_structure(state.momentum_buffer), new_bufs) if momentum != 0 else None
+            return tree_unflatten(tree_structure(grads), deltas), SgdState(step, new_buf)
         first = state.step == 0
         deltas: list = [None] * len(gs)
         new_bufs: list = [None] * len(gs)

@@ -8,6 +8,11 @@
 // (including its fmadd in add(alpha=) and lerp) so results agree with torch to the last bits
 // in most elements.
 
+// Only the explicit at::vec::fmadd calls are fused multiply-adds: GCC would otherwise contract
+// a * b + c written with vector operators into one FMA (-ffp-contract=fast, its default), and
+// the kernels would no longer round as torch's ops (separate mul and add) round.
+#pragma GCC optimize("fp-contract=off")
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
     !defined(CPU_CAPABILITY_AVX512)
 #define CPU_CAPABILITY_AVX2
@@ -455,9 +460,10 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
     }
     ma = at::vec::fmadd(lw, ga - ma, c.lerp_small ? ma : ga);
     mb = at::vec::fmadd(lw, gb - mb, c.lerp_small ? mb : gb);
-    // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): two roundings, as torch.
-    va = va * b2 + (c2 * ga) * ga;
-    vb = vb * b2 + (c2 * gb) * gb;
+    // exp_avg_sq.mul_(beta2) (rounded), then addcmul_(g, g, value=1 - beta2), which torch's
+    // CPU kernel computes as one fused multiply-add of (value * g) and g.
+    va = at::vec::fmadd(c2 * ga, ga, va * b2);
+    vb = at::vec::fmadd(c2 * gb, gb, vb * b2);
     store2(x.m1_out + j, k, ma, mb, st.m1);
     store2(x.m2_out + j, k, va, vb, st.m2);
     fVec da = va, db = vb;
