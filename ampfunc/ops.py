@@ -603,24 +603,24 @@ def _transforms_active() -> bool:
 
 
 def kernel_ready(device: torch.device, fp32_lists=(), float_lists=()) -> bool:
-    """Whether the list ops can serve these tensors as they are: every tensor a plain dense
-    tensor on ``device`` (no subclass, no torch.func transform active, none requiring grad
+    """Whether the list ops can serve these tensors as they are: every tensor a plain tensor on
+    ``device`` (CPU or CUDA; no subclass, no torch.func transform active, none requiring grad
     while grad mode is on), those of ``fp32_lists`` float32 and those of ``float_lists``
-    float32/float16/bfloat16. A cheap look per tensor (no host sync); callers take their
+    float32/float16/bfloat16. A few attribute reads per tensor (no host sync, no allocation);
+    shapes, layouts and overlaps are left to the ops' own validation. Callers take their
     generic path when it is False, so unusual trees keep today's behaviour."""
-    if _transforms_active():
+    if device is None or device.type not in ("cpu", "cuda") or _transforms_active():
         return False
+    where = -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
     grad_on = torch.is_grad_enabled()
-    f32 = torch.float32
+    plain, f32, anyf = _PLAIN, torch.float32, _ANY
     for ts in fp32_lists:
         for t in ts:
-            if (type(t) not in _PLAIN or t.dtype is not f32 or t.device != device or t.layout != torch.strided
-                    or (grad_on and t.requires_grad)):
+            if type(t) not in plain or t.dtype is not f32 or t.get_device() != where or (grad_on and t.requires_grad):
                 return False
     for ts in float_lists:
         for t in ts:
-            if (type(t) not in _PLAIN or t.dtype not in _ANY or t.device != device or t.layout != torch.strided
-                    or (grad_on and t.requires_grad)):
+            if type(t) not in plain or t.dtype not in anyf or t.get_device() != where or (grad_on and t.requires_grad):
                 return False
     return True
 
