@@ -143,17 +143,44 @@ struct Span {
 };
 
 void add_span(std::vector<Span>& spans, const Tensor& t, int order, const char* name, int64_t idx) {
-  if (t.numel() == 0) return;
-  int64_t last = 0;  // offset of the last element, in elements (torch strides are >= 0)
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const int64_t numel = t.numel();
+  if (numel == 0) return;
+  int64_t last = numel - 1;  // offset of the last element, in elements (torch strides are >= 0)
+  if (!t.is_contiguous()) {
+    last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  }
   const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
   spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), order, name, idx});
 }
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The set of spans the last call of this thread found disjoint, as two order-independent 64-bit
+// fingerprints: an in-place step writes the same tensors every call, and a set already found
+// disjoint is disjoint again, so the O(n log n) sort is paid once, not once per step.
+struct DisjointCache {
+  size_t n = 0;
+  uint64_t sum = 0, xr = 0;
+};
+thread_local DisjointCache last_disjoint;
 
 // Raises when two written tensors share memory: the spans sorted by start; each must begin at
 // or after the furthest end seen so far.
 void check_disjoint(const char* op, std::vector<Span>& spans) {
   if (spans.size() < 2) return;
+  uint64_t sum = 0, xr = 0;
+  for (const Span& s : spans) {
+    const uint64_t a = mix64(s.lo ^ mix64(s.hi)), b = mix64(a ^ 0x5851f42d4c957f2dULL);
+    sum += a;
+    xr ^= b;
+  }
+  if (spans.size() == last_disjoint.n && sum == last_disjoint.sum && xr == last_disjoint.xr) return;
   auto less = [](const Span& a, const Span& b) {
     return a.lo != b.lo ? a.lo < b.lo : (a.order != b.order ? a.order < b.order : a.idx < b.idx);
   };
@@ -169,12 +196,15 @@ void check_disjoint(const char* op, std::vector<Span>& spans) {
     }
     if (spans[k].hi > spans[far].hi) far = k;
   }
+  last_disjoint = {spans.size(), sum, xr};
 }
 
 void check_tensor(const char* op, const char* name, int64_t i, const Tensor& t, Dt dt, const at::Device& dev) {
   TORCH_CHECK_VALUE(t.defined(), "ampfunc: ", item_name(name, i), " is undefined (None) (", op, ")");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", item_name(name, i), " has layout ", layout_str(t.layout()),
-                   "; ampfunc takes dense (strided) tensors (", op, ")");
+  // (is_sparse & co. read the dispatch key set inline; layout() costs a call per tensor)
+  TORCH_CHECK_TYPE(!(t.is_sparse() || t.is_sparse_csr() || t.is_mkldnn()) || t.layout() == at::kStrided, "ampfunc: ",
+                   item_name(name, i), " has layout ", layout_str(t.layout()), "; ampfunc takes dense (strided) tensors (",
+                   op, ")");
   TORCH_CHECK_VALUE(!t.is_meta() || dev.is_meta(), "ampfunc: ", item_name(name, i),
                     " is on the meta device (it holds no data) (", op, ")");
   TORCH_CHECK_VALUE(t.device() == dev, "ampfunc: ", item_name(name, i), " is on ", device_str(t.device()),
