@@ -20,6 +20,8 @@ the in-place ops). No function here reads a tensor value back to the host.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 from typing import Sequence
 
@@ -312,8 +314,9 @@ def unscale(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor):
     if not tensors:
         return [], torch.ones((), dtype=torch.bool, device=inv_scale.device)
     _ensure()
-    outs, finite = torch.ops.ampfunc.unscale(tensors, inv_scale)
-    return list(outs), finite
+    with _gc_paused(len(tensors)):
+        outs, finite = torch.ops.ampfunc.unscale(tensors, inv_scale)
+        return list(outs), finite
 
 
 def _ref_unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
@@ -625,6 +628,24 @@ def kernel_ready(device: torch.device, fp32_lists=(), float_lists=()) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _gc_paused(n: int):
+    """Pauses Python's cyclic garbage collector while an op hands back ``n`` new tensors.
+
+    Wrapping tens of thousands of outputs as Python objects would otherwise trigger dozens of
+    collections, some of them full ones that walk every live tensor: on a 10,000-leaf tree that
+    costs more than the kernel. The outputs hold no reference cycles, so nothing is lost; the
+    collector runs as usual afterwards. Not under torch.compile tracing (nothing is allocated)."""
+    if n < 512 or not gc.isenabled() or _is_compiling():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _ones_like_step(step: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=step.device)
 
@@ -680,11 +701,14 @@ def sgd_update(params, grads, momentum_buffers, step, grad_scale=None, *, lr, we
     _ensure()
     lr, lr_tensor = _split_lr(lr)
     grad_scale = _ones_like_step(step) if grad_scale is None else grad_scale
-    d, b, s = torch.ops.ampfunc.sgd_update(_as_list(params), list(grads),
-                                           _as_list(momentum_buffers) if momentum != 0 else [], step, grad_scale, lr,
-                                           lr_tensor, float(weight_decay), float(momentum), float(dampening),
-                                           bool(nesterov), bool(maximize))
-    return list(d), list(b), s
+    grads = list(grads)
+    with _gc_paused(len(grads)):
+        d, b, s = torch.ops.ampfunc.sgd_update(_as_list(params), grads,
+                                               _as_list(momentum_buffers) if momentum != 0 else [], step, grad_scale,
+                                               lr, lr_tensor, float(weight_decay), float(momentum), float(dampening),
+                                               bool(nesterov), bool(maximize))
+        d, b = list(d), list(b)
+    return d, b, s
 
 
 def _ref_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor, beta1,
@@ -746,11 +770,13 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, gra
     _ensure()
     lr, lr_tensor = _split_lr(lr)
     grad_scale = _ones_like_step(step) if grad_scale is None else grad_scale
-    out = torch.ops.ampfunc.adam_update(_as_list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                                        _as_list(max_exp_avg_sqs) if amsgrad else [], step, grad_scale, lr, lr_tensor,
-                                        float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad),
-                                        bool(decoupled_weight_decay), bool(maximize))
-    return tuple(list(x) for x in out[:4]) + (out[4],)
+    grads = list(grads)
+    with _gc_paused(len(grads)):
+        out = torch.ops.ampfunc.adam_update(_as_list(params), grads, list(exp_avgs), list(exp_avg_sqs),
+                                            _as_list(max_exp_avg_sqs) if amsgrad else [], step, grad_scale, lr,
+                                            lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay),
+                                            bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
+        return tuple(list(x) for x in out[:4]) + (out[4],)
 
 
 def _ref_apply_updates(params, updates) -> list:
@@ -776,7 +802,8 @@ def apply_updates(params, updates) -> list:
     if not params:
         return []
     _ensure()
-    return list(torch.ops.ampfunc.apply_updates(params, list(updates)))
+    with _gc_paused(len(params)):
+        return list(torch.ops.ampfunc.apply_updates(params, list(updates)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_de
     """The update by one fused out-of-place kernel pass (:func:`ampfunc.ops.adam_update`: reads
     g, p, m, v once, writes the updates and the new moments), with the generic path's
     arithmetic; None when the trees are not plain fp32 state of one device (the generic path
-    then runs). Errors are raised naming the leaf path (found on the error path only)."""
+    then runs, and names the leaf path of anything wrong)."""
     gs, spec = tree_flatten(grads)
     if not gs:
         return None
@@ -68,16 +68,17 @@ def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_de
     vmaxs, x_spec = tree_flatten(state.max_exp_avg_sq) if amsgrad else (None, spec)
     if not (spec == m_spec == v_spec == p_spec == x_spec):
         return None
-    if not ops.kernel_ready(state.step.device, [ps or [], ms, vs] + ([vmaxs] if amsgrad else []), [gs]):
+    # grads and params are looked at here; the state lists (made by init / the last update) are
+    # left to the op's own validation, and anything it refuses goes to the generic path, which
+    # either computes it (e.g. state on several devices) or raises naming the leaf path.
+    if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
         return None
     try:
         deltas, new_m, new_v, new_vmax, step = ops.adam_update(
             ps, gs, ms, vs, vmaxs, state.step, lr=lr_t, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=decoupled, maximize=maximize)
     except (ValueError, TypeError):
-        checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)  # names the leaf path
-        checked_inputs(grads, None, state.exp_avg_sq, "state.exp_avg_sq", kind)
-        raise
+        return None
     new_state = AdamState(step, tree_unflatten(m_spec, new_m), tree_unflatten(v_spec, new_v),
                           tree_unflatten(x_spec, new_vmax) if amsgrad else None)
     return tree_unflatten(spec, deltas), new_state

@@ -41,7 +41,7 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
     """The update by one fused out-of-place kernel pass (:func:`ampfunc.ops.sgd_update`: reads
     g, p and the buffer once, writes the updates and the new buffer), with the generic path's
     arithmetic bit for bit; None when the trees are not plain fp32 state of one device (the
-    generic path then runs). Errors are raised naming the leaf path (on the error path only)."""
+    generic path then runs, and names the leaf path of anything wrong)."""
     gs, spec = tree_flatten(grads)
     if not gs:
         return None
@@ -49,15 +49,17 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
     bufs, b_spec = tree_flatten(state.momentum_buffer) if momentum != 0 else (None, spec)
     if not (spec == p_spec == b_spec):
         return None
-    if not ops.kernel_ready(state.step.device, [ps or []] + ([bufs] if momentum != 0 else []), [gs]):
+    # grads and params are looked at here; the buffers (made by init / the last update) are left
+    # to the op's own validation, and anything it refuses goes to the generic path, which either
+    # computes it or raises naming the leaf path.
+    if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
         return None
     try:
         deltas, new_bufs, step = ops.sgd_update(ps, gs, bufs, state.step, lr=lr_t, weight_decay=weight_decay,
                                                 momentum=momentum, dampening=dampening, nesterov=nesterov,
                                                 maximize=maximize)
     except (ValueError, TypeError):
-        checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")  # names the path
-        raise
+        return None
     new_buf = tree_unflatten(b_spec, new_bufs) if momentum != 0 else None
     return tree_unflatten(spec, deltas), SgdState(step, new_buf)
 
