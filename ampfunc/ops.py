@@ -20,6 +20,9 @@ the in-place ops). No function here reads a tensor value back to the host.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import re
 from typing import Sequence
 
 import torch
@@ -37,6 +40,12 @@ __all__ = [
     "adam_step",
     "update_scale",
     "update_scale_",
+    "check_norm",
+    "sgd_update",
+    "adam_update",
+    "apply_updates",
+    "error_items",
+    "kernel_ready",
 ]
 
 
@@ -94,6 +103,137 @@ def _split_lr(lr):
     if isinstance(lr, torch.Tensor):
         return 0.0, lr.reshape(()).to(torch.float32)
     return float(lr), None
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: the reference path's mirror of ext/bindings.cpp's `validate`, check for check and
+# word for word, so both backends refuse the same calls with the same error type and message:
+#     "ampfunc: <list>[<index>] <what is wrong> (<op>)"
+# ValueError for counts, shapes, devices and overlapping memory, TypeError for dtypes and
+# layouts. Every check runs before the first write. :func:`error_items` parses a message.
+# ----------------------------------------------------------------------------------------------
+
+_ANY = (torch.float32, torch.float16, torch.bfloat16)
+_FP32 = (torch.float32,)
+_ANY64 = _ANY + (torch.float64,)
+_DT_WORDS = {_ANY: "float32, float16 or bfloat16", _FP32: "float32", _ANY64: "float32, float16, bfloat16 or float64"}
+_ERROR_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
+
+
+def error_items(message: str) -> list:
+    """``[(list_name, index), ...]`` named by an ampfunc op's validation error, in order (e.g.
+    ``[("grads", 2), ("params", 2)]`` for a shape mismatch): how a caller maps the error back to
+    its leaf paths, on the error path only."""
+    text = str(message)
+    if not text.startswith("ampfunc: "):
+        return []
+    return [(name, int(i)) for name, i in _ERROR_ITEM.findall(text.rsplit(" (", 1)[0])]
+
+
+def _item(name: str, i: int) -> str:
+    return name if i < 0 else f"{name}[{i}]"
+
+
+def _check_tensor(op, name, i, t, dts, dev) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"ampfunc: {_item(name, i)} is {type(t).__name__}, not a tensor ({op})")
+    if t.layout != torch.strided:
+        raise TypeError(f"ampfunc: {_item(name, i)} has layout {t.layout}; ampfunc takes dense (strided) tensors "
+                        f"({op})")
+    if t.device.type == "meta" and dev.type != "meta":
+        raise ValueError(f"ampfunc: {_item(name, i)} is on the meta device (it holds no data) ({op})")
+    if t.device != dev:
+        raise ValueError(f"ampfunc: {_item(name, i)} is on {t.device} but the call's tensors are on {dev}; "
+                         f"one device per call ({op})")
+    if t.dtype not in dts:
+        raise TypeError(f"ampfunc: {_item(name, i)} has dtype {t.dtype}; {name} take {_DT_WORDS[dts]} ({op})")
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    if t.numel() <= 1 or t.is_contiguous():
+        return False
+    dims = sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _span(t: torch.Tensor, order: int, name: str, i: int):
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    lo = t.data_ptr()
+    return (lo, order, i, lo + (last + 1) * t.element_size(), name)
+
+
+def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
+    """``lists``: ``[(name, tensors, dtypes, written), ...]``, the first the reference list."""
+    ref_name, ref = lists[0][0], lists[0][1]
+    for name, ts, _, _ in lists:
+        if len(ts) != len(ref):
+            raise ValueError(f"ampfunc: {name} has {len(ts)} tensors but {ref_name} has {len(ref)} ({op})")
+    for i in range(len(ref)):
+        for k, (name, ts, dts, written) in enumerate(lists):
+            t = ts[i]
+            if t is None:
+                raise ValueError(f"ampfunc: {name}[{i}] is undefined (None) ({op})")
+            _check_tensor(op, name, i, t, dts, dev)
+            if k > 0 and t.shape != ref[i].shape:
+                raise ValueError(f"ampfunc: {name}[{i}] has shape {tuple(t.shape)} but {ref_name}[{i}] has shape "
+                                 f"{tuple(ref[i].shape)} ({op})")
+            if written and _self_overlaps(t):
+                raise ValueError(f"ampfunc: {name}[{i}] has elements that share memory (an expand()ed or stride-0 "
+                                 f"view); an in-place op needs distinct elements: clone it ({op})")
+    if dev.type == "meta" or (not written_scalars and not any(w for *_, w in lists)):
+        return
+    spans = [_span(t, k, name, i) for k, (name, ts, _, w) in enumerate(lists) if w for i, t in enumerate(ts)
+             if t.numel() > 0]
+    spans += [_span(t, len(lists) + k, name, -1) for k, (name, t) in enumerate(written_scalars) if t.numel() > 0]
+    spans.sort(key=lambda x: x[:3])
+    far = 0
+    for k in range(1, len(spans)):
+        if spans[k][0] < spans[far][3]:
+            a, b = sorted((spans[far], spans[k]), key=lambda x: (x[1], x[2]))
+            raise ValueError(f"ampfunc: {_item(a[4], a[2])} and {_item(b[4], b[2])} overlap in memory; the tensors "
+                             f"an in-place op writes must be distinct ({op})")
+        if spans[k][3] > spans[far][3]:
+            far = k
+
+
+def _check_scalar(op, what, t, dtype, dev) -> None:
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise ValueError(f"ampfunc: {what} must be a one-element tensor ({op})")
+    if t.layout != torch.strided:
+        raise TypeError(f"ampfunc: {what} has layout {t.layout}; ampfunc takes dense (strided) tensors ({op})")
+    if t.dtype != dtype:
+        raise TypeError(f"ampfunc: {what} has dtype {t.dtype}; expected {dtype} ({op})")
+    if t.device != dev:
+        raise ValueError(f"ampfunc: {what} is on {t.device} but the call's tensors are on {dev}; one device per "
+                         f"call ({op})")
+
+
+def _list_device(*candidates) -> torch.device:
+    """The device of a call: its first list tensor's (not counting meta tensors, which are
+    refused among real ones), else the first given 0-d tensor's."""
+    meta = None
+    for c in candidates:
+        for t in (c if isinstance(c, (list, tuple)) else [c]):
+            if isinstance(t, torch.Tensor):
+                if t.device.type != "meta":
+                    return t.device
+                meta = t.device
+    return meta if meta is not None else torch.device("cpu")
+
+
+def _fake_devices(op: str, lists) -> None:
+    """The fake kernels' share of validation (they also serve real meta tensors): one device per
+    call, so a meta tensor among real ones is refused rather than answered with empty memory."""
+    dev = _list_device(*[ts for _, ts in lists])
+    for name, ts in lists:
+        for i, t in enumerate(ts):
+            if isinstance(t, torch.Tensor) and t.device != dev:
+                _check_tensor(op, name, i, t, (t.dtype,), dev)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,8 +314,9 @@ def unscale(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor):
     if not tensors:
         return [], torch.ones((), dtype=torch.bool, device=inv_scale.device)
     _ensure()
-    outs, finite = torch.ops.ampfunc.unscale(tensors, inv_scale)
-    return list(outs), finite
+    with _gc_paused(len(tensors)):
+        outs, finite = torch.ops.ampfunc.unscale(tensors, inv_scale)
+        return list(outs), finite
 
 
 def _ref_unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
@@ -404,6 +545,268 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_param
 
 
 # ----------------------------------------------------------------------------------------------
+# Robust norm
+# ----------------------------------------------------------------------------------------------
+
+
+def _ref_check_norm(tensors, inv_scale=None, per_leaf: bool = False):
+    tensors = list(tensors)
+    dev = _list_device(tensors, inv_scale)
+    finite = torch.ones((), dtype=torch.bool, device=dev)
+    norm = torch.zeros((), dtype=torch.float32, device=dev)
+    leaf = torch.zeros(len(tensors) if per_leaf else 0, dtype=torch.bool, device=dev)
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if nonempty:
+        # the squares of fp32(x * inv_scale), summed in float64: no overflow for finite values
+        us = [t.to(torch.float32) if t.dtype != torch.float64 else t for t in nonempty]
+        if inv_scale is not None:
+            inv = inv_scale.reshape(()).to(dev, torch.float32)
+            us = [u * inv if u.dtype == torch.float32 else u * inv.to(torch.float64) for u in us]
+        sq = torch.stack([u.to(torch.float64).square().sum() for u in us]).sum()
+        norm = sq.sqrt().to(torch.float32)
+        finite, _, leaf = _ref_check(tensors, per_leaf)
+    return finite, norm, leaf
+
+
+def check_norm(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None = None, per_leaf: bool = False):
+    """``(finite, norm)``: 0-d bool (every element finite) and the 0-d fp32 global L2 norm of
+    ``t * inv_scale`` over all tensors (of ``t`` when ``inv_scale`` is None).
+
+    The robust twin of :func:`check` for clipping: each product is taken in fp32 as
+    :func:`unscale` takes it, and the squares are summed so that the sum cannot overflow while
+    every value is finite (fp32 blocks, a block that overflows recomputed in float64, combined
+    in float64), so the norm is finite whenever it fits in fp32 -- e.g. fp32 gradients of
+    1e20 under a loss scale of 2**16. ``check_norm(scaled, inv_scale)`` and
+    ``check_norm(unscale(scaled, inv_scale)[0])`` are the same number (the same products, the
+    same sums), so a fused clip and the generic one agree. ``finite`` is judged on the inputs.
+    With ``per_leaf=True`` a third result flags the tensors holding a non-finite value.
+    Cost: one read pass, no writes, no host sync (CUDA: the squares are summed in fp32 on the
+    device, robust to the loss scale but not to an unscaled norm above ~1.8e19).
+    """
+    tensors = list(tensors)
+    if not tensors:
+        out = _ref_check_norm(tensors, inv_scale, per_leaf)
+    else:
+        _ensure()
+        out = torch.ops.ampfunc.check_norm(tensors, inv_scale, per_leaf)
+    return tuple(out) if per_leaf else (out[0], out[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure optimizer updates (optax form) and apply_updates
+# ----------------------------------------------------------------------------------------------
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _transforms_active() -> bool:
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def kernel_ready(device: torch.device, fp32_lists=(), float_lists=()) -> bool:
+    """Whether the list ops can serve these tensors as they are: every tensor a plain tensor on
+    ``device`` (CPU or CUDA; no subclass, no torch.func transform active, none requiring grad
+    while grad mode is on), those of ``fp32_lists`` float32 and those of ``float_lists``
+    float32/float16/bfloat16. A few attribute reads per tensor (no host sync, no allocation);
+    shapes, layouts and overlaps are left to the ops' own validation. Callers take their
+    generic path when it is False, so unusual trees keep today's behaviour."""
+    if device is None or device.type not in ("cpu", "cuda") or _transforms_active():
+        return False
+    where = -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
+    grad_on = torch.is_grad_enabled()
+    plain, f32, anyf = _PLAIN, torch.float32, _ANY
+    for ts in fp32_lists:
+        for t in ts:
+            if type(t) not in plain or t.dtype is not f32 or t.get_device() != where or (grad_on and t.requires_grad):
+                return False
+    for ts in float_lists:
+        for t in ts:
+            if type(t) not in plain or t.dtype not in anyf or t.get_device() != where or (grad_on and t.requires_grad):
+                return False
+    return True
+
+
+@contextlib.contextmanager
+def _gc_paused(n: int):
+    """Pauses Python's cyclic garbage collector while an op hands back ``n`` new tensors.
+
+    Wrapping tens of thousands of outputs as Python objects would otherwise trigger dozens of
+    collections, some of them full ones that walk every live tensor: on a 10,000-leaf tree that
+    costs more than the kernel. The outputs hold no reference cycles, so nothing is lost; the
+    collector runs as usual afterwards. Not under torch.compile tracing (nothing is allocated)."""
+    if n < 512 or not gc.isenabled() or _is_compiling():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _ones_like_step(step: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=step.device)
+
+
+def _ref_sgd_update(params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum,
+                    dampening, nesterov, maximize):
+    # The arithmetic of ampfunc.optim.sgd's generic update, op for op (so the numbers are today's).
+    params, grads = list(params), list(grads)
+    ps = params if params else None
+    if not grads:
+        return [], [], step + 1
+    g = torch._foreach_mul([x.to(torch.float32) for x in grads], grad_scale.reshape(()))
+    if maximize:
+        g = torch._foreach_neg(g)
+    if weight_decay != 0:
+        g = torch._foreach_add(g, ps, alpha=weight_decay)
+    new_bufs = []
+    if momentum != 0:
+        buf = torch._foreach_mul(list(momentum_buffers), momentum)
+        torch._foreach_add_(buf, g, alpha=1 - dampening)
+        if dampening != 0:
+            first = step.reshape(()) == 0
+            buf = [torch.where(first, gi, bi) for gi, bi in zip(g, buf)]
+        new_bufs = buf
+        g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+    if lr_tensor is None:
+        if ps is None:
+            d = torch._foreach_mul(g, -lr)
+        else:
+            d = torch._foreach_sub(torch._foreach_add(ps, g, alpha=-lr), ps)
+    else:
+        lr_t = lr_tensor.reshape(()).to(torch.float32)
+        if ps is None:
+            d = torch._foreach_neg(torch._foreach_mul(g, lr_t))
+        else:
+            d = torch._foreach_sub(torch._foreach_sub(ps, torch._foreach_mul(g, lr_t)), ps)
+    return list(d), list(new_bufs), step + 1
+
+
+def sgd_update(params, grads, momentum_buffers, step, grad_scale=None, *, lr, weight_decay: float = 0.0,
+               momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False):
+    """The pure SGD update in one pass: ``(updates, new_momentum_buffers, new_step)``.
+
+    ``updates`` are new fp32 tensors ``new_p - p``, with ``new_p`` as ``torch.optim.SGD`` computes
+    it (or ``-lr * g`` when ``params`` is empty or None, allowed when ``weight_decay == 0``), so
+    that :func:`apply_updates` lands on torch's result; the numbers are those of
+    :func:`ampfunc.sgd`'s generic update bit for bit (CPU). ``grads`` of any float dtype are
+    multiplied by ``grad_scale`` (0-d fp32; a clip coefficient; None: 1) first. fp32 ``params``
+    and buffers are only read; ``new_step`` is ``step + 1``. ``lr`` is a float or a 0-d fp32
+    tensor on the device (a schedule's value). Cost: reads g, p (+ buffer), writes the updates
+    (+ new buffer), one pass; no host sync (CUDA: copies + the in-place kernel + a subtraction).
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    grad_scale = _ones_like_step(step) if grad_scale is None else grad_scale
+    grads = list(grads)
+    with _gc_paused(len(grads)):
+        d, b, s = torch.ops.ampfunc.sgd_update(_as_list(params), grads,
+                                               _as_list(momentum_buffers) if momentum != 0 else [], step, grad_scale,
+                                               lr, lr_tensor, float(weight_decay), float(momentum), float(dampening),
+                                               bool(nesterov), bool(maximize))
+        d, b = list(d), list(b)
+    return d, b, s
+
+
+def _ref_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor, beta1,
+                     beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize):
+    # The arithmetic of ampfunc.optim.adam's generic update, op for op (so the numbers are today's).
+    params, grads = list(params), list(grads)
+    ps = params if params else None
+    new_step = step + 1
+    if not grads:
+        return [], [], [], [], new_step
+    lr_t = lr if lr_tensor is None else lr_tensor.reshape(()).to(torch.float32)
+    step64 = new_step.to(torch.float64)
+    bc1 = 1 - torch.pow(beta1, step64)
+    bc2 = 1 - torch.pow(beta2, step64)
+    lr64 = lr_t if isinstance(lr_t, float) else lr_t.to(torch.float64)
+    neg_step_size = (-(lr64 / bc1)).to(torch.float32)
+    bc2_sqrt = bc2.sqrt().to(torch.float32)
+    g = torch._foreach_mul([x.to(torch.float32) for x in grads], grad_scale.reshape(()))
+    if maximize:
+        g = torch._foreach_neg(g)
+    new_p = ps
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            new_p = torch._foreach_mul(ps, 1 - lr_t * weight_decay)
+        else:
+            g = torch._foreach_add(g, ps, alpha=weight_decay)
+    m = torch._foreach_lerp(list(exp_avgs), g, 1 - beta1)
+    v = torch._foreach_mul(list(exp_avg_sqs), beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    vmax = []
+    if amsgrad:
+        vmax = torch._foreach_maximum(list(max_exp_avg_sqs), v)
+        denom = torch._foreach_sqrt(vmax)
+    else:
+        denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    step_term = torch._foreach_mul(m, neg_step_size)
+    torch._foreach_div_(step_term, denom)
+    d = step_term if new_p is None else torch._foreach_sub(torch._foreach_add(new_p, step_term), ps)
+    return list(d), list(m), list(v), list(vmax), new_step
+
+
+def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale=None, *, lr,
+                beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                amsgrad: bool = False, decoupled_weight_decay: bool = False, maximize: bool = False):
+    """The pure Adam / AdamW update in one pass: ``(updates, new_exp_avgs, new_exp_avg_sqs,
+    new_max_exp_avg_sqs, new_step)``.
+
+    ``updates`` are new fp32 tensors ``new_p - p`` with ``new_p`` as ``torch.optim.Adam`` /
+    ``AdamW`` computes it (the step term alone when ``params`` is empty or None, allowed when
+    ``weight_decay == 0``): the numbers of :func:`ampfunc.adam` / :func:`ampfunc.adamw`'s
+    generic update bit for bit (CPU). ``grads`` (any float dtype) are multiplied by
+    ``grad_scale`` (0-d fp32, e.g. a clip coefficient; None: 1) first; the bias corrections use
+    ``step + 1``, returned as ``new_step``. The inputs are only read. ``new_max_exp_avg_sqs`` is
+    empty without ``amsgrad``. Cost: reads g, p, m, v; writes the updates and new m, v in one pass
+    (new tensors); no host sync (CUDA: copies + the in-place kernel + a subtraction).
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    grad_scale = _ones_like_step(step) if grad_scale is None else grad_scale
+    grads = list(grads)
+    with _gc_paused(len(grads)):
+        out = torch.ops.ampfunc.adam_update(_as_list(params), grads, list(exp_avgs), list(exp_avg_sqs),
+                                            _as_list(max_exp_avg_sqs) if amsgrad else [], step, grad_scale, lr,
+                                            lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay),
+                                            bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
+        return tuple(list(x) for x in out[:4]) + (out[4],)
+
+
+def _ref_apply_updates(params, updates) -> list:
+    params, updates = list(params), list(updates)
+    out: list = [None] * len(params)
+    f32 = [i for i, (p, u) in enumerate(zip(params, updates)) if p.dtype == torch.float32]
+    if f32:
+        for i, r in zip(f32, torch._foreach_add([params[i] for i in f32],
+                                                [updates[i].to(torch.float32) for i in f32])):
+            out[i] = r
+    for i, (p, u) in enumerate(zip(params, updates)):
+        if out[i] is None:  # low precision: add in fp32, round once
+            out[i] = (p.to(torch.float32) + u.to(torch.float32)).to(p.dtype)
+    return out
+
+
+def apply_updates(params, updates) -> list:
+    """``[p + u ...]``: new tensors, each in its param's dtype (fp32, fp16, bf16), the sum taken
+    in fp32 and rounded once -- :func:`ampfunc.apply_updates`'s arithmetic -- over the whole list
+    in one parallel pass. Shapes must match (no broadcasting). Cost: one read of each list, one
+    write; no host sync (CUDA: one multi-tensor add for the fp32 pairs)."""
+    params = list(params)
+    if not params:
+        return []
+    _ensure()
+    with _gc_paused(len(params)):
+        return list(torch.ops.ampfunc.apply_updates(params, list(updates)))
+
+
+# ----------------------------------------------------------------------------------------------
 # Loss-scale update
 # ----------------------------------------------------------------------------------------------
 
@@ -497,6 +900,19 @@ _SCHEMAS = {
         "Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, bool amsgrad, "
         "bool decoupled_weight_decay, bool maximize) -> (Tensor[] new_params, Tensor[] new_exp_avgs, "
         "Tensor[] new_exp_avg_sqs, Tensor[] new_max_exp_avg_sqs, Tensor[] new_model_params, Tensor new_step)"),
+    "check_norm": ("check_norm(Tensor[] tensors, Tensor? inv_scale, bool per_leaf) -> (Tensor finite, Tensor norm, "
+                   "Tensor leaf_nonfinite)"),
+    "sgd_update": (
+        "sgd_update(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor step, Tensor grad_scale, "
+        "float lr, Tensor? lr_tensor, float weight_decay, float momentum, float dampening, bool nesterov, "
+        "bool maximize) -> (Tensor[] updates, Tensor[] new_momentum_buffers, Tensor new_step)"),
+    "adam_update": (
+        "adam_update(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] max_exp_avg_sqs, Tensor step, Tensor grad_scale, float lr, Tensor? lr_tensor, float beta1, "
+        "float beta2, float eps, float weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) -> "
+        "(Tensor[] updates, Tensor[] new_exp_avgs, Tensor[] new_exp_avg_sqs, Tensor[] new_max_exp_avg_sqs, "
+        "Tensor new_step)"),
+    "apply_updates": "apply_updates(Tensor[] params, Tensor[] updates) -> Tensor[]",
     "update_scale_": (
         "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor finite, "
         "float growth_factor, float backoff_factor, int growth_interval, float min_scale, float max_scale, "
@@ -504,42 +920,141 @@ _SCHEMAS = {
 }
 
 
+def _step_lists(op, params, grads, model_params, state, inplace):
+    lists = [("params", list(params), _FP32, inplace), ("grads", list(grads), _ANY, False)]
+    lists += [(name, list(ts), _FP32, inplace) for name, ts in state]
+    if model_params:
+        lists.append(("model_params", list(model_params), _ANY, inplace))
+    return lists
+
+
+def _validate_step(op, params, grads, model_params, state, step, grad_scale, finite, inplace):
+    dev = _list_device(params, step)
+    _check_scalar(op, "step", step, torch.float32, dev)
+    _check_scalar(op, "grad_scale", grad_scale, torch.float32, dev)
+    _check_scalar(op, "finite", finite, torch.bool, dev)
+    _validate(op, dev, _step_lists(op, params, grads, model_params, state, inplace),
+              [("step", step)] if inplace else ())
+
+
+def _validate_lr(op, lr_tensor, dev):
+    if lr_tensor is not None:
+        _check_scalar(op, "lr_tensor", lr_tensor, torch.float32, dev)
+
+
 def _ref_check_op(tensors, per_leaf):
+    _validate("check", _list_device(tensors), [("tensors", list(tensors), _ANY64, False)])
     return _ref_check(tensors, per_leaf)
 
 
+def _ref_check_norm_op(tensors, inv_scale, per_leaf):
+    dev = _list_device(tensors, inv_scale)
+    if inv_scale is not None:
+        _check_scalar("check_norm", "inv_scale", inv_scale, torch.float32, dev)
+    _validate("check_norm", dev, [("tensors", list(tensors), _ANY64, False)])
+    return _ref_check_norm(tensors, inv_scale, per_leaf)
+
+
 def _ref_sgd_step_op(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
-                     *rest):
-    _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, *rest,
-                   lr_tensor=lr_tensor)
+                     weight_decay, momentum, *rest):
+    state = [("momentum_buffers", momentum_buffers)] if momentum != 0 else []
+    _validate_step("sgd_step_", params, grads, model_params, state, step, grad_scale, finite, True)
+    _validate_lr("sgd_step_", lr_tensor, step.device)
+    _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, weight_decay, momentum,
+                   *rest, lr_tensor=lr_tensor)
+
+
+def _adam_state(exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad):
+    state = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
+    return state + [("max_exp_avg_sqs", max_exp_avg_sqs)] if amsgrad else state
 
 
 def _ref_adam_step_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
-                      lr, lr_tensor, *rest):
+                      lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, *rest):
+    _validate_step("adam_step_", params, grads, model_params, _adam_state(exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                                                          amsgrad), step, grad_scale, finite, True)
+    _validate_lr("adam_step_", lr_tensor, step.device)
     _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, lr,
-                    *rest, lr_tensor=lr_tensor)
+                    beta1, beta2, eps, weight_decay, amsgrad, *rest, lr_tensor=lr_tensor)
 
 
 def _ref_sgd_step_out_op(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
-                         *rest):
-    return _ref_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, *rest,
-                         lr_tensor=lr_tensor)
+                         weight_decay, momentum, *rest):
+    state = [("momentum_buffers", momentum_buffers)] if momentum != 0 else []
+    _validate_step("sgd_step", params, grads, model_params, state, step, grad_scale, finite, False)
+    _validate_lr("sgd_step", lr_tensor, step.device)
+    return _ref_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, weight_decay,
+                         momentum, *rest, lr_tensor=lr_tensor)
 
 
 def _ref_adam_step_out_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale,
-                          finite, lr, lr_tensor, *rest):
+                          finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, *rest):
+    _validate_step("adam_step", params, grads, model_params, _adam_state(exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                                                         amsgrad), step, grad_scale, finite, False)
+    _validate_lr("adam_step", lr_tensor, step.device)
     return _ref_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale,
-                          finite, lr, *rest, lr_tensor=lr_tensor)
+                          finite, lr, beta1, beta2, eps, weight_decay, amsgrad, *rest, lr_tensor=lr_tensor)
+
+
+def _validate_update(op, params, grads, state, step, grad_scale, weight_decay):
+    dev = _list_device(grads, step)
+    _check_scalar(op, "step", step, torch.float32, dev)
+    _check_scalar(op, "grad_scale", grad_scale, torch.float32, dev)
+    if not params and grads and weight_decay != 0:
+        raise ValueError(f"ampfunc: weight_decay != 0 needs params ({op})")
+    lists = [("params", list(params), _FP32, False)] if params else []
+    lists.append(("grads", list(grads), _ANY, False))
+    lists += [(name, list(ts), _FP32, False) for name, ts in state]
+    _validate(op, dev, lists)
+    return dev
+
+
+def _ref_sgd_update_op(params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum,
+                       dampening, nesterov, maximize):
+    state = [("momentum_buffers", momentum_buffers)] if momentum != 0 else []
+    dev = _validate_update("sgd_update", params, grads, state, step, grad_scale, weight_decay)
+    _validate_lr("sgd_update", lr_tensor, dev)
+    return _ref_sgd_update(params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum,
+                           dampening, nesterov, maximize)
+
+
+def _ref_adam_update_op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor,
+                        beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize):
+    dev = _validate_update("adam_update", params, grads, _adam_state(exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad),
+                           step, grad_scale, weight_decay)
+    _validate_lr("adam_update", lr_tensor, dev)
+    return _ref_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor,
+                            beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
+
+
+def _ref_apply_updates_op(params, updates):
+    _validate("apply_updates", _list_device(params),
+              [("params", list(params), _ANY, False), ("updates", list(updates), _ANY, False)])
+    return _ref_apply_updates(params, updates)
 
 
 def _ref_unscale_op(tensors, inv_scale):
+    dev = _list_device(tensors, inv_scale)
+    _check_scalar("unscale", "inv_scale", inv_scale, torch.float32, dev)
+    _validate("unscale", dev, [("tensors", list(tensors), _ANY64, False)])
     outs, finite = _ref_unscale(tensors, inv_scale)
     return outs, finite
 
 
+def _ref_unscale__op(tensors, inv_scale):
+    dev = _list_device(tensors, inv_scale)
+    _check_scalar("unscale_", "inv_scale", inv_scale, torch.float32, dev)
+    _validate("unscale_", dev, [("tensors", list(tensors), _ANY64, True)])
+    return _ref_unscale_(tensors, inv_scale)
+
+
 _REFERENCE = {
     "check": _ref_check_op,
-    "unscale_": _ref_unscale_,
+    "check_norm": _ref_check_norm_op,
+    "sgd_update": _ref_sgd_update_op,
+    "adam_update": _ref_adam_update_op,
+    "apply_updates": _ref_apply_updates_op,
+    "unscale_": _ref_unscale__op,
     "unscale": _ref_unscale_op,
     "sgd_step_": _ref_sgd_step_op,
     "adam_step_": _ref_adam_step_op,
@@ -550,18 +1065,37 @@ _REFERENCE = {
 
 
 def _fake_check(tensors, per_leaf):
+    _fake_devices("check", [("tensors", tensors)])
     dev = _flag_device(tensors)
     return (torch.empty((), dtype=torch.bool, device=dev), torch.empty((), dtype=torch.float32, device=dev),
             torch.empty(len(tensors) if per_leaf else 0, dtype=torch.bool, device=dev))
 
 
+def _fake_check_norm(tensors, inv_scale, per_leaf):
+    _fake_devices("check_norm", [("tensors", tensors)])
+    return _fake_check(tensors, per_leaf)
+
+
 def _fake_unscale_(tensors, inv_scale):
+    _fake_devices("unscale_", [("tensors", tensors)])
     return torch.empty((), dtype=torch.bool, device=tensors[0].device if tensors else inv_scale.device)
 
 
 def _fake_unscale(tensors, inv_scale):
+    _fake_devices("unscale", [("tensors", tensors)])
     return ([torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format) for t in tensors],
             _fake_unscale_(tensors, inv_scale))
+
+
+def _fake_sgd_step_(params, grads, momentum_buffers, model_params, *rest):
+    _fake_devices("sgd_step_", [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers),
+                                ("model_params", model_params)])
+
+
+def _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, *rest):
+    _fake_devices("adam_step_", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                                 ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs),
+                                 ("model_params", model_params)])
 
 
 def _fake_none(*args):
@@ -572,28 +1106,74 @@ def _empties(tensors) -> list:
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
 
 
+def _fp32_empties(tensors) -> list:
+    return [torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format) for t in tensors]
+
+
 def _fake_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
                    weight_decay, momentum, *rest):
+    _fake_sgd_step_(params, grads, momentum_buffers, model_params)
     return (_empties(params), _empties(momentum_buffers) if momentum != 0 else [], _empties(model_params),
             torch.empty_like(step))
 
 
 def _fake_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
                     lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, *rest):
+    _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params)
     return (_empties(params), _empties(exp_avgs), _empties(exp_avg_sqs), _empties(max_exp_avg_sqs) if amsgrad else [],
             _empties(model_params), torch.empty_like(step))
 
 
+def _fake_sgd_update(params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum,
+                     *rest):
+    _fake_devices("sgd_update", [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)])
+    return _fp32_empties(grads), _empties(momentum_buffers) if momentum != 0 else [], torch.empty_like(step)
+
+
+def _fake_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor,
+                      beta1, beta2, eps, weight_decay, amsgrad, *rest):
+    _fake_devices("adam_update", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                                  ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs)])
+    return (_fp32_empties(grads), _empties(exp_avgs), _empties(exp_avg_sqs),
+            _empties(max_exp_avg_sqs) if amsgrad else [], torch.empty_like(step))
+
+
+def _fake_apply_updates(params, updates):
+    _fake_devices("apply_updates", [("params", params), ("updates", updates)])
+    return _empties(params)
+
+
 _FAKE = {
     "check": _fake_check,
+    "check_norm": _fake_check_norm,
     "unscale_": _fake_unscale_,
     "unscale": _fake_unscale,
-    "sgd_step_": _fake_none,
-    "adam_step_": _fake_none,
+    "sgd_step_": _fake_sgd_step_,
+    "adam_step_": _fake_adam_step_,
     "sgd_step": _fake_sgd_step,
     "adam_step": _fake_adam_step,
+    "sgd_update": _fake_sgd_update,
+    "adam_update": _fake_adam_update,
+    "apply_updates": _fake_apply_updates,
     "update_scale_": _fake_none,
 }
+
+
+def _refuse_layout(name: str, schema: str):
+    """The kernel for the sparse dispatch keys: a clear error naming the argument, where torch
+    would answer ``NotImplementedError`` (a dense kernel cannot read a sparse tensor)."""
+    arg_names = [a.name for a in torch._C.parse_schema(f"ampfunc::{schema}").arguments]
+
+    def kernel(*args, **kwargs):
+        for arg, val in zip(arg_names, args):
+            items = list(enumerate(val)) if isinstance(val, (list, tuple)) else [(-1, val)]
+            for i, t in items:
+                if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+                    raise TypeError(f"ampfunc: {_item(arg, i)} has layout {t.layout}; ampfunc takes dense (strided) "
+                                    f"tensors ({name})")
+        raise TypeError(f"ampfunc: a sparse tensor was passed ({name})")
+
+    return kernel
 
 
 def _register() -> None:
@@ -607,6 +1187,8 @@ def _register() -> None:
         lib.define(schema)
         lib.impl(name, _REFERENCE[name], "CompositeExplicitAutograd")
         torch.library.register_fake(f"ampfunc::{name}", _FAKE[name], lib=lib)
+        for key in ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA"):
+            lib.impl(name, _refuse_layout(name, schema), key)
     _register.lib = lib  # keep the registrations alive
 
 

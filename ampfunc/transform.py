@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+from ampfunc import ops
 from ampfunc.tree import (
     PyTree,
     check_same_structure,
@@ -331,8 +332,21 @@ def _apply_leaf(p, u):
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leaf by leaf, each result in its param's dtype. Pure.
 
-    Low-precision params are updated in fp32 and rounded once. One read of each tree and
-    one write.
+    Low-precision params are updated in fp32 and rounded once. Plain fp32/fp16/bf16 tensors of
+    matching shapes on one device go through one fused pass over the whole list
+    (:func:`ampfunc.ops.apply_updates`, the same arithmetic); anything else (other dtypes,
+    broadcasting, tensors that need autograd, torch.func transforms) leaf by leaf. One read of
+    each tree and one write; no host sync.
     """
-    check_same_structure(params, updates, "params", "updates")
-    return tree_map(_apply_leaf, params, updates)
+    p_leaves, p_spec = tree_flatten(params)
+    u_leaves, u_spec = tree_flatten(updates)
+    if u_spec != p_spec:
+        check_same_structure(params, updates, "params", "updates")
+        return tree_map(_apply_leaf, params, updates)
+    if p_leaves and ops.kernel_ready(p_leaves[0].device if isinstance(p_leaves[0], torch.Tensor) else None,
+                                     (), (p_leaves, u_leaves)):
+        try:
+            return tree_unflatten(p_spec, ops.apply_updates(p_leaves, u_leaves))
+        except (ValueError, TypeError):
+            pass  # shapes the kernel does not broadcast: the leaf-by-leaf path (it validates first)
+    return tree_unflatten(p_spec, [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])

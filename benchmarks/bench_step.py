@@ -21,6 +21,14 @@ Sections:
           unscale_and_check, vs GradScaler.unscale_ + update.
   (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
           same on one flat buffer; torch fused AdamW + GradScaler + clip for reference).
+  (e)     every path the README teaches (issue 8), on 200 tensors / 16M elements fp32, as a ratio
+          to torch AdamW(fused=True).step() alone in the same run, with each path's target:
+          af.adamw().update + af.apply_updates (<= 1.5x), mixed_precision(...).step (<= 1.3x),
+          .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
+          clip against torch's AdamW(fused) + GradScaler + clip_grad_norm_ (>= 1.6x faster), and
+          10,000 tensors against 200 (step_ and update + apply_updates, <= 1.2x).
+
+    python benchmarks/bench_step.py --only e       # section (e) alone
 
 Gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
 huge so that repeated in-place unscaling and clipping by torch leave the values (and so the
@@ -167,6 +175,47 @@ def apex_style_step(params16, grads16, device):
     return run
 
 
+def pure_update_step(params, grads, tx=None):
+    """The README's first optimizer loop: ``updates, state = tx.update(...)``; ``apply_updates``."""
+    tx = tx or af.adamw(LR)
+    box = {"p": params, "s": tx.init(params)}
+
+    def run():
+        updates, box["s"] = tx.update(grads, box["s"], box["p"])
+        box["p"] = af.apply_updates(box["p"], updates)
+    return run
+
+
+def mixed_step(params, grads, inplace, tx=None, loss_scale=None):
+    tx = af.mixed_precision(tx or af.adamw(LR), loss_scale or af.NoOpLossScale())
+    box = {"p": params, "s": tx.init(params)}
+    step = tx.step_ if inplace else tx.step
+
+    def run():
+        box["p"], box["s"] = step(box["p"], grads, box["s"])
+    return run
+
+
+class _Leaves(torch.nn.Module):
+    def __init__(self, params):
+        super().__init__()
+        self.leaves = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in params.values()])
+
+
+def trainer_step(params, grads, tx=None, loss_scale=None):
+    """``ModuleTrainer(model, tx).step()`` on a module holding the tree's tensors; the grads are
+    put back on ``.grad`` before each step (a backward pass would)."""
+    model = _Leaves(params)
+    trainer = af.ModuleTrainer(model, tx or af.adamw(LR), loss_scale=loss_scale)
+    pairs = list(zip(model.leaves, grads.values()))
+
+    def run():
+        for p, g in pairs:
+            p.grad = g
+        trainer.step()
+    return run
+
+
 def ampfunc_bookkeeping(grads, device, out_of_place=False):
     ls = af.DynamicLossScale(1.0, growth_interval=10**9, device=device)
     leaves = list(grads.values())
@@ -239,6 +288,9 @@ def main(argv=None):
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--many", type=int, default=10_000, help="tensor count of section (d)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--paths-elements", type=int, default=None,
+                    help="total elements of section (e) (default 16M; 1M with --quick)")
+    ap.add_argument("--only", default="abcde", help="'e': section (e) alone; anything else runs every section")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -272,6 +324,15 @@ def main(argv=None):
           f"check floor {check_floor:.2f} ms")
 
     sizes = tree_sizes(total, args.tensors)
+
+    if "e" in args.only:
+        paths_total = args.paths_elements or (2**20 if args.quick else 16 * 2**20)
+        paths_section(table, timer, device, paths_total, args.tensors, args.many,
+                      28 * paths_total / (bw_rw * 1e9) * 1e3)
+    if args.only == "e":
+        print()
+        table.print()
+        return
 
     # (a) fp32 ------------------------------------------------------------------------------
     table.section(f"(a) fp32 params and grads, full step (x floor: Adam floor {adam_floor:.1f} ms)")
@@ -331,6 +392,48 @@ def main(argv=None):
 
     print()
     table.print()
+
+
+def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
+    """(e): every path of issue 8 against torch AdamW(fused=True).step() alone, same run."""
+    table.section(f"(e) every path, {n_few} tensors / {total / 2**20:.1f}M elements fp32; ratio = time / torch "
+                  f"AdamW(fused) alone")
+    sizes = tree_sizes(total, n_few)
+    params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
+    fresh = lambda: {k: v.clone() for k, v in params.items()}  # noqa: E731
+    t0 = table.add("torch AdamW(fused=True).step() alone",
+                   timer(torch_step(params, grads, device, fused=True, clip=False, scaler=False)), floor_ms)
+
+    def row(name, times, target=None, vs=None, vs_name=""):
+        med = statistics.median(times)
+        note = f"{med / t0:5.2f}x torch alone"
+        if target is not None:
+            note += f" (target <= {target}x)"
+        if vs is not None:
+            note = f"{vs / med:5.2f}x faster than {vs_name} (target >= 1.6x)"
+        table.add(name, times, floor_ms, None, note)
+        return med
+
+    t_upd = row("af.adamw(1e-3).update + af.apply_updates (pure)", timer(pure_update_step(fresh(), grads)), 1.5)
+    row("mixed_precision(adamw, NoOpLossScale()).step (pure)", timer(mixed_step(fresh(), grads, False)), 1.3)
+    t_few = row("mixed_precision(adamw, NoOpLossScale()).step_ (in place)", timer(mixed_step(fresh(), grads, True)),
+                1.05)
+    row("ModuleTrainer(model, af.adamw(1e-3)).step()", timer(trainer_step(params, grads)), 1.1)
+    t_recipe = table.add("torch AdamW(fused) + GradScaler + clip_grad_norm_",
+                         timer(torch_step(params, grads, device, fused=True)), floor_ms, None,
+                         "the next row's baseline")
+    row("ModuleTrainer(chain(clip, adamw), loss_scale=DynamicLossScale)",
+        timer(trainer_step(params, grads, af.chain(af.clip_by_global_norm(MAX_NORM), af.adamw(LR)),
+                           af.DynamicLossScale(1.0, growth_interval=10**9))), vs=t_recipe, vs_name="torch's recipe")
+    del params, grads, fresh
+    sizes = tree_sizes(total, n_many)
+    params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
+    for name, fn, base in ((f".step_, {n_many} tensors", mixed_step(params, grads, True), t_few),
+                           (f"update + apply_updates, {n_many} tensors", pure_update_step(params, grads), t_upd)):
+        times = timer(fn)
+        table.add(name, times, floor_ms, None,
+                  f"{statistics.median(times) / base:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
+    del params, grads
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   2. puts this checkout on PYTHONPATH,
 #   3. builds the extension with its CUDA kernels (AMPFUNC_REQUIRE_EXT=1: a failed build fails),
 #   4. runs tests/test_cuda.py and the CUDA tests of the other test files (-k cuda),
-#   5. runs benchmarks/bench_step.py --device cuda,
+#   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every path of
+#      issue 8 against torch's fused AdamW, and 10,000 tensors against 200),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
 #      compute-sanitizer, when present and time is left,
 #   7. prints a short table.
@@ -150,6 +151,13 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
                    decoupled_weight_decay=True)
     ops.sgd_step_(ps, grads, st, model, step, one, yes, lr=0.1, momentum=0.9, nesterov=True)
     ops.sgd_step_(ps, grads, st, model, step, one, yes, lr=0.1, momentum=0.9, nesterov=True)
+    # the pure optimizers' ops and the robust norm
+    ops.check_norm(xs, torch.tensor(0.5, device=dev), per_leaf=True)
+    ops.adam_update(ps, grads, st, st2, st3, step, one, lr=1e-3, amsgrad=True, weight_decay=0.1,
+                    decoupled_weight_decay=True)
+    ops.adam_update(None, grads, st, st2, None, step, one, lr=1e-3)
+    ops.sgd_update(ps, grads, st, step, one, lr=0.1, momentum=0.9, weight_decay=0.01)
+    ops.apply_updates(xs, grads)
 s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
 ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
                   min_scale=1.0, max_scale=2.0 ** 24, hysteresis=1)
@@ -172,6 +180,12 @@ EOF
 elif [ "$BUILD_OK" = 1 ]; then
   row "compute-sanitizer" skipped 0 "$([ -n "$SAN" ] && echo 'no time left or disabled' || echo 'not installed')"
 fi
+
+# 6b. fp8 ------------------------------------------------------------------------------------
+# >>> FP8 SECTION: reserved for the fp8 helper. Append its checks here, between these markers,
+#     using the helpers above: banner "title"; t=$(date +%s); timeout "$(left N)" ...;
+#     row "name" ok|FAILED|skipped "$(since "$t")" "detail". Guard on "$BUILD_OK" = 1. <<<
+# <<< END OF FP8 SECTION >>>
 
 # 7. table ----------------------------------------------------------------------------------
 echo

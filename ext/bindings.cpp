@@ -39,43 +39,232 @@ bool kernel_dtype(at::ScalarType t) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// validation
+// validation: every check runs before the first write, so a refused call changes nothing.
+//
+// Messages have one stable, parseable form, mirrored word for word by ampfunc/ops.py's
+// reference path (so both backends raise the same error type and text):
+//   "ampfunc: <list>[<index>] <what is wrong> (<op>)"
+// ValueError for counts, shapes, devices and overlapping memory; TypeError for dtypes and
+// layouts. The engine maps <list>[<index>] back to a leaf path on the error path only.
 // ---------------------------------------------------------------------------------------------
 
-void check_list(const char* op, const char* what, TensorList ts, const at::Device& device, bool fp32_only,
-                bool allow_fp64 = false) {
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const Tensor& t = ts[i];
-    TORCH_CHECK(t.defined(), "ampfunc.", op, ": ", what, "[", i, "] is undefined (None)");
-    TORCH_CHECK(t.device() == device, "ampfunc.", op, ": ", what, "[", i, "] is on ", t.device(), " but ",
-                "the other tensors of the call are on ", device, "; call once per device (ampfunc.flat groups ",
-                "leaves by device and dtype)");
-    if (fp32_only) {
-      TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfunc.", op, ": ", what, "[", i, "] has dtype ",
-                  t.scalar_type(), "; the fused kernels keep ", what, " in float32");
-    } else {
-      TORCH_CHECK(kernel_dtype(t.scalar_type()) || (allow_fp64 && t.scalar_type() == at::kDouble), "ampfunc.",
-                  op, ": ", what, "[", i, "] has dtype ", t.scalar_type(),
-                  "; the kernels take float32, float16 and bfloat16", allow_fp64 ? " (and float64 here)" : "");
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string device_str(const at::Device& d) { return d.str(); }
+
+std::string layout_str(at::Layout l) {
+  switch (l) {
+    case at::kStrided: return "torch.strided";
+    case at::kSparse: return "torch.sparse_coo";
+    case at::kSparseCsr: return "torch.sparse_csr";
+    case at::kSparseCsc: return "torch.sparse_csc";
+    case at::kSparseBsr: return "torch.sparse_bsr";
+    case at::kSparseBsc: return "torch.sparse_bsc";
+    case at::kMkldnn: return "torch._mkldnn";
+    default: return "torch.jagged";
+  }
+}
+
+std::string item_name(const char* list, int64_t i) {
+  return i < 0 ? std::string(list) : std::string(list) + "[" + std::to_string(i) + "]";
+}
+
+enum class Dt { kAny, kFp32, kAnyOr64 };  // f32/f16/bf16; f32 only; f32/f16/bf16/f64
+
+const char* dt_words(Dt d) {
+  switch (d) {
+    case Dt::kFp32: return "float32";
+    case Dt::kAnyOr64: return "float32, float16, bfloat16 or float64";
+    default: return "float32, float16 or bfloat16";
+  }
+}
+
+bool dt_ok(Dt d, at::ScalarType t) {
+  switch (d) {
+    case Dt::kFp32: return t == at::kFloat;
+    case Dt::kAnyOr64: return kernel_dtype(t) || t == at::kDouble;
+    default: return kernel_dtype(t);
+  }
+}
+
+// One list of a call: its name in the schema, the dtypes it takes, whether the op writes it.
+struct ListSpec {
+  const char* name;
+  TensorList ts;
+  Dt dt;
+  bool written;
+};
+
+// Whether a strided tensor maps two of its elements to one memory location (an expand()ed or
+// otherwise stride-0 view, or strides that interleave). Sufficient test: with the dims sorted by
+// stride, each stride must step past the furthest offset the dims below it reach.
+bool self_overlaps(const Tensor& t) {
+  if (t.numel() <= 1 || t.is_contiguous()) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the furthest offset the dims below reach
+  for (auto [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += stride * (size - 1);
+  }
+  return false;
+}
+
+struct Span {
+  uintptr_t lo, hi;  // bytes [lo, hi)
+  int order;         // position of the list in the call (ties broken by it, then by index)
+  const char* name;
+  int64_t idx;       // -1 for a 0-d argument (named without an index)
+};
+
+void add_span(std::vector<Span>& spans, const Tensor& t, int order, const char* name, int64_t idx) {
+  const int64_t numel = t.numel();
+  if (numel == 0) return;
+  int64_t last = numel - 1;  // offset of the last element, in elements (torch strides are >= 0)
+  if (!t.is_contiguous()) {
+    last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  }
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), order, name, idx});
+}
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The set of spans the last call of this thread found disjoint, as two order-independent 64-bit
+// fingerprints: an in-place step writes the same tensors every call, and a set already found
+// disjoint is disjoint again, so the O(n log n) sort is paid once, not once per step.
+struct DisjointCache {
+  size_t n = 0;
+  uint64_t sum = 0, xr = 0;
+};
+thread_local DisjointCache last_disjoint;
+
+// Raises when two written tensors share memory: the spans sorted by start; each must begin at
+// or after the furthest end seen so far.
+void check_disjoint(const char* op, std::vector<Span>& spans) {
+  if (spans.size() < 2) return;
+  uint64_t sum = 0, xr = 0;
+  for (const Span& s : spans) {
+    const uint64_t a = mix64(s.lo ^ mix64(s.hi)), b = mix64(a ^ 0x5851f42d4c957f2dULL);
+    sum += a;
+    xr ^= b;
+  }
+  if (spans.size() == last_disjoint.n && sum == last_disjoint.sum && xr == last_disjoint.xr) return;
+  auto less = [](const Span& a, const Span& b) {
+    return a.lo != b.lo ? a.lo < b.lo : (a.order != b.order ? a.order < b.order : a.idx < b.idx);
+  };
+  if (!std::is_sorted(spans.begin(), spans.end(), less)) std::sort(spans.begin(), spans.end(), less);
+  size_t far = 0;
+  for (size_t k = 1; k < spans.size(); ++k) {
+    if (spans[k].lo < spans[far].hi) {
+      const Span* a = &spans[far];
+      const Span* b = &spans[k];
+      if (b->order < a->order || (b->order == a->order && b->idx < a->idx)) std::swap(a, b);
+      TORCH_CHECK_VALUE(false, "ampfunc: ", item_name(a->name, a->idx), " and ", item_name(b->name, b->idx),
+                        " overlap in memory; the tensors an in-place op writes must be distinct (", op, ")");
+    }
+    if (spans[k].hi > spans[far].hi) far = k;
+  }
+  last_disjoint = {spans.size(), sum, xr};
+}
+
+void check_tensor(const char* op, const char* name, int64_t i, const Tensor& t, Dt dt, const at::Device& dev) {
+  TORCH_CHECK_VALUE(t.defined(), "ampfunc: ", item_name(name, i), " is undefined (None) (", op, ")");
+  // (is_sparse & co. read the dispatch key set inline; layout() costs a call per tensor)
+  TORCH_CHECK_TYPE(!(t.is_sparse() || t.is_sparse_csr() || t.is_mkldnn()) || t.layout() == at::kStrided, "ampfunc: ",
+                   item_name(name, i), " has layout ", layout_str(t.layout()), "; ampfunc takes dense (strided) tensors (",
+                   op, ")");
+  TORCH_CHECK_VALUE(!t.is_meta() || dev.is_meta(), "ampfunc: ", item_name(name, i),
+                    " is on the meta device (it holds no data) (", op, ")");
+  TORCH_CHECK_VALUE(t.device() == dev, "ampfunc: ", item_name(name, i), " is on ", device_str(t.device()),
+                    " but the call's tensors are on ", device_str(dev), "; one device per call (", op, ")");
+  TORCH_CHECK_TYPE(dt_ok(dt, t.scalar_type()), "ampfunc: ", item_name(name, i), " has dtype ",
+                   dtype_str(t.scalar_type()), "; ", name, " take ", dt_words(dt), " (", op, ")");
+}
+
+// The one validation of a list op: lists[0] is the reference list (its shapes are the ones the
+// others must have); every tensor is defined, dense, on `dev`, of an accepted dtype; written
+// tensors neither overlap themselves nor each other (nor the written 0-d `scalars`).
+void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>& lists,
+              const std::vector<std::pair<const char*, const Tensor*>>& written_scalars = {}) {
+  const ListSpec& ref = lists[0];
+  std::vector<Span> spans;
+  for (size_t l = 0; l < lists.size(); ++l) {
+    const ListSpec& L = lists[l];
+    TORCH_CHECK_VALUE(L.ts.size() == ref.ts.size(), "ampfunc: ", L.name, " has ", L.ts.size(), " tensors but ",
+                      ref.name, " has ", ref.ts.size(), " (", op, ")");
+  }
+  for (size_t i = 0; i < ref.ts.size(); ++i) {
+    for (size_t l = 0; l < lists.size(); ++l) {
+      const ListSpec& L = lists[l];
+      const Tensor& t = L.ts[i];
+      check_tensor(op, L.name, static_cast<int64_t>(i), t, L.dt, dev);
+      if (l > 0) {
+        TORCH_CHECK_VALUE(t.sizes() == ref.ts[i].sizes(), "ampfunc: ", L.name, "[", i, "] has shape ",
+                          shape_str(t.sizes()), " but ", ref.name, "[", i, "] has shape ",
+                          shape_str(ref.ts[i].sizes()), " (", op, ")");
+      }
+      if (L.written) {
+        TORCH_CHECK_VALUE(!self_overlaps(t), "ampfunc: ", L.name, "[", i, "] has elements that share memory ",
+                          "(an expand()ed or stride-0 view); an in-place op needs distinct elements: clone it (",
+                          op, ")");
+      }
     }
   }
-}
-
-void check_same_numel(const char* op, const char* what, TensorList ts, const char* ref_what, TensorList ref) {
-  TORCH_CHECK(ts.size() == ref.size(), "ampfunc.", op, ": ", what, " has ", ts.size(), " tensors but ", ref_what,
-              " has ", ref.size());
-  for (size_t i = 0; i < ts.size(); ++i) {
-    TORCH_CHECK(ts[i].numel() == ref[i].numel(), "ampfunc.", op, ": ", what, "[", i, "] has ", ts[i].numel(),
-                " elements but ", ref_what, "[", i, "] has ", ref[i].numel());
+  bool any_written = false;
+  for (size_t l = 0; l < lists.size(); ++l) {
+    if (!lists[l].written) continue;
+    any_written = true;
+    for (size_t i = 0; i < lists[l].ts.size(); ++i) {
+      add_span(spans, lists[l].ts[i], static_cast<int>(l), lists[l].name, static_cast<int64_t>(i));
+    }
   }
+  if (!any_written && written_scalars.empty()) return;
+  for (size_t k = 0; k < written_scalars.size(); ++k) {
+    add_span(spans, *written_scalars[k].second, static_cast<int>(lists.size() + k), written_scalars[k].first, -1);
+  }
+  check_disjoint(op, spans);
 }
 
-void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarType dtype, const at::Device& device) {
-  TORCH_CHECK(t.defined() && t.numel() == 1, "ampfunc.", op, ": ", what, " must be a one-element tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, "ampfunc.", op, ": ", what, " has dtype ", t.scalar_type(), ", expected ",
-              dtype);
-  TORCH_CHECK(t.device() == device, "ampfunc.", op, ": ", what, " is on ", t.device(), " but the tensors are on ",
-              device);
+void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarType dtype, const at::Device& dev) {
+  TORCH_CHECK_VALUE(t.defined() && t.numel() == 1, "ampfunc: ", what, " must be a one-element tensor (", op, ")");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", what, " has layout ", layout_str(t.layout()),
+                   "; ampfunc takes dense (strided) tensors (", op, ")");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "ampfunc: ", what, " has dtype ", dtype_str(t.scalar_type()),
+                   "; expected ", dtype_str(dtype), " (", op, ")");
+  TORCH_CHECK_VALUE(t.device() == dev, "ampfunc: ", what, " is on ", device_str(t.device()),
+                    " but the call's tensors are on ", device_str(dev), "; one device per call (", op, ")");
 }
 
 // Contiguous working copies of a list; the ones that had to be copied are written back by
@@ -107,44 +296,66 @@ at::Device device_of(TensorList ts, const Tensor& fallback) {
 // CPU
 // ---------------------------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor> check_cpu(TensorList tensors, bool per_leaf) {
+// The read-only pass of check / check_norm: (finite, sum of squares in double, per-leaf flags).
+// With inv_scale the squares are of fp32(x * inv_scale), x judged for finiteness.
+std::tuple<bool, double, Tensor> check_pass(const char* op, TensorList tensors, bool per_leaf,
+                                            const Tensor* inv_scale) {
   const at::Device dev(at::kCPU);
-  check_list("check", "tensors", tensors, dev, false, /*allow_fp64=*/true);
+  if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
+  validate(op, dev, {{"tensors", tensors, Dt::kAnyOr64, false}});
+  const float s = inv_scale ? inv_scale->item<float>() : 1.f;
   const int64_t n = static_cast<int64_t>(tensors.size());
   Tensor leaf = at::zeros({per_leaf ? n : 0}, at::TensorOptions().dtype(at::kBool));
   std::vector<Tensor> fast;
   std::vector<int64_t> fast_idx;
+  fast.reserve(n);
+  if (per_leaf) fast_idx.reserve(n);
   bool finite = true;
   double sumsq = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Tensor& t = tensors[i];
     if (kernel_dtype(t.scalar_type())) {
       fast.push_back(t.is_contiguous() ? t : t.contiguous());
-      fast_idx.push_back(i);
+      if (per_leaf) fast_idx.push_back(i);
     } else {  // float64: rare; plain ATen in double
       const bool ok = at::isfinite(t).all().item<bool>();
       finite = finite && ok;
       if (per_leaf && !ok) leaf[i].fill_(true);
-      sumsq += t.square().sum().item<double>();
+      sumsq += (inv_scale ? t * static_cast<double>(s) : t).square().sum().item<double>();
     }
   }
   std::vector<uint8_t> flags(per_leaf ? fast.size() : 0, 0);
-  const auto r = ampfunc::cpu::check(fast, per_leaf ? flags.data() : nullptr);
+  const auto r = ampfunc::cpu::check(fast, per_leaf ? flags.data() : nullptr, inv_scale != nullptr, s);
   finite = finite && r.finite;
   sumsq += r.sumsq;
   if (per_leaf) {
     bool* lp = leaf.data_ptr<bool>();
     for (size_t k = 0; k < fast.size(); ++k) lp[fast_idx[k]] = flags[k] != 0;
   }
+  return {finite, sumsq, leaf};
+}
+
+std::tuple<Tensor, Tensor, Tensor> check_cpu(TensorList tensors, bool per_leaf) {
+  auto [finite, sumsq, leaf] = check_pass("check", tensors, per_leaf, nullptr);
   return {at::scalar_tensor(finite, at::kBool), at::scalar_tensor(static_cast<float>(sumsq), at::kFloat), leaf};
+}
+
+// The norm from the double sum: finite whenever every (unscaled) element is finite and the
+// norm itself fits in fp32 -- the sum of squares may exceed fp32's range without harm.
+std::tuple<Tensor, Tensor, Tensor> check_norm_cpu(TensorList tensors, const std::optional<Tensor>& inv_scale,
+                                                  bool per_leaf) {
+  const Tensor* inv = inv_scale.has_value() && inv_scale->defined() ? &*inv_scale : nullptr;
+  auto [finite, sumsq, leaf] = check_pass("check_norm", tensors, per_leaf, inv);
+  return {at::scalar_tensor(finite, at::kBool), at::scalar_tensor(static_cast<float>(std::sqrt(sumsq)), at::kFloat),
+          leaf};
 }
 
 // float64 tensors (rare) take plain ATen here, with the reference's arithmetic: in place the
 // product is taken in double; out of place the value is cast to fp32 first, then multiplied.
 Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
-  check_list("unscale_", "tensors", tensors, dev, false, /*allow_fp64=*/true);
   check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
+  validate("unscale_", dev, {{"tensors", tensors, Dt::kAnyOr64, true}});
   std::vector<Tensor> fast;
   bool finite = true;
   for (const Tensor& t : tensors) {
@@ -163,8 +374,8 @@ Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
 
 std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
-  check_list("unscale", "tensors", tensors, dev, false, /*allow_fp64=*/true);
   check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
+  validate("unscale", dev, {{"tensors", tensors, Dt::kAnyOr64, false}});
   std::vector<Tensor> fast_in, fast_out, outs;
   outs.reserve(tensors.size());
   bool finite = true;
@@ -183,20 +394,6 @@ std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(TensorList tensors, const Te
   return {outs, at::scalar_tensor(finite, at::kBool)};
 }
 
-void check_step_args(const char* op, TensorList params, TensorList grads, TensorList model_params,
-                     const Tensor& step, const Tensor& grad_scale, const Tensor& finite, const at::Device& dev) {
-  check_list(op, "params", params, dev, /*fp32_only=*/true);
-  check_list(op, "grads", grads, dev, false);
-  check_same_numel(op, "grads", grads, "params", params);
-  if (!model_params.empty()) {
-    check_list(op, "model_params", model_params, dev, false);
-    check_same_numel(op, "model_params", model_params, "params", params);
-  }
-  check_scalar(op, "step", step, at::kFloat, dev);
-  check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
-  check_scalar(op, "finite", finite, at::kBool, dev);
-}
-
 // The learning rate: the float, or the value of the 0-d fp32 tensor a schedule produced
 // (read in place on the CPU; on CUDA the launchers read it on the device).
 double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tensor, const at::Device& dev) {
@@ -205,27 +402,40 @@ double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tenso
   return dev.is_cpu() ? static_cast<double>(lr_tensor->item<float>()) : lr;
 }
 
+// `inplace`: the op writes params, the state lists, model_params and step (else it only reads).
 void check_sgd_args(const char* op, TensorList params, TensorList grads, TensorList momentum_buffers,
                     TensorList model_params, const Tensor& step, const Tensor& grad_scale, const Tensor& finite,
-                    double momentum, const at::Device& dev) {
-  check_step_args(op, params, grads, model_params, step, grad_scale, finite, dev);
-  if (momentum != 0.0) {
-    check_list(op, "momentum_buffers", momentum_buffers, dev, true);
-    check_same_numel(op, "momentum_buffers", momentum_buffers, "params", params);
+                    double momentum, const at::Device& dev, bool inplace) {
+  check_scalar(op, "step", step, at::kFloat, dev);
+  check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
+  check_scalar(op, "finite", finite, at::kBool, dev);
+  std::vector<ListSpec> lists{{"params", params, Dt::kFp32, inplace}, {"grads", grads, Dt::kAny, false}};
+  if (momentum != 0.0) lists.push_back({"momentum_buffers", momentum_buffers, Dt::kFp32, inplace});
+  if (!model_params.empty()) lists.push_back({"model_params", model_params, Dt::kAny, inplace});
+  if (inplace) {
+    validate(op, dev, lists, {{"step", &step}});
+  } else {
+    validate(op, dev, lists);
   }
 }
 
 void check_adam_args(const char* op, TensorList params, TensorList grads, TensorList exp_avgs,
                      TensorList exp_avg_sqs, TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
-                     const Tensor& grad_scale, const Tensor& finite, bool amsgrad, const at::Device& dev) {
-  check_step_args(op, params, grads, model_params, step, grad_scale, finite, dev);
-  check_list(op, "exp_avgs", exp_avgs, dev, true);
-  check_same_numel(op, "exp_avgs", exp_avgs, "params", params);
-  check_list(op, "exp_avg_sqs", exp_avg_sqs, dev, true);
-  check_same_numel(op, "exp_avg_sqs", exp_avg_sqs, "params", params);
-  if (amsgrad) {
-    check_list(op, "max_exp_avg_sqs", max_exp_avg_sqs, dev, true);
-    check_same_numel(op, "max_exp_avg_sqs", max_exp_avg_sqs, "params", params);
+                     const Tensor& grad_scale, const Tensor& finite, bool amsgrad, const at::Device& dev,
+                     bool inplace) {
+  check_scalar(op, "step", step, at::kFloat, dev);
+  check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
+  check_scalar(op, "finite", finite, at::kBool, dev);
+  std::vector<ListSpec> lists{{"params", params, Dt::kFp32, inplace},
+                              {"grads", grads, Dt::kAny, false},
+                              {"exp_avgs", exp_avgs, Dt::kFp32, inplace},
+                              {"exp_avg_sqs", exp_avg_sqs, Dt::kFp32, inplace}};
+  if (amsgrad) lists.push_back({"max_exp_avg_sqs", max_exp_avg_sqs, Dt::kFp32, inplace});
+  if (!model_params.empty()) lists.push_back({"model_params", model_params, Dt::kAny, inplace});
+  if (inplace) {
+    validate(op, dev, lists, {{"step", &step}});
+  } else {
+    validate(op, dev, lists);
   }
 }
 
@@ -242,7 +452,8 @@ void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buff
                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
                    bool nesterov, bool maximize) {
   const at::Device dev(at::kCPU);
-  check_sgd_args("sgd_step_", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
+  check_sgd_args("sgd_step_", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
+                 true);
   lr = lr_value("sgd_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
@@ -269,7 +480,7 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
                     double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
   check_adam_args("adam_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, finite, amsgrad, dev);
+                  grad_scale, finite, amsgrad, dev, true);
   lr = lr_value("adam_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
@@ -299,7 +510,8 @@ SgdOut sgd_step_cpu(TensorList params, TensorList grads, TensorList momentum_buf
                     const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
                     bool nesterov, bool maximize) {
   const at::Device dev(at::kCPU);
-  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
+                 false);
   lr = lr_value("sgd_step", lr, lr_tensor, dev);
   const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = empty_like_list(b.tensors),
@@ -333,7 +545,7 @@ AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, 
                       double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, finite, amsgrad, dev);
+                  grad_scale, finite, amsgrad, dev, false);
   lr = lr_value("adam_step", lr, lr_tensor, dev);
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
       m(model_params);
@@ -354,6 +566,93 @@ AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, 
   ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
                           {p_out, m1_out, m2_out, vmax_out}, m_out, h);
   return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(next_step, at::kFloat)};
+}
+
+// The pure optimizers' updates (optax form): new tensors `updates` (fp32) and new state; the
+// inputs are only read. `params` may be empty when weight_decay == 0 (the update does not need
+// them); then grads give the shapes.
+
+void check_update_args(const char* op, TensorList params, TensorList grads, std::vector<ListSpec> state,
+                       const Tensor& step, const Tensor& grad_scale, double weight_decay, const at::Device& dev) {
+  check_scalar(op, "step", step, at::kFloat, dev);
+  check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
+  TORCH_CHECK_VALUE(!params.empty() || grads.empty() || weight_decay == 0.0, "ampfunc: weight_decay != 0 needs ",
+                    "params (", op, ")");
+  std::vector<ListSpec> lists;
+  if (!params.empty()) lists.push_back({"params", params, Dt::kFp32, false});
+  lists.push_back({"grads", grads, Dt::kAny, false});
+  for (auto& l : state) lists.push_back(l);
+  validate(op, dev, lists);
+}
+
+using SgdUpdateOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor>;
+
+SgdUpdateOut sgd_update_cpu(TensorList params, TensorList grads, TensorList momentum_buffers, const Tensor& step,
+                            const Tensor& grad_scale, double lr, const std::optional<Tensor>& lr_tensor,
+                            double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+  const at::Device dev(at::kCPU);
+  const bool has_buf = momentum != 0.0;
+  std::vector<ListSpec> state;
+  if (has_buf) state.push_back({"momentum_buffers", momentum_buffers, Dt::kFp32, false});
+  check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
+  const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
+  lr = lr_value("sgd_update", lr, lr_tensor, dev);
+  const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList());
+  std::vector<Tensor> d_out;
+  d_out.reserve(grads.size());
+  for (const Tensor& t : grads) d_out.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  std::vector<Tensor> b_out = empty_like_list(b.tensors);
+  const float old_step = step.item<float>();
+  ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
+                           static_cast<float>(lr),
+                           static_cast<float>(weight_decay),
+                           static_cast<float>(momentum),
+                           static_cast<float>(dampening),
+                           nesterov,
+                           maximize,
+                           // as the generic update: the formula from the zero buffer unless dampening
+                           dampening != 0.0 && old_step == 0.f,
+                           !lr_is_tensor};
+  ampfunc::cpu::sgd_update(p.tensors, g.tensors, b.tensors, b_out, d_out, h);
+  return {d_out, b_out, at::scalar_tensor(old_step + 1.f, at::kFloat)};
+}
+
+using AdamUpdateOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                                 Tensor>;
+
+AdamUpdateOut adam_update_cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                              TensorList max_exp_avg_sqs, const Tensor& step, const Tensor& grad_scale, double lr,
+                              const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                              double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev(at::kCPU);
+  std::vector<ListSpec> state{{"exp_avgs", exp_avgs, Dt::kFp32, false}, {"exp_avg_sqs", exp_avg_sqs, Dt::kFp32, false}};
+  if (amsgrad) state.push_back({"max_exp_avg_sqs", max_exp_avg_sqs, Dt::kFp32, false});
+  check_update_args("adam_update", params, grads, state, step, grad_scale, weight_decay, dev);
+  const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
+  lr = lr_value("adam_update", lr, lr_tensor, dev);
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList());
+  std::vector<Tensor> d_out;
+  d_out.reserve(grads.size());
+  for (const Tensor& t : grads) d_out.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  std::vector<Tensor> m1_out = empty_like_list(m1.tensors), m2_out = empty_like_list(m2.tensors),
+                      vmax_out = empty_like_list(vmax.tensors);
+  const float next_step = step.item<float>() + 1.f;
+  ampfunc::cpu::AdamHyper h{grad_scale.item<float>(), lr, beta1, beta2, eps, weight_decay,
+                            static_cast<double>(next_step), amsgrad, decoupled_weight_decay, maximize, lr_is_tensor};
+  const std::vector<Tensor> none;
+  ampfunc::cpu::adam_update({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
+                            {none, m1_out, m2_out, vmax_out}, d_out, h);
+  return {d_out, m1_out, m2_out, vmax_out, at::scalar_tensor(next_step, at::kFloat)};
+}
+
+// params + updates, one pass, each result in its param's dtype (the sum in fp32, rounded once).
+std::vector<Tensor> apply_updates_cpu(TensorList params, TensorList updates) {
+  const at::Device dev(at::kCPU);
+  validate("apply_updates", dev, {{"params", params, Dt::kAny, false}, {"updates", updates, Dt::kAny, false}});
+  const Work p(params), u(updates);
+  std::vector<Tensor> outs = empty_like_list(p.tensors);
+  ampfunc::cpu::apply_updates(p.tensors, u.tensors, outs);
+  return outs;
 }
 
 void check_scale_args(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
@@ -437,10 +736,12 @@ Packed pack(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
   return pk;
 }
 
-std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf) {
+std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList tensors, bool per_leaf,
+                                                   const Tensor* inv_scale) {
   TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
   const at::Device dev = tensors[0].device();
-  check_list("check", "tensors", tensors, dev, false);
+  if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
+  validate(op, dev, {{"tensors", tensors, Dt::kAny, false}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n = static_cast<int64_t>(tensors.size());
@@ -458,7 +759,8 @@ std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf)
     const int64_t ws_bytes = ampfunc_cuda_check_workspace_bytes(m, pk.numels.data());
     Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, opts.dtype(at::kByte));
     Tensor group_leaf = per_leaf ? at::empty({m}, opts.dtype(at::kBool)) : Tensor();
-    cuda_ok("check", ampfunc_cuda_check(m, pk.ptrs[0].data(), pk.numels.data(), cuda_dtype(dtype), nullptr,
+    cuda_ok(op, ampfunc_cuda_check(m, pk.ptrs[0].data(), pk.numels.data(), cuda_dtype(dtype),
+                                        inv_scale ? inv_scale->data_ptr<float>() : nullptr,
                                         reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq.data_ptr<float>(),
                                         per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
                                         ws.data_ptr(), ws_bytes, first ? 0 : 1, stream.stream()));
@@ -476,10 +778,23 @@ std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf)
   return {finite, sumsq, leaf};
 }
 
+std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf) {
+  return check_pass_cuda("check", tensors, per_leaf, nullptr);
+}
+
+// On CUDA the launcher accumulates the (unscaled) squares in fp32: the norm is robust to the
+// loss scale (the squares are of x * inv_scale) but not to an unscaled norm beyond ~1.8e19.
+std::tuple<Tensor, Tensor, Tensor> check_norm_cuda(TensorList tensors, const std::optional<Tensor>& inv_scale,
+                                                   bool per_leaf) {
+  const Tensor* inv = inv_scale.has_value() && inv_scale->defined() ? &*inv_scale : nullptr;
+  auto [finite, sumsq, leaf] = check_pass_cuda("check_norm", tensors, per_leaf, inv);
+  return {finite, sumsq.sqrt(), leaf};
+}
+
 Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev = device_of(tensors, inv_scale);
-  check_list("unscale_", "tensors", tensors, dev, false);
   check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
+  validate("unscale_", dev, {{"tensors", tensors, Dt::kAny, true}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work w(tensors);
@@ -499,8 +814,8 @@ Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
 
 std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev = device_of(tensors, inv_scale);
-  check_list("unscale", "tensors", tensors, dev, false);
   check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
+  validate("unscale", dev, {{"tensors", tensors, Dt::kAny, false}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work w(tensors);
@@ -526,7 +841,7 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
   lr_value("sgd_step_", lr, lr_tensor, dev);  // validates lr_tensor
   const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   check_sgd_args("sgd_step_", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum,
-                 dev);
+                 dev, true);
   const bool has_buf = momentum != 0.0;
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -567,7 +882,7 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   lr_value("adam_step_", lr, lr_tensor, dev);  // validates lr_tensor
   const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   check_adam_args("adam_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, finite, amsgrad, dev);
+                  grad_scale, finite, amsgrad, dev, true);
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
@@ -619,7 +934,8 @@ SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_bu
                      const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum,
                      double dampening, bool nesterov, bool maximize) {
   const at::Device dev = device_of(params, step);
-  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev);
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
+                 false);
   lr_value("sgd_step", lr, lr_tensor, dev);  // validates lr_tensor
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Tensor> p_out = clone_list(params), b_out = clone_list(momentum != 0.0 ? momentum_buffers : TensorList()),
@@ -637,7 +953,7 @@ AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs,
                        double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev = device_of(params, step);
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, finite, amsgrad, dev);
+                  grad_scale, finite, amsgrad, dev, false);
   lr_value("adam_step", lr, lr_tensor, dev);  // validates lr_tensor
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Tensor> p_out = clone_list(params), m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
@@ -647,6 +963,91 @@ AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs,
   adam_step__cuda(p_out, grads, m1_out, m2_out, vmax_out, m_out, step_out, grad_scale, finite, lr, lr_tensor, beta1,
                   beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
   return {p_out, m1_out, m2_out, vmax_out, m_out, step_out};
+}
+
+// The pure updates on CUDA: copy + the in-place launchers + a subtraction (not one pass: the
+// copies and the subtraction cost two more reads and writes of the params than a kernel with a
+// delta output would). Without params the step runs on zeros, so the update is the step term
+// (a -0.0 term comes out as +0.0). The numbers agree with the CPU kernels within fp32 rounding
+// (the CUDA kernels' own order of operations), not bit for bit.
+
+SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList momentum_buffers, const Tensor& step,
+                             const Tensor& grad_scale, double lr, const std::optional<Tensor>& lr_tensor,
+                             double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+  const at::Device dev = device_of(grads, step);
+  const bool has_buf = momentum != 0.0;
+  std::vector<ListSpec> state;
+  if (has_buf) state.push_back({"momentum_buffers", momentum_buffers, Dt::kFp32, false});
+  check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
+  lr_value("sgd_update", lr, lr_tensor, dev);  // validates lr_tensor
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Tensor> p_new;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    p_new.push_back(params.empty() ? at::zeros(grads[i].sizes(), grads[i].options().dtype(at::kFloat))
+                                   : params[i].clone(at::MemoryFormat::Contiguous));
+  }
+  std::vector<Tensor> b_out = clone_list(has_buf ? momentum_buffers : TensorList());
+  Tensor step_out = step.clone();
+  Tensor finite = at::ones({}, step.options().dtype(at::kBool));
+  sgd_step__cuda(p_new, grads, b_out, {}, step_out, grad_scale, finite, lr, lr_tensor, weight_decay, momentum,
+                 dampening, nesterov, maximize);
+  if (!params.empty() && !p_new.empty()) {
+    p_new = at::_foreach_sub(p_new, params);
+  }
+  return {p_new, b_out, step_out};
+}
+
+AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                               TensorList max_exp_avg_sqs, const Tensor& step, const Tensor& grad_scale, double lr,
+                               const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                               double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  const at::Device dev = device_of(grads, step);
+  std::vector<ListSpec> state{{"exp_avgs", exp_avgs, Dt::kFp32, false}, {"exp_avg_sqs", exp_avg_sqs, Dt::kFp32, false}};
+  if (amsgrad) state.push_back({"max_exp_avg_sqs", max_exp_avg_sqs, Dt::kFp32, false});
+  check_update_args("adam_update", params, grads, state, step, grad_scale, weight_decay, dev);
+  lr_value("adam_update", lr, lr_tensor, dev);  // validates lr_tensor
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Tensor> p_new;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    p_new.push_back(params.empty() ? at::zeros(grads[i].sizes(), grads[i].options().dtype(at::kFloat))
+                                   : params[i].clone(at::MemoryFormat::Contiguous));
+  }
+  std::vector<Tensor> m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
+                      vmax_out = clone_list(amsgrad ? max_exp_avg_sqs : TensorList());
+  Tensor step_out = step.clone();
+  Tensor finite = at::ones({}, step.options().dtype(at::kBool));
+  adam_step__cuda(p_new, grads, m1_out, m2_out, vmax_out, {}, step_out, grad_scale, finite, lr, lr_tensor, beta1,
+                  beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
+  if (!params.empty() && !p_new.empty()) {
+    p_new = at::_foreach_sub(p_new, params);
+  }
+  return {p_new, m1_out, m2_out, vmax_out, step_out};
+}
+
+// params + updates on CUDA with ATen: one multi-tensor launch (_foreach_add) for the fp32
+// pairs, one fp32 add and rounding per leaf for the others.
+std::vector<Tensor> apply_updates_cuda(TensorList params, TensorList updates) {
+  if (params.empty()) return {};
+  const at::Device dev = params[0].device();
+  validate("apply_updates", dev, {{"params", params, Dt::kAny, false}, {"updates", updates, Dt::kAny, false}});
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Tensor> outs(params.size());
+  std::vector<Tensor> p32, u32;
+  std::vector<size_t> idx32;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].scalar_type() == at::kFloat && updates[i].scalar_type() == at::kFloat) {
+      p32.push_back(params[i]);
+      u32.push_back(updates[i]);
+      idx32.push_back(i);
+    } else {
+      outs[i] = (params[i].to(at::kFloat) + updates[i].to(at::kFloat)).to(params[i].scalar_type());
+    }
+  }
+  if (!p32.empty()) {
+    auto sums = at::_foreach_add(p32, u32);
+    for (size_t k = 0; k < idx32.size(); ++k) outs[idx32[k]] = sums[k];
+  }
+  return outs;
 }
 
 void update_scale__cuda(const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
@@ -675,6 +1076,10 @@ TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
   m.impl("sgd_step", &sgd_step_cpu);
   m.impl("adam_step", &adam_step_cpu);
   m.impl("update_scale_", &update_scale__cpu);
+  m.impl("check_norm", &check_norm_cpu);
+  m.impl("sgd_update", &sgd_update_cpu);
+  m.impl("adam_update", &adam_update_cpu);
+  m.impl("apply_updates", &apply_updates_cpu);
 }
 
 #ifdef AMPFUNC_WITH_CUDA
@@ -687,6 +1092,10 @@ TORCH_LIBRARY_IMPL(ampfunc, CUDA, m) {
   m.impl("sgd_step", &sgd_step_cuda);
   m.impl("adam_step", &adam_step_cuda);
   m.impl("update_scale_", &update_scale__cuda);
+  m.impl("check_norm", &check_norm_cuda);
+  m.impl("sgd_update", &sgd_update_cuda);
+  m.impl("adam_update", &adam_update_cuda);
+  m.impl("apply_updates", &apply_updates_cuda);
 }
 #endif
 

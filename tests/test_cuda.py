@@ -1165,3 +1165,78 @@ def test_mixed_precision_step_never_syncs_with_the_host(cuda_backend, pure):
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
     assert all(bool(torch.isfinite(p).all()) for p in params.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops added for the pure optimizers and the robust norm, on CUDA, against the CPU kernels
+# (the CUDA updates are copy + in-place kernel + subtraction: within fp32 rounding of the CPU's)
+# ----------------------------------------------------------------------------------------------
+
+
+def _pair(shapes, seed, scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    cpu = [(torch.randn(s, generator=g) * scale).to(dtype) for s in shapes]
+    return cpu, [t.cuda() for t in cpu]
+
+
+UPDATE_SHAPES = [(0,), (1,), (7,), (33, 5), (3 * CHUNK + 17,)]
+
+
+@needs_cuda
+def test_cuda_check_norm_matches_the_cpu_and_survives_fp32_overflow_of_the_sum():
+    cpu, gpu = _pair(UPDATE_SHAPES, 1, 1e3, torch.float16)
+    inv = torch.tensor(2.0**-10)
+    want = ops.check_norm(cpu, inv)[1]
+    got = ops.check_norm(gpu, inv.cuda())[1]
+    assert torch.allclose(got.cpu(), want, rtol=1e-5)
+    big = [torch.full((20,), 1e20, device="cuda") * 2.0**16]
+    finite, norm = ops.check_norm(big, torch.tensor(2.0**-16, device="cuda"))
+    assert bool(finite) and torch.isfinite(norm) and abs(float(norm) / (20**0.5 * 1e20) - 1) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("with_params", [True, False])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_cuda_pure_updates_match_the_cpu_kernels(kind, with_params):
+    p_cpu, p_gpu = _pair(UPDATE_SHAPES, 2)
+    g_cpu, g_gpu = _pair(UPDATE_SHAPES, 3, 0.1, torch.bfloat16)
+    m_cpu, m_gpu = _pair(UPDATE_SHAPES, 4, 0.01)
+    v_cpu = [x.abs() for x in _pair(UPDATE_SHAPES, 5, 0.01)[0]]
+    v_gpu = [x.cuda() for x in v_cpu]
+    step, gs = torch.tensor(3.0), torch.tensor(0.5)
+    if kind == "sgd":
+        kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01 if with_params else 0.0, nesterov=True)
+        want = ops.sgd_update(p_cpu if with_params else None, g_cpu, m_cpu, step, gs, **kw)
+        got = ops.sgd_update(p_gpu if with_params else None, g_gpu, m_gpu, step.cuda(), gs.cuda(), **kw)
+        pairs = list(zip(got[0] + got[1], want[0] + want[1]))
+    else:
+        kw = dict(lr=1e-2, weight_decay=0.1 if with_params else 0.0, decoupled_weight_decay=kind == "adamw")
+        want = ops.adam_update(p_cpu if with_params else None, g_cpu, m_cpu, v_cpu, None, step, gs, **kw)
+        got = ops.adam_update(p_gpu if with_params else None, g_gpu, m_gpu, v_gpu, None, step.cuda(), gs.cuda(), **kw)
+        pairs = list(zip(got[0] + got[1] + got[2], want[0] + want[1] + want[2]))
+    for a, b in pairs:
+        assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+    assert float(got[-1]) == 4.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("p_dtype", DTYPES)
+def test_cuda_apply_updates_matches_the_cpu_bit_for_bit(p_dtype):
+    p_cpu, p_gpu = _pair(UPDATE_SHAPES, 6, 1.0, p_dtype)
+    u_cpu, u_gpu = _pair(UPDATE_SHAPES, 7, 1e-3)
+    for a, b in zip(ops.apply_updates(p_gpu, u_gpu), ops.apply_updates(p_cpu, u_cpu)):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
+
+
+@needs_cuda
+def test_cuda_validation_refuses_before_writing_with_the_cpu_message():
+    p = [torch.ones(3, 4, device="cuda"), torch.ones(5, device="cuda")]
+    m = [torch.zeros(3, 4, device="cuda"), torch.zeros(5, device="cuda")]
+    v = [torch.zeros(3, 4, device="cuda"), m[1]]  # aliases exp_avgs[1]
+    args = (p, [torch.ones(3, 4, device="cuda"), torch.ones(5, device="cuda")], m, v, None, None,
+            torch.zeros((), device="cuda"), torch.ones((), device="cuda"), torch.ones((), dtype=torch.bool, device="cuda"))
+    with pytest.raises(ValueError, match=r"^ampfunc: exp_avgs\[1\] and exp_avg_sqs\[1\] overlap in memory"):
+        ops.adam_step_(*args, lr=0.1)
+    assert all(bool((x == 1).all()) for x in p) and all(bool((x == 0).all()) for x in m)
+    with pytest.raises(ValueError, match=r"^ampfunc: tensors\[1\] is on cpu but the call's tensors are on cuda:0"):
+        ops.check_norm([p[0], torch.ones(5)])

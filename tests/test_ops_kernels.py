@@ -124,7 +124,7 @@ def test_check_of_an_empty_list_is_finite_with_zero_sum():
 
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_check_refuses_an_integer_tensor_naming_its_index():
-    with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype Int"):
+    with pytest.raises(TypeError, match=r"^ampfunc: tensors\[1\] has dtype torch.int32; .* \(check\)$"):
         ops.check([torch.randn(3), torch.arange(4, dtype=torch.int32)])
 
 
@@ -190,7 +190,7 @@ def test_unscale_of_float64_leaves_follows_the_reference_arithmetic(backend):
 
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_unscale_refuses_a_float64_scale_naming_the_argument():
-    with pytest.raises(RuntimeError, match="inv_scale has dtype Double"):
+    with pytest.raises(TypeError, match=r"^ampfunc: inv_scale has dtype torch.float64; expected torch.float32"):
         ops.unscale_([torch.ones(3)], torch.tensor(0.5, dtype=torch.float64))
 
 
@@ -356,11 +356,12 @@ def test_first_sgd_step_after_a_skipped_one_still_starts_the_buffer_from_the_gra
 def test_compiled_step_refuses_mismatched_lists_naming_the_index_and_writes_nothing():
     params = [torch.ones(3), torch.ones(4)]
     m, v = [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)]
-    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[1\] has 5 elements but params\[1\] has 4"):
+    with pytest.raises(ValueError, match=r"^ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] has shape \(4,\) "
+                                         r"\(adam_step_\)$"):
         ops.adam_step_(params, [torch.ones(3), torch.ones(4)], m, v, None, None, torch.zeros(()), torch.ones(()),
                        torch.ones((), dtype=torch.bool), lr=0.1)
     assert all(bool((p == 1).all()) for p in params) and all(bool((x == 0).all()) for x in m)
-    with pytest.raises(RuntimeError, match=r"params\[0\] has dtype Half"):
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float16"):
         ops.sgd_step_([torch.ones(3, dtype=torch.float16)], [torch.ones(3)], None, None, torch.zeros(()),
                       torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
 
@@ -489,10 +490,10 @@ def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(ki
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_out_of_place_step_names_the_mismatched_list_and_index():
     params, grads = [torch.ones(3), torch.ones(4)], [torch.ones(3), torch.ones(4)]
-    with pytest.raises(RuntimeError, match=r"ampfunc\.adam_step: exp_avg_sqs\[1\] has 5 elements but params\[1\]"):
+    with pytest.raises(ValueError, match=r"ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] .*\(adam_step\)$"):
         ops.adam_step(params, grads, [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)], None, None,
                       torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
-    with pytest.raises(RuntimeError, match=r"ampfunc\.sgd_step: momentum_buffers\[0\] has dtype Half"):
+    with pytest.raises(TypeError, match=r"ampfunc: momentum_buffers\[0\] has dtype torch.float16.*\(sgd_step\)$"):
         ops.sgd_step(params, grads, [torch.zeros(3, dtype=torch.float16), torch.zeros(4)], None, torch.zeros(()),
                      torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1, momentum=0.9)
 
@@ -558,3 +559,332 @@ def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monk
         _build.load()
     monkeypatch.setenv("AMPFUNC_DISABLE_EXT", "1")
     assert _build.load() == ("reference", "AMPFUNC_DISABLE_EXT is set")
+
+
+# ---------------------------------------------------------------------------------------------
+# check_norm: the robust global norm
+# ---------------------------------------------------------------------------------------------
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def _same_bits(a, b):
+    """Bit for bit, except that any NaN equals any NaN (payloads and signs of NaN are not
+    specified by the ops)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point() or a.numel() == 0:
+        return torch.equal(a, b)
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    same = a.reshape(-1).view(as_int) == b.reshape(-1).view(as_int)
+    return bool((same | (a.reshape(-1).isnan() & b.reshape(-1).isnan())).all())
+
+
+def _check_norm(backend, tensors, inv=None):
+    if backend == "reference":
+        return ops._ref_check_norm(tensors, inv)[:2]
+    return ops.check_norm(tensors, inv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(tensors=leaf_lists(), inv_scale=st.sampled_from([None, 1.0, 2.0**-16, 0.37]))
+def test_check_norm_is_the_norm_of_the_unscaled_values(backend, tensors, inv_scale):
+    inv = None if inv_scale is None else torch.tensor(inv_scale)
+    before = [t.clone() for t in tensors]
+    finite, norm = _check_norm(backend, tensors, inv)
+    want_finite = oracle_check(tensors)[0]
+    assert bool(finite) == want_finite and norm.dtype == torch.float32 and norm.shape == ()
+    if want_finite:
+        us = [t.float() * (inv if inv is not None else 1.0) for t in tensors]
+        want = math.sqrt(sum(float(u.double().square().sum()) for u in us))
+        assert math.isclose(float(norm), want, rel_tol=2e-6, abs_tol=1e-30)
+    assert all(_same_bits(a, b) for a, b in zip(tensors, before))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_norm_does_not_overflow_while_every_element_is_finite(backend):
+    # issue 10 item 5: fp32 gradients of 1e20 under a loss scale of 2**16
+    scaled = [torch.full((20,), 1e20) * 2.0**16, torch.full((1 << 20,), 3e19)]
+    finite, norm = _check_norm(backend, scaled, torch.tensor(2.0**-16))
+    want = math.sqrt(20 * 1e40 + (1 << 20) * (3e19 * 2.0**-16) ** 2)
+    assert bool(finite) and math.isclose(float(norm), want, rel_tol=1e-6)
+    finite, norm = _check_norm(backend, scaled)  # the sum of squares (~1e50) is far beyond fp32
+    assert bool(finite) and math.isfinite(float(norm))
+    assert math.isclose(float(norm), math.sqrt(20 * (1e20 * 2.0**16) ** 2 + (1 << 20) * 9e38), rel_tol=1e-6)
+    scaled[1][-1] = float("nan")
+    assert not bool(_check_norm(backend, scaled, torch.tensor(2.0**-16))[0])
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_norm_of_scaled_grads_equals_that_of_the_unscaled_ones_bit_for_bit(dtype):
+    # the fused clip (norm of the scaled grads with inv_scale) and the generic one (norm of
+    # unscale's output) must agree exactly
+    g = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(n, generator=g) * 1000).to(dtype) for n in (5, 4096, 70001, 0, 33)]
+    for inv in (2.0**-16, 2.0**-3, 1.0):
+        inv = torch.tensor(inv)
+        unscaled, _ = ops.unscale(grads, inv)
+        assert _same_bits(ops.check_norm(grads, inv)[1], ops.check_norm(unscaled)[1])
+
+
+def test_check_norm_per_leaf_and_empty():
+    finite, norm, leaf = ops.check_norm([torch.ones(3), torch.tensor([float("inf")])], per_leaf=True)
+    assert not bool(finite) and leaf.tolist() == [False, True]
+    finite, norm = ops.check_norm([])
+    assert bool(finite) and float(norm) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# pure optimizer updates and apply_updates
+# ---------------------------------------------------------------------------------------------
+
+UPDATE_SIZES = [(0,), (1,), (7,), (33, 5), 70001]  # the last crosses CPU tasks (32K) and CUDA chunks (64K)
+BIG = (1 << 20) + 3  # the "non_finite" variant: over a million elements, a bad value at the very end
+
+
+def _update_case(seed, grad_dtype, with_params=True, non_contiguous=False, bad=False, amsgrad=False):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [s if isinstance(s, tuple) else (s,) for s in UPDATE_SIZES[:-1] + [BIG if bad else UPDATE_SIZES[-1]]]
+    mk = lambda s, scale=1.0: torch.randn(s, generator=g) * scale  # noqa: E731
+    params = [mk(s) for s in shapes]
+    grads = [mk(s, 0.1).to(grad_dtype) for s in shapes]
+    m = [mk(s, 0.01) for s in shapes]
+    v = [mk(s, 0.01).abs() for s in shapes]
+    vmax = [x * 1.5 for x in v] if amsgrad else None
+    if non_contiguous:  # transposed / strided views with the same shapes
+        params[3] = torch.randn(5, 33, generator=g).t()
+        grads[3] = (torch.randn(5, 33, generator=g) * 0.1).to(grad_dtype).t()
+        m[3] = torch.randn(33, 10, generator=g)[:, ::2] * 0.01
+    if bad:
+        grads[2][3] = float("nan")
+        grads[4][-1] = float("inf")
+    return (params if with_params else None), grads, m, v, vmax
+
+
+def _snapshot(*lists):
+    return [[t.clone() for t in (lst or [])] for lst in lists]
+
+
+def _assert_unchanged(snap, *lists):
+    for before, lst in zip(snap, lists):
+        assert all(_same_bits(a, b) for a, b in zip(before, lst or []))
+
+
+SGD_UPDATE_CONFIGS = [
+    dict(lr=0.1),
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.01),
+    dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True),
+    dict(lr=torch.tensor(0.05), momentum=0.5, weight_decay=0.1),
+]
+
+
+VARIANTS = ["plain", "no_params", "non_contiguous", "non_finite"]
+
+
+@pytest.mark.parametrize("k", range(len(SGD_UPDATE_CONFIGS)))
+@pytest.mark.parametrize("j", range(len(VARIANTS)))
+@pytest.mark.parametrize("first", [True, False])
+def test_sgd_update_equals_the_reference_bit_for_bit(k, j, first):
+    # every config meets every variant; the gradient dtype cycles through fp32/fp16/bf16
+    kw, variant, grad_dtype = SGD_UPDATE_CONFIGS[k], VARIANTS[j], DTYPES[(j + k) % 3]
+    if (variant == "no_params" and kw.get("weight_decay")) or (first and not kw.get("momentum")):
+        return
+    params, grads, bufs, _, _ = _update_case(1, grad_dtype, with_params=variant != "no_params",
+                                             non_contiguous=variant == "non_contiguous", bad=variant == "non_finite")
+    step = torch.tensor(0.0 if first else 4.0)
+    gs = torch.tensor(0.5)
+    snap = _snapshot(params, grads, bufs)
+    hp = {k: v for k, v in kw.items() if k != "lr"}
+    lr, lr_t = ops._split_lr(kw["lr"])
+    d, b, s = ops.sgd_update(params, grads, bufs, step, gs, lr=kw["lr"], **hp)
+    rd, rb, rs = ops._ref_sgd_update(params or [], grads, bufs, step, gs, lr, lr_t, hp.get("weight_decay", 0.0),
+                                     hp.get("momentum", 0.0), hp.get("dampening", 0.0), hp.get("nesterov", False),
+                                     hp.get("maximize", False))
+    assert len(d) == len(rd) and all(_same_bits(a, c) for a, c in zip(d, rd))
+    assert len(b) == len(rb) and all(_same_bits(a, c) for a, c in zip(b, rb))
+    assert _same_bits(s, rs) and float(s) == float(step) + 1
+    _assert_unchanged(snap, params, grads, bufs)
+
+
+ADAM_UPDATE_CONFIGS = [
+    dict(lr=1e-3),
+    dict(lr=1e-2, weight_decay=0.1),
+    dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    dict(lr=1e-2, amsgrad=True, maximize=True, beta1=0.8, beta2=0.99, eps=1e-6),
+    dict(lr=torch.tensor(3e-3), weight_decay=0.05, decoupled_weight_decay=True),
+]
+
+
+def _assert_update_close(d, rd, params):
+    # The one difference from the reference is the square root: torch's (MKL's vector sqrt on
+    # large CPU tensors) is within an ulp of the correctly rounded one the kernel takes, so
+    # new_p may differ by an ulp of p, and the update (new_p - p) by as much.
+    for i, (a, c) in enumerate(zip(d, rd)):
+        scale = a.abs() + (params[i].abs().reshape(a.shape) if params is not None else 0)
+        assert a.shape == c.shape and a.dtype == c.dtype == torch.float32
+        ok = (a == c) | ((a - c).abs() <= 4 * 2.0**-23 * scale + 1e-30) | (a.isnan() & c.isnan())
+        assert bool(ok.all()), f"updates[{i}] differ beyond an ulp of the param"
+
+
+@pytest.mark.parametrize("k", range(len(ADAM_UPDATE_CONFIGS)))
+@pytest.mark.parametrize("j", range(len(VARIANTS)))
+def test_adam_update_equals_the_reference(k, j):
+    kw, variant, grad_dtype = ADAM_UPDATE_CONFIGS[k], VARIANTS[j], DTYPES[(j + k) % 3]
+    if variant == "no_params" and kw.get("weight_decay"):
+        return
+    amsgrad = kw.get("amsgrad", False)
+    params, grads, m, v, vmax = _update_case(2, grad_dtype, with_params=variant != "no_params",
+                                             non_contiguous=variant == "non_contiguous", bad=variant == "non_finite",
+                                             amsgrad=amsgrad)
+    step = torch.tensor(6.0)
+    gs = torch.tensor(0.25)
+    snap = _snapshot(params, grads, m, v, vmax)
+    hp = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+          "decoupled_weight_decay": False, "maximize": False, **{k: x for k, x in kw.items() if k != "lr"}}
+    lr, lr_t = ops._split_lr(kw["lr"])
+    d, m1, m2, vm, s = ops.adam_update(params, grads, m, v, vmax, step, gs, lr=kw["lr"], **hp)
+    rd, rm1, rm2, rvm, rs = ops._ref_adam_update(params or [], grads, m, v, vmax, step, gs, lr, lr_t, hp["beta1"],
+                                                 hp["beta2"], hp["eps"], hp["weight_decay"], hp["amsgrad"],
+                                                 hp["decoupled_weight_decay"], hp["maximize"])
+    # the moments are bit for bit the reference's; the updates within an ulp of the param
+    for got, want in ((m1, rm1), (m2, rm2), (vm, rvm)):
+        assert len(got) == len(want) and all(_same_bits(a, c) for a, c in zip(got, want))
+    _assert_update_close(d, rd, params)
+    assert _same_bits(s, rs) and float(s) == 7.0
+    _assert_unchanged(snap, params, grads, m, v, vmax)
+
+
+@pytest.mark.parametrize("p_dtype", DTYPES)
+@pytest.mark.parametrize("u_dtype", DTYPES)
+def test_apply_updates_equals_the_reference_bit_for_bit(p_dtype, u_dtype):
+    g = torch.Generator().manual_seed(5)
+    shapes = [(0,), (1,), (7,), (33, 5), ((1 << 20) + 3,)]
+    params = [torch.randn(s, generator=g).to(p_dtype) for s in shapes]
+    updates = [(torch.randn(s, generator=g) * 1e-3).to(u_dtype) for s in shapes]
+    params[3] = torch.randn(5, 33, generator=g).to(p_dtype).t()  # non-contiguous
+    updates[2][1] = float("nan")
+    snap = _snapshot(params, updates)
+    out = ops.apply_updates(params, updates)
+    want = ops._ref_apply_updates(params, updates)
+    assert all(_same_bits(a, c) for a, c in zip(out, want))
+    assert all(_same_bits(a, (p.float() + u.float()).to(p_dtype)) for a, p, u in zip(out, params, updates))
+    _assert_unchanged(snap, params, updates)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: both backends refuse the same calls with the same error, before any write
+# ---------------------------------------------------------------------------------------------
+
+
+def _adam_inplace_args(params, grads, m, v):
+    return dict(params=params, grads=grads, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=[], model_params=[],
+                step=torch.zeros(()), grad_scale=torch.ones(()), finite=torch.ones((), dtype=torch.bool), lr=0.1,
+                lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,
+                decoupled_weight_decay=False, maximize=False)
+
+
+def _fresh():
+    return [torch.ones(3, 4), torch.ones(5)], [torch.ones(3, 4), torch.ones(5)], \
+        [torch.zeros(3, 4), torch.zeros(5)], [torch.zeros(3, 4), torch.zeros(5)]
+
+
+def _bad_adam_cases():
+    cases = {}
+    p, g, m, v = _fresh()
+    cases["shape"] = ("adam_step_", _adam_inplace_args(p, [torch.ones(4, 3), g[1]], m, v), ValueError,
+                      r"^ampfunc: grads\[0\] has shape \(4, 3\) but params\[0\] has shape \(3, 4\) \(adam_step_\)$")
+    p, g, m, v = _fresh()
+    cases["count"] = ("adam_step_", _adam_inplace_args(p, g, m[:1], v), ValueError,
+                      r"^ampfunc: exp_avgs has 1 tensors but params has 2 \(adam_step_\)$")
+    p, g, m, v = _fresh()
+    cases["alias"] = ("adam_step_", _adam_inplace_args([p[0], p[1]], g, [m[0], m[1]], [v[0], m[1]]), ValueError,
+                      r"^ampfunc: exp_avgs\[1\] and exp_avg_sqs\[1\] overlap in memory")
+    p, g, m, v = _fresh()
+    flat = torch.zeros(20)
+    cases["overlap"] = ("adam_step_", _adam_inplace_args(p, g, [flat[:12].view(3, 4), flat[8:13]], v), ValueError,
+                        r"^ampfunc: exp_avgs\[0\] and exp_avgs\[1\] overlap in memory")
+    p, g, m, v = _fresh()
+    cases["expanded"] = ("adam_step_", _adam_inplace_args([torch.ones(1, 4).expand(3, 4), p[1]], g, m, v),
+                         ValueError, r"^ampfunc: params\[0\] has elements that share memory")
+    p, g, m, v = _fresh()
+    cases["meta"] = ("adam_step_", _adam_inplace_args(p, [g[0], torch.ones(5, device="meta")], m, v), ValueError,
+                     r"^ampfunc: grads\[1\] is on the meta device")
+    p, g, m, v = _fresh()
+    cases["dtype"] = ("adam_step_", _adam_inplace_args(p, [g[0], torch.ones(5, dtype=torch.float64)], m, v),
+                      TypeError, r"^ampfunc: grads\[1\] has dtype torch.float64; grads take float32, float16 or "
+                                 r"bfloat16 \(adam_step_\)$")
+    p, g, m, v = _fresh()
+    cases["sparse"] = ("adam_step_", _adam_inplace_args(p, [g[0], torch.ones(5).to_sparse()], m, v), TypeError,
+                       r"^ampfunc: grads\[1\] has layout torch.sparse_coo")
+    p, g, m, v = _fresh()
+    cases["step_alias"] = ("adam_step_", {**_adam_inplace_args(p, g, m, v), "step": p[1][2]}, ValueError,
+                           r"^ampfunc: params\[1\] and step overlap in memory")
+    p, g, m, v = _fresh()
+    cases["unscale_alias"] = ("unscale_", dict(tensors=[p[0], p[0]], inv_scale=torch.tensor(0.5)), ValueError,
+                              r"^ampfunc: tensors\[0\] and tensors\[1\] overlap in memory; .* \(unscale_\)$")
+    p, g, m, v = _fresh()
+    cases["update_shape"] = ("adam_update", dict(
+        params=p, grads=g, exp_avgs=m, exp_avg_sqs=[v[0], torch.zeros(6)], max_exp_avg_sqs=[], step=torch.zeros(()),
+        grad_scale=torch.ones(()), lr=0.1, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        amsgrad=False, decoupled_weight_decay=False, maximize=False), ValueError,
+        r"^ampfunc: exp_avg_sqs\[1\] has shape \(6,\) but params\[1\] has shape \(5,\) \(adam_update\)$")
+    p, g, m, v = _fresh()
+    cases["apply_dtype"] = ("apply_updates", dict(params=p, updates=[g[0], torch.ones(5, dtype=torch.int64)]),
+                            TypeError, r"^ampfunc: updates\[1\] has dtype torch.int64")
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(_bad_adam_cases()))
+def test_bad_calls_raise_the_same_error_on_both_backends_and_write_nothing(case):
+    messages = []
+    for backend in BACKENDS:
+        name, kwargs, exc, pattern = _bad_adam_cases()[case]
+        tensors = [t for v in kwargs.values() for t in (v if isinstance(v, list) else [v])
+                   if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided]
+        snap = [t.clone() for t in tensors]
+        fn = getattr(torch.ops.ampfunc, name) if backend == "compiled" else ops._REFERENCE[name]
+        with pytest.raises(exc, match=pattern) as info:
+            fn(*kwargs.values())
+        messages.append(str(info.value))
+        assert all(_same_bits(a, b) for a, b in zip(tensors, snap)), "a refused call wrote something"
+    assert len(set(messages)) == 1, messages
+    assert ops.error_items(messages[0]) or case == "count"
+
+
+def test_error_items_parses_the_list_names_and_indices():
+    msg = "ampfunc: grads[2] has shape (3, 4) but params[2] has shape (4, 3) (adam_step_)"
+    assert ops.error_items(msg) == [("grads", 2), ("params", 2)]
+    assert ops.error_items("ampfunc: exp_avgs[1] and exp_avg_sqs[7] overlap in memory; ... (adam_step_)") == [
+        ("exp_avgs", 1), ("exp_avg_sqs", 7)]
+    assert ops.error_items("something else [3]") == []
+
+
+def test_interleaved_but_disjoint_views_are_accepted_in_place():
+    base = torch.ones(20, 10)
+    ok = ops.unscale_([base[:, ::3], base[:, 1::3].clone()], torch.tensor(0.5))  # strided, not overlapping
+    assert bool(ok) and float(base[0, 0]) == 0.5 and float(base[0, 1]) == 1.0
+
+
+def test_new_ops_trace_under_torch_compile_fullgraph():
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(params, grads, m, v, t):
+        finite, norm = ops.check_norm(grads, torch.tensor(0.5))
+        coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+        d, m2, v2, _, t2 = ops.adam_update(params, grads, m, v, None, t, coef, lr=1e-3, weight_decay=0.01,
+                                           decoupled_weight_decay=True)
+        return ops.apply_updates(params, d), m2, v2, t2
+
+    params, grads = [torch.randn(3, 4), torch.randn(5)], [torch.randn(3, 4), torch.randn(5)]
+    m, v = [torch.zeros(3, 4), torch.zeros(5)], [torch.zeros(3, 4), torch.zeros(5)]
+    new_p, m2, v2, t2 = step(params, grads, m, v, torch.zeros(()))
+    _, norm = ops.check_norm(grads, torch.tensor(0.5))
+    coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+    d, wm, wv, _, _ = ops.adam_update(params, grads, m, v, None, torch.zeros(()), coef, lr=1e-3, weight_decay=0.01,
+                                      decoupled_weight_decay=True)
+    assert all(_same_bits(a, b) for a, b in zip(new_p, ops.apply_updates(params, d)))
+    assert float(t2) == 1.0

@@ -242,3 +242,96 @@ def test_native_optimizers_match_torchs_default_cuda_path(name, cls, kw):
     assert state.step.device.type == "cuda"
     ours, theirs = _TRAJECTORY.run_both_on("cuda", tx, cls, params, state=state, **kw)
     assert_rel_close(ours, theirs, initial=params)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure update on the fused kernel (ops.sgd_update / adam_update, ops.apply_updates) against
+# the generic path (the same transform with the kernels switched off)
+# ---------------------------------------------------------------------------------------------
+
+from ampfunc import ops  # noqa: E402
+
+
+def _trajectory(tx, params, steps=6, fused=True, monkeypatch=None):
+    if not fused:
+        monkeypatch.setattr(ops, "kernel_ready", lambda *a, **k: False)
+    state = tx.init(params)
+    for i in range(steps):
+        updates, state = tx.update(grads_at(params, i), state, params)
+        params = af.apply_updates(params, updates)
+    if not fused:
+        monkeypatch.undo()
+    return params, state, updates
+
+
+def _leaves(tree):
+    return [x for x in tree_leaves(tree) if x is not None]
+
+
+def _bitwise(a, b):
+    return all(x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.int32), y.view(-1).view(torch.int32))
+               for x, y in zip(_leaves(a), _leaves(b)))
+
+
+@pytest.mark.parametrize("kw", SGD_CONFIGS + [dict(lr=lambda c: 0.1 / (c + 1), momentum=0.9, dampening=0.1)], ids=str)
+def test_pure_sgd_update_on_the_kernel_equals_the_generic_path_bit_for_bit(kw, monkeypatch):
+    params = make_params()
+    fused = _trajectory(af.sgd(**kw), params)
+    generic = _trajectory(af.sgd(**kw), params, fused=False, monkeypatch=monkeypatch)
+    assert _bitwise(fused, generic)
+
+
+@pytest.mark.parametrize("kw", ADAM_CONFIGS + [dict(lr=lambda c: 1e-3 * (c + 1), weight_decay=0.1)], ids=str)
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_pure_adam_update_on_the_kernel_equals_the_generic_path(name, kw, monkeypatch):
+    # Bit for bit on these small leaves; on large CPU tensors torch's sqrt (MKL's vector sqrt)
+    # may differ from the kernel's correctly rounded one by an ulp (see test_ops_kernels).
+    params = make_params()
+    fused = _trajectory(getattr(af, name)(**kw), params)
+    generic = _trajectory(getattr(af, name)(**kw), params, fused=False, monkeypatch=monkeypatch)
+    assert _bitwise(fused, generic)
+
+
+def test_pure_update_reads_its_inputs_only_and_runs_the_kernel(monkeypatch):
+    params = make_params()
+    tx = af.adamw(1e-2)
+    state = tx.init(params)
+    grads = grads_at(params, 0)
+    snapshot = [x.clone() for x in _leaves((params, state, grads))]
+    calls = []
+    real = ops.adam_update
+    monkeypatch.setattr(ops, "adam_update", lambda *a, **k: calls.append(1) or real(*a, **k))
+    updates, new_state = tx.update(grads, state, params)
+    new_params = af.apply_updates(params, updates)
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(_leaves((params, state, grads)), snapshot))
+    assert not any(x.data_ptr() == y.data_ptr() for x in _leaves(new_params) for y in _leaves(params))
+    assert float(new_state.step) == 1.0
+
+
+def test_unsupported_trees_keep_the_generic_path():
+    # fp16 params, fp64 grads, and a 0-d python scalar leaf all still work (generic path)
+    params = {"a": torch.randn(4, dtype=torch.float16), "b": torch.randn(3)}
+    tx = af.sgd(0.1, momentum=0.9)
+    updates, state = tx.update({"a": torch.ones(4, dtype=torch.float16), "b": torch.ones(3, dtype=torch.float64)},
+                               tx.init(params), params)
+    new = af.apply_updates(params, updates)
+    assert new["a"].dtype == torch.float16 and new["b"].dtype == torch.float32
+    assert torch.allclose(new["b"], params["b"] - 0.1)
+
+
+def test_pure_update_shape_errors_name_the_leaf_path():
+    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    tx = af.adamw(1e-3)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"'w'"):
+        tx.update({"w": torch.randn(4, 3), "b": torch.randn(4)}, state, params)
+
+
+def test_apply_updates_broadcasting_and_mixed_dtypes_keep_todays_results():
+    params = {"a": torch.randn(3), "b": torch.randn(2, dtype=torch.bfloat16), "c": torch.randn(2, dtype=torch.float64)}
+    updates = {"a": torch.tensor(0.5), "b": torch.ones(2), "c": torch.ones(2, dtype=torch.float64)}
+    new = af.apply_updates(params, updates)
+    assert torch.equal(new["a"], params["a"] + 0.5)
+    assert torch.equal(new["b"], (params["b"].float() + 1).to(torch.bfloat16))
+    assert torch.equal(new["c"], params["c"] + 1)

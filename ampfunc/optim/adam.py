@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ampfunc import ops
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -52,6 +53,43 @@ def _check_hparams(where, lr, betas, eps, weight_decay):
     check_nonneg(weight_decay, "weight_decay")
 
 
+def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):
+    """The update by one fused out-of-place kernel pass (:func:`ampfunc.ops.adam_update`: reads
+    g, p, m, v once, writes the updates and the new moments), with the generic path's
+    arithmetic; None when the trees are not plain fp32 state of one device (the generic path
+    then runs, and names the leaf path of anything wrong)."""
+    gs, spec = tree_flatten(grads)
+    if not gs:
+        return None
+    ms, m_spec = tree_flatten(state.exp_avg)
+    vs, v_spec = tree_flatten(state.exp_avg_sq)
+    ps, p_spec = tree_flatten(params) if params is not None else (None, spec)
+    vmaxs, x_spec = tree_flatten(state.max_exp_avg_sq) if amsgrad else (None, spec)
+    if not (spec == m_spec == v_spec == p_spec == x_spec):
+        return None
+    # grads and params are looked at here; the state lists (made by init / the last update) are
+    # left to the op's own validation, and anything it refuses goes to the generic path, which
+    # either computes it (e.g. state on several devices) or raises naming the leaf path.
+    if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
+        return None
+    try:
+        deltas, new_m, new_v, new_vmax, step = ops.adam_update(
+            ps, gs, ms, vs, vmaxs, state.step, lr=lr_t, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=decoupled, maximize=maximize)
+    except (ValueError, TypeError):
+        return None
+    new_state = AdamState(step, tree_unflatten(m_spec, new_m), tree_unflatten(v_spec, new_v),
+                          tree_unflatten(x_spec, new_vmax) if amsgrad else None)
+    return tree_unflatten(spec, deltas), new_state
+
+
+def _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad):
+    unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
+    new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v),
+                          unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
+    return tree_unflatten(tree_structure(grads), deltas), new_state
+
+
 def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
     _check_hparams(kind, lr, betas, eps, weight_decay)
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -72,13 +110,17 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if amsgrad and state.max_exp_avg_sq is None:
             raise ValueError(f"{kind}: amsgrad=True but state.max_exp_avg_sq is None; "
                              f"was the state made without amsgrad?")
+        lr_t = lr_at(lr, state.step)
+        fast = _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+                             decoupled)
+        if fast is not None:
+            return fast
         gs, ps = checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)
         checked_inputs(grads, None, state.exp_avg_sq, "state.exp_avg_sq", kind)
         ms = tree_flatten(state.exp_avg)[0]
         vs = tree_flatten(state.exp_avg_sq)[0]
         vmaxs = tree_flatten(state.max_exp_avg_sq)[0] if amsgrad else [None] * len(gs)
-
-        lr_t = lr_at(lr, state.step)
+        n = len(gs)
         step = state.step + 1
         # Bias corrections in float64 on the device (torch: Python doubles after a host read).
         step64 = step.to(torch.float64)
@@ -91,7 +133,6 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if decoupled and weight_decay != 0:
             decay = 1 - lr_t * weight_decay  # float, or 0-d fp32 tensor for a schedule
 
-        n = len(gs)
         deltas, new_m, new_v, new_vmax = [None] * n, [None] * n, [None] * n, [None] * n
         for dev, idx in device_groups(gs).items():
             # One foreach launch per op and device; each op is the one torch's Adam performs.
@@ -127,11 +168,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
                 if amsgrad:
                     new_vmax[i] = vmax[j]
 
-        spec = tree_structure(grads)
-        unflat = lambda slot, leaves: tree_unflatten(tree_structure(slot), leaves)  # noqa: E731
-        new_state = AdamState(step, unflat(state.exp_avg, new_m), unflat(state.exp_avg_sq, new_v),
-                              unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
-        return tree_unflatten(spec, deltas), new_state
+        return _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad)
 
     return register_kernel(GradientTransformation(init, update), FusedSpec(kind, hparams))
 

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ampfunc import ops
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -33,6 +34,33 @@ class SgdState(NamedTuple):
 
     step: torch.Tensor
     momentum_buffer: Optional[PyTree]
+
+
+def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay, nesterov, maximize):
+    """The update by one fused out-of-place kernel pass (:func:`ampfunc.ops.sgd_update`: reads
+    g, p and the buffer once, writes the updates and the new buffer), with the generic path's
+    arithmetic bit for bit; None when the trees are not plain fp32 state of one device (the
+    generic path then runs, and names the leaf path of anything wrong)."""
+    gs, spec = tree_flatten(grads)
+    if not gs:
+        return None
+    ps, p_spec = tree_flatten(params) if params is not None else (None, spec)
+    bufs, b_spec = tree_flatten(state.momentum_buffer) if momentum != 0 else (None, spec)
+    if not (spec == p_spec == b_spec):
+        return None
+    # grads and params are looked at here; the buffers (made by init / the last update) are left
+    # to the op's own validation, and anything it refuses goes to the generic path, which either
+    # computes it or raises naming the leaf path.
+    if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
+        return None
+    try:
+        deltas, new_bufs, step = ops.sgd_update(ps, gs, bufs, state.step, lr=lr_t, weight_decay=weight_decay,
+                                                momentum=momentum, dampening=dampening, nesterov=nesterov,
+                                                maximize=maximize)
+    except (ValueError, TypeError):
+        return None
+    new_buf = tree_unflatten(b_spec, new_bufs) if momentum != 0 else None
+    return tree_unflatten(spec, deltas), SgdState(step, new_buf)
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -73,9 +101,12 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         if momentum != 0 and state.momentum_buffer is None:
             raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
                              "was the state made by an sgd without momentum?")
+        lr_t = lr_at(lr, state.step)
+        fast = _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay, nesterov, maximize)
+        if fast is not None:
+            return fast
         gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
         bufs = tree_flatten(state.momentum_buffer)[0] if momentum != 0 else None
-        lr_t = lr_at(lr, state.step)
         first = state.step == 0
         deltas: list = [None] * len(gs)
         new_bufs: list = [None] * len(gs)

@@ -8,6 +8,11 @@
 // (including its fmadd in add(alpha=) and lerp) so results agree with torch to the last bits
 // in most elements.
 
+// Only the explicit at::vec::fmadd calls are fused multiply-adds: GCC would otherwise contract
+// a * b + c written with vector operators into one FMA (-ffp-contract=fast, its default), and
+// the kernels would no longer round as torch's ops (separate mul and add) round.
+#pragma GCC optimize("fp-contract=off")
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
     !defined(CPU_CAPABILITY_AVX512)
 #define CPU_CAPABILITY_AVX2
@@ -189,21 +194,27 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
-template <typename T>
-CheckAcc check_segment(const T* p, int64_t n) {
+template <bool kScaled, typename T>
+CheckAcc check_segment(const T* p, int64_t n, float scale) {
   // Fast path: only the sum of squares, two independent fp32 FMA chains, flushed to double
   // every block. A NaN or an infinity makes the block's sum non-finite, so finiteness costs
   // nothing extra in the common case. A non-finite block sum is then decided exactly (rare):
   // it is either a non-finite element or finite squares that overflowed fp32, and in the
-  // latter case the block's sum is recomputed in double.
+  // latter case the block's sum is recomputed in double (squares of finite fp32 values cannot
+  // overflow a double), so the sum is finite whenever every element is.
   CheckAcc acc;
   constexpr int64_t kBlock = 4096;
+  const fVec s(scale);
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t stop = std::min(n, base + kBlock);
     fVec s0(0.f), s1(0.f);
     for (int64_t j = base; j < stop; j += kW) {
       fVec a, b;
       load2(p + j, stop - j, a, b);
+      if (kScaled) {
+        a = a * s;
+        b = b * s;
+      }
       s0 = at::vec::fmadd(a, a, s0);
       s1 = at::vec::fmadd(b, b, s1);
     }
@@ -213,7 +224,8 @@ CheckAcc check_segment(const T* p, int64_t n) {
       for (int64_t j = base; j < stop; ++j) {
         const float x = to_float(p[j]);
         if (!std::isfinite(x)) acc.nonfinite = true;
-        block += static_cast<double>(x) * static_cast<double>(x);
+        const float u = kScaled ? x * scale : x;
+        block += static_cast<double>(u) * static_cast<double>(u);
       }
     }
     acc.sumsq += block;
@@ -223,7 +235,7 @@ CheckAcc check_segment(const T* p, int64_t n) {
 
 }  // namespace
 
-CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite) {
+CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite, bool scaled, float scale) {
   const Ranges r(tensors);
   std::mutex mu;
   double sumsq = 0;
@@ -232,7 +244,9 @@ CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonf
     CheckAcc local;
     r.for_each(begin, end, [&](int64_t i, int64_t start, int64_t count) {
       CheckAcc seg;
-      with_typed(tensors[i], [&](auto* p) { seg = check_segment(p + start, count); });
+      with_typed(tensors[i], [&](auto* p) {
+        seg = scaled ? check_segment<true>(p + start, count, scale) : check_segment<false>(p + start, count, 1.f);
+      });
       local.sumsq += seg.sumsq;
       if (seg.nonfinite) {
         local.nonfinite = true;
@@ -290,16 +304,18 @@ struct Streams {
   bool p, m1, m2, vmax, model;  // which destinations take streaming stores (SGD's buffer: m1)
 };
 
+// Update mode (delta non-null): nothing is written to p_out; delta receives new_p - p, or
+// g * -lr when p_in is null.
 template <typename G, typename M>
 void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
-                 int64_t n, const SgdHyper& h, const Streams& st) {
+                 float* delta, int64_t n, const SgdHyper& h, const Streams& st) {
   const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
       neg_lr(-h.lr);
   for (int64_t j = 0; j < n; j += kW) {
     const int64_t m = n - j;
-    fVec ga, gb, pa, pb;
+    fVec ga, gb, pa(0.f), pb(0.f);
     load2(g + j, m, ga, gb);
-    load2(p_in + j, m, pa, pb);
+    if (p_in) load2(p_in + j, m, pa, pb);
     ga = ga * gs;
     gb = gb * gs;
     if (h.maximize) {
@@ -329,6 +345,16 @@ void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
         gb = bb;
       }
     }
+    if (delta) {
+      if (!p_in) {  // -lr * g
+        store2(delta + j, m, ga * neg_lr, gb * neg_lr, st.p);
+      } else if (h.lr_fma) {
+        store2(delta + j, m, at::vec::fmadd(ga, neg_lr, pa) - pa, at::vec::fmadd(gb, neg_lr, pb) - pb, st.p);
+      } else {
+        store2(delta + j, m, (pa + ga * neg_lr) - pa, (pb + gb * neg_lr) - pb, st.p);
+      }
+      continue;
+    }
     pa = at::vec::fmadd(ga, neg_lr, pa);
     pb = at::vec::fmadd(gb, neg_lr, pb);
     store2(p_out + j, m, pa, pb, st.p);
@@ -355,12 +381,35 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
           with_typed(model_params[i], [&](auto* mp) {
             const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false,
                              streams(big, mp + s, nullptr)};
-            sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, count, h, st);
+            sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, static_cast<float*>(nullptr), count, h, st);
           });
         } else {
           const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false, false};
-          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), count, h, st);
+          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), static_cast<float*>(nullptr), count,
+                      h, st);
         }
+      });
+    });
+    stream_fence();
+  });
+}
+
+void sgd_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& momentum_buffers_out,
+                const std::vector<at::Tensor>& updates, const SgdHyper& h) {
+  const Ranges r(grads);
+  const bool has_p = !params.empty(), has_buf = !momentum_buffers.empty();
+  const bool big = r.total >= kStreamMin;
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      const float* p = has_p ? params[i].data_ptr<float>() + s : nullptr;
+      const float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
+      float* buf_out = has_buf ? momentum_buffers_out[i].data_ptr<float>() + s : nullptr;
+      float* d = updates[i].data_ptr<float>() + s;
+      const Streams st{streams(big, d, nullptr), streams(big, buf_out, buf), false, false, false};
+      with_typed(grads[i], [&](auto* g) {
+        sgd_segment(p, g + s, buf, static_cast<float*>(nullptr), buf_out, static_cast<float*>(nullptr), d, count, h,
+                    st);
       });
     });
     stream_fence();
@@ -377,8 +426,9 @@ struct AdamScalars {
 
 // The source and destination pointers of one segment (equal in place).
 struct AdamPtrs {
-  const float *p, *m1, *m2, *vmax;  // vmax null without amsgrad
+  const float *p, *m1, *m2, *vmax;  // vmax null without amsgrad; p null for an update without params
   float *p_out, *m1_out, *m2_out, *vmax_out;
+  float* delta;  // update mode: receives new_p - p (or the step term without params); p_out unused
 };
 
 template <typename G, typename M>
@@ -389,9 +439,10 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
   const fVec lw(c.lerp_small ? c.w1 : c.w1 - 1.f);
   for (int64_t j = 0; j < n; j += kW) {
     const int64_t k = n - j;
-    fVec ga, gb, pa, pb, ma, mb, va, vb;
+    fVec ga, gb, pa(0.f), pb(0.f), ma, mb, va, vb;
     load2(g + j, k, ga, gb);
-    load2(x.p + j, k, pa, pb);
+    if (x.p) load2(x.p + j, k, pa, pb);
+    const fVec pa0 = pa, pb0 = pb;
     load2(x.m1 + j, k, ma, mb);
     load2(x.m2 + j, k, va, vb);
     ga = ga * gs;
@@ -409,9 +460,10 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
     }
     ma = at::vec::fmadd(lw, ga - ma, c.lerp_small ? ma : ga);
     mb = at::vec::fmadd(lw, gb - mb, c.lerp_small ? mb : gb);
-    // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): two roundings, as torch.
-    va = va * b2 + (c2 * ga) * ga;
-    vb = vb * b2 + (c2 * gb) * gb;
+    // exp_avg_sq.mul_(beta2) (rounded), then addcmul_(g, g, value=1 - beta2), which torch's
+    // CPU kernel computes as one fused multiply-add of (value * g) and g.
+    va = at::vec::fmadd(c2 * ga, ga, va * b2);
+    vb = at::vec::fmadd(c2 * gb, gb, vb * b2);
     store2(x.m1_out + j, k, ma, mb, st.m1);
     store2(x.m2_out + j, k, va, vb, st.m2);
     fVec da = va, db = vb;
@@ -425,6 +477,14 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
     da = da.sqrt() / bc2 + eps;
     db = db.sqrt() / bc2 + eps;
     // addcdiv_(m, denom, value=-step_size) is self + (value * t1) / t2 in ATen.
+    if (x.delta) {
+      if (x.p) {
+        store2(x.delta + j, k, (pa + (nss * ma) / da) - pa0, (pb + (nss * mb) / db) - pb0, st.p);
+      } else {
+        store2(x.delta + j, k, (nss * ma) / da, (nss * mb) / db, st.p);
+      }
+      continue;
+    }
     pa = pa + (nss * ma) / da;
     pb = pb + (nss * mb) / db;
     store2(x.p_out + j, k, pa, pb, st.p);
@@ -433,12 +493,12 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
 }
 }  // namespace
 
-void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
-               const std::vector<at::Tensor>& model_params, const AdamHyper& h) {
+static AdamScalars adam_scalars(const AdamHyper& h) {
   AdamScalars c;
   c.grad_scale = h.grad_scale;
   c.wd = static_cast<float>(h.weight_decay);
-  c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  c.decay = h.fp32_decay ? 1.f - static_cast<float>(h.lr) * static_cast<float>(h.weight_decay)
+                         : static_cast<float>(1.0 - h.lr * h.weight_decay);
   c.w1 = static_cast<float>(1.0 - h.beta1);
   c.lerp_small = std::abs(c.w1) < 0.5f;
   c.b2 = static_cast<float>(h.beta2);
@@ -452,7 +512,12 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
   c.decoupled = h.weight_decay != 0.0 && h.decoupled_weight_decay;
   c.amsgrad = h.amsgrad;
   c.maximize = h.maximize;
+  return c;
+}
 
+void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
+               const std::vector<at::Tensor>& model_params, const AdamHyper& h) {
+  const AdamScalars c = adam_scalars(h);
   const Ranges r(in.params);
   const bool has_model = !model_params.empty();
   const bool big = r.total >= kStreamMin;
@@ -465,7 +530,8 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
                        out.params[i].data_ptr<float>() + s,
                        out.exp_avgs[i].data_ptr<float>() + s,
                        out.exp_avg_sqs[i].data_ptr<float>() + s,
-                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr};
+                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+                       nullptr};
       Streams st{streams(big, x.p_out, x.p), streams(big, x.m1_out, x.m1), streams(big, x.m2_out, x.m2),
                  streams(big, x.vmax_out, x.vmax), false};
       with_typed(grads[i], [&](auto* g) {
@@ -477,6 +543,62 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
         } else {
           adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st);
         }
+      });
+    });
+    stream_fence();
+  });
+}
+
+void adam_update(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
+                 const std::vector<at::Tensor>& updates, const AdamHyper& h) {
+  const AdamScalars c = adam_scalars(h);
+  const Ranges r(grads);
+  const bool has_p = !in.params.empty();
+  const bool big = r.total >= kStreamMin;
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      const AdamPtrs x{has_p ? in.params[i].data_ptr<float>() + s : nullptr,
+                       in.exp_avgs[i].data_ptr<float>() + s,
+                       in.exp_avg_sqs[i].data_ptr<float>() + s,
+                       c.amsgrad ? in.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+                       nullptr,
+                       out.exp_avgs[i].data_ptr<float>() + s,
+                       out.exp_avg_sqs[i].data_ptr<float>() + s,
+                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+                       updates[i].data_ptr<float>() + s};
+      const Streams st{streams(big, x.delta, nullptr), streams(big, x.m1_out, x.m1), streams(big, x.m2_out, x.m2),
+                       streams(big, x.vmax_out, x.vmax), false};
+      with_typed(grads[i], [&](auto* g) { adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st); });
+    });
+    stream_fence();
+  });
+}
+
+// ---- apply_updates ----
+
+namespace {
+template <typename P, typename U>
+void apply_segment(const P* p, const U* u, P* out, int64_t n, bool stream) {
+  for (int64_t j = 0; j < n; j += kW) {
+    fVec pa, pb, ua, ub;
+    load2(p + j, n - j, pa, pb);
+    load2(u + j, n - j, ua, ub);
+    store2(out + j, n - j, pa + ua, pb + ub, stream);
+  }
+}
+}  // namespace
+
+void apply_updates(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& updates,
+                   const std::vector<at::Tensor>& outs) {
+  const Ranges r(params);
+  const bool big = r.total >= kStreamMin;
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      with_typed(params[i], [&](auto* p) {
+        using P = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+        P* o = static_cast<P*>(outs[i].data_ptr()) + s;
+        const bool st = streams(big, o, nullptr);
+        with_typed(updates[i], [&](auto* u) { apply_segment(p + s, u + s, o, count, st); });
       });
     });
     stream_fence();

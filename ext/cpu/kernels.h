@@ -23,7 +23,11 @@ struct CheckResult {
 
 // One read of every tensor, no writes. per_leaf_nonfinite (nullable) gets 1 at index i when
 // tensor i holds a NaN or an infinity.
-CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite);
+// With `scaled`, the squares are of fp32(x * scale) (the unscaled value, the product taken as
+// unscale() takes it) while finiteness is still judged on x. Blocks whose fp32 sum overflows are
+// recomputed in double, so the double result is finite whenever every squared value is.
+CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite, bool scaled = false,
+                  float scale = 1.f);
 
 // outs[i] = ins[i] * inv_scale, product in fp32, stored in outs[i]'s dtype. outs may be ins
 // (in place). Returns whether every input element was finite.
@@ -38,6 +42,7 @@ struct SgdHyper {
   bool nesterov;
   bool maximize;
   bool first_step;  // momentum buffer is initialised to the gradient (torch's `buf is None`)
+  bool lr_fma = true;  // p + g * -lr as one fused multiply-add (add(alpha=)); false: mul, then add
 };
 
 // One pass: g = grad * grad_scale; torch.optim.SGD's update of params (fp32) and momentum
@@ -51,6 +56,14 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
               const std::vector<at::Tensor>& momentum_buffers_out, const std::vector<at::Tensor>& model_params,
               const SgdHyper& h);
 
+// The pure optimizer's update (optax form): one pass writing `updates` (fp32, new tensors)
+// instead of the params: updates = new_p - p with new_p computed as sgd_step computes it, or
+// -lr * g when `params` is empty (then weight_decay must be 0). Momentum buffers are read from
+// `momentum_buffers` and written to `momentum_buffers_out`.
+void sgd_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& momentum_buffers_out,
+                const std::vector<at::Tensor>& updates, const SgdHyper& h);
+
 struct AdamHyper {
   float grad_scale;
   double lr;
@@ -62,6 +75,7 @@ struct AdamHyper {
   bool amsgrad;
   bool decoupled_weight_decay;
   bool maximize;
+  bool fp32_decay = false;  // decay = 1 - lr * wd in fp32 (a schedule's lr tensor), not in double
 };
 
 // The fp32 lists an Adam step reads (or writes): max_exp_avg_sqs is empty without amsgrad.
@@ -78,6 +92,17 @@ struct AdamLists {
 // with the same code and so the same bits.
 void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
                const std::vector<at::Tensor>& model_params, const AdamHyper& h);
+
+// The pure Adam update: reads `in` (params may be empty: then weight_decay must be 0) and the
+// grads, writes the new moments to `out` (its params list is ignored) and `updates` (fp32, new
+// tensors): new_p - p with new_p computed as adam_step computes it, or the step term
+// (-step_size * m / denom) alone when there are no params.
+void adam_update(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
+                 const std::vector<at::Tensor>& updates, const AdamHyper& h);
+
+// outs[i] = fp32(params[i]) + fp32(updates[i]), rounded once to outs[i]'s dtype (params' dtype).
+void apply_updates(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& updates,
+                   const std::vector<at::Tensor>& outs);
 
 // outs[i] = ins[i], bit for bit (same dtype and numel): the skipped out-of-place step.
 void copy(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs);
