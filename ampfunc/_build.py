@@ -134,8 +134,10 @@ def cpu_flags(ahead_of_time: bool = False) -> list[str]:
     return flags
 
 
-CUDA_FLAGS = ["-O3", "-DAMPFUNC_WITH_CUDA", "--expt-relaxed-constexpr"]
-LD_FLAGS = ["-fopenmp"]
+# Tuples: cpp_extension appends its own -L/-l flags to the lists it is given, which would move
+# the key of a process's later lookups if these were the lists handed to it.
+CUDA_FLAGS = ("-O3", "-DAMPFUNC_WITH_CUDA", "--expt-relaxed-constexpr")
+LD_FLAGS = ("-fopenmp",)
 
 
 def sources(src: Path, with_cuda: bool) -> list[str]:
@@ -163,9 +165,9 @@ def build_record(src: Path, with_cuda: bool, cflags: list[str]) -> dict:
     m = next((f.split("=", 1)[1] for f in cflags if f.startswith("-march=")), None)
     return {
         "sources": source_digest(src),
-        "cflags": cflags,
-        "cuda_flags": CUDA_FLAGS if with_cuda else [],
-        "ldflags": LD_FLAGS,
+        "cflags": list(cflags),
+        "cuda_flags": list(CUDA_FLAGS) if with_cuda else [],
+        "ldflags": list(LD_FLAGS),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", ""),
         "python": sys.implementation.cache_tag,
@@ -232,9 +234,9 @@ def _compile(src: Path, with_cuda: bool, cflags: list[str], build_dir: Path) -> 
     cpp_extension.load(
         name=_EXT_NAME + ("_cuda" if with_cuda else ""),
         sources=sources(src, with_cuda),
-        extra_cflags=cflags + (["-DAMPFUNC_WITH_CUDA"] if with_cuda else []),
-        extra_cuda_cflags=CUDA_FLAGS if with_cuda else [],
-        extra_ldflags=LD_FLAGS,
+        extra_cflags=list(cflags) + (["-DAMPFUNC_WITH_CUDA"] if with_cuda else []),
+        extra_cuda_cflags=list(CUDA_FLAGS) if with_cuda else [],
+        extra_ldflags=list(LD_FLAGS),
         extra_include_paths=[str(src)],
         build_directory=str(build_dir),
         is_python_module=False,

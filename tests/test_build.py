@@ -44,7 +44,11 @@ def test_copies_of_the_sources_at_other_paths_load_the_same_cached_build_without
     if lib.parent == PACKAGE:
         pytest.skip(f"this process loaded the library built into the package ({lib.name})")
     entry = _build.cache_dir(with_cuda=ops.backend() == "cpu+cuda")
-    assert lib.parent == entry, f"the key moved: loaded {lib}, the key now names {entry}"
+    # The process that built the entry loaded the library from its temporary directory, which
+    # was then renamed to the entry; any other process loads it from the entry.
+    assert lib.parent == entry or lib.parent.name.startswith(f".tmp-{entry.name}-"), \
+        f"the key moved: loaded {lib}, the key now names {entry}"
+    lib = entry / lib.name
     before = {p.name: p.stat().st_mtime_ns for p in entry.parent.iterdir()}
     lib_mtime = lib.stat().st_mtime_ns
     env = dict(os.environ, AMPFUNC_EXT_CACHE=str(entry.parent), AMPFUNC_REQUIRE_EXT="1", AMPFUNC_EXT_PREBUILT="0")
@@ -61,6 +65,24 @@ def test_copies_of_the_sources_at_other_paths_load_the_same_cached_build_without
         assert "building" not in out.stderr, out.stderr
     assert lib.stat().st_mtime_ns == lib_mtime  # not rebuilt, not rewritten
     assert {p.name: p.stat().st_mtime_ns for p in entry.parent.iterdir()} == before  # no new entry
+
+
+def test_a_real_build_call_does_not_move_the_key(tmp_path, monkeypatch):
+    # cpp_extension.load appends its -L/-l flags to the lists it is given; the key of the
+    # process's later lookups must not move with them.
+    from torch.utils import cpp_extension
+
+    def fake_load(**kw):
+        for flags in (kw["extra_cflags"], kw["extra_cuda_cflags"], kw["extra_ldflags"]):
+            flags.append("-lsomething")
+        (Path(kw["build_directory"]) / "ampfunc_ext.so").write_text("")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(_build, "_load_library", lambda p: None)
+    monkeypatch.setenv("AMPFUNC_EXT_CACHE", str(tmp_path))
+    before = _build.cache_dir(False)
+    _build._build(False)
+    assert _build.cache_dir(False) == before and (before / "ampfunc_ext.so").is_file()
 
 
 def test_the_key_follows_content_and_flags_not_paths(tmp_path, monkeypatch):
