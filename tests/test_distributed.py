@@ -41,7 +41,8 @@ def launch(scenario: str, outdir) -> list[dict]:
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   AMPFUNC_TEST_IMPORT_ROOT=os.path.dirname(os.path.dirname(os.path.abspath(af.__file__))))
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_dist_worker.py"), scenario, str(outdir)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []

@@ -9,6 +9,8 @@ from ampfunc.flat import flatten
 from ampfunc.fused import FusedPlan, plan_for
 from conftest import OVERFLOW_STEPS, SHAPES, grads_at, make_params, unregistered
 
+from _tolerance import assert_compiled_close
+
 _params = make_params
 _scaled_grads = grads_at
 _generic = unregistered
@@ -241,7 +243,9 @@ def test_compiled_fullgraph_pure_step_equals_eager_including_a_skipped_one():
         grads = _scaled_grads(step, 2.0**8, torch.float16)
         eager_p, eager_s = tx.step(eager_p, grads, eager_s)
         compiled_p, compiled_s = compiled(compiled_p, grads, compiled_s)
+        # Inductor's generated glue (clip coefficient, scale reciprocal) may round one ulp off
+        # eager on another CPU: a tolerance, not bits (tests/_tolerance.py says why).
         for a, b in zip(af.tree.tree_leaves((eager_p, eager_s)), af.tree.tree_leaves((compiled_p, compiled_s))):
-            assert torch.equal(a, b)
+            assert_compiled_close(b, a)
     assert counter.frame_count == 1  # one graph; the changing scale and step count never recompile
     assert float(compiled_s.inner[-1].step) == 4.0

@@ -1,11 +1,18 @@
 """torch.compile(fullgraph=True) traces a whole fused step built from the ops and gives the
 eager numbers. The ops are opaque custom ops with fake kernels; their in-place list arguments
-are functionalized by torch.compile. Slow (compiles): one test."""
+are functionalized by torch.compile. Slow (compiles): one test.
+
+Inductor compiles the glue between the ops (the scale's reciprocal, the clip coefficient) with
+its own code and flags, which on some CPUs rounds one ulp away from eager: float results are
+compared with tests/_tolerance.py's few-ulp tolerance; the skip decision, the integer trackers,
+the power-of-two loss scale and "a skipped step changes nothing" are compared bit for bit."""
 
 import pytest
 import torch
 
 from ampfunc import ops
+
+from _tolerance import assert_compiled_close
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +44,10 @@ def _state():
                 growth=torch.zeros((), dtype=torch.int32), hyst=torch.ones((), dtype=torch.int32)), shapes
 
 
+def _leaves(v):
+    return v if isinstance(v, list) else [v]
+
+
 def test_compiled_fullgraph_step_equals_eager_step_including_a_skipped_one():
     eager, shapes = _state()
     compiled, _ = _state()
@@ -46,13 +57,17 @@ def test_compiled_fullgraph_step_equals_eager_step_including_a_skipped_one():
         grads = [(torch.randn(s, generator=gen) * 256).half() for s in shapes]
         if i == 2:
             grads[1][0, 0] = float("inf")
+        before = {k: [t.clone() for t in _leaves(v)] for k, v in compiled.items()}
         f_e, outs_e = mixed_precision_adamw_step(grads=grads, **eager)
         f_c, outs_c = fn(grads=grads, **compiled)
         assert bool(f_e) == bool(f_c) == (i != 2)
         for a, b in zip(outs_e, outs_c):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    for k in eager:
-        for a, b in zip(eager[k] if isinstance(eager[k], list) else [eager[k]],
-                        compiled[k] if isinstance(compiled[k], list) else [compiled[k]]):
-            assert torch.equal(a, b), k
+            assert_compiled_close(b, a, "unscaled grads")
+        for k in eager:
+            for a, b in zip(_leaves(eager[k]), _leaves(compiled[k])):
+                assert_compiled_close(b, a, k)
+        assert torch.equal(compiled["scale"], eager["scale"])  # powers of two: no rounding to differ in
+        if i == 2:  # skipped: the compiled step wrote nothing but the scale and its trackers
+            for k in ("master", "model", "exp_avg", "exp_avg_sq", "step"):
+                assert all(torch.equal(a, b) for a, b in zip(_leaves(compiled[k]), before[k])), k
     assert float(compiled["step"]) == 3.0

@@ -548,6 +548,7 @@ def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monk
     from ampfunc import _build
 
     monkeypatch.setattr(_build, "source_dir", lambda: None)  # as if the sources were not shipped
+    monkeypatch.setenv("AMPFUNC_EXT_PREBUILT", "0")  # ... and no library was built into the wheel
     monkeypatch.setattr(_build, "_want_cuda", lambda: False)
     monkeypatch.delenv("AMPFUNC_DISABLE_EXT", raising=False)
     monkeypatch.delenv("AMPFUNC_REQUIRE_EXT", raising=False)
