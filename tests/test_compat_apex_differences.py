@@ -260,6 +260,25 @@ def test_facade_checkpoint_holds_what_apex_reads_and_runs_apex_rule():
     assert as_apex.update_scale() is False and as_apex._loss_scale == 131072.0
 
 
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_save_for_apex_writes_apex_class_which_a_machine_without_ampfunc_reads(fake_apex, protocol):
+    model = Half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         dynamic_loss_args={"scale_window": 3}, verbose=False)
+    opt.loss_scaler._unskipped = 2
+    buf = io.BytesIO()
+    checkpoint.save_for_apex({"optimizer": opt.state_dict()}, buf, pickle_protocol=protocol)
+    assert b"ampfunc" not in buf.getvalue()  # nothing in the file names ampfunc
+    buf.seek(0)
+    scaler = torch.load(buf, weights_only=False)["optimizer"]["loss_scaler"]
+    assert type(scaler) is fake_apex and set(vars(scaler)) == APEX_ATTRS
+    assert scaler.update_scale() is False and scaler._loss_scale == 131072.0  # apex's rule, 3rd clean step
+    del sys.modules["apex.amp.scaler"], sys.modules["apex.amp"], sys.modules["apex"]
+    buf.seek(0)
+    opt.load_state_dict(checkpoint.load(buf)["optimizer"])
+    assert opt.loss_scale == 65536.0 and opt.loss_scaler._unskipped == 2
+
+
 def test_static_scale_counts_unskipped_in_fp16_optimizer():
     model = Half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=64.0, verbose=False)
