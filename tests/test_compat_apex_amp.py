@@ -148,6 +148,7 @@ def test_opt_levels_set_model_dtypes_master_weights_and_scale():
         assert model[0].weight.dtype == dtype, level
         # O2 keeps BatchNorm fp32 (keep_batchnorm_fp32=True); O3 does not.
         assert model[1].weight.dtype == (torch.float32 if level != "O3" else torch.float16), level
+        opt.zero_grad()  # the masters are made here, from the model's weights now (apex's lazy init)
         masters = list(amp.master_params(opt))
         assert all(m.dtype == torch.float32 for m in masters) == (level != "O3")
         assert (masters[0] is not model[0].weight) == has_masters, level

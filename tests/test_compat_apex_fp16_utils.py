@@ -46,6 +46,25 @@ class ApexDynamicRule:
         self.cur_iter += 1
 
 
+class AmpDynamicRule:
+    """apex amp's LossScaler("dynamic") rule in Python floats, which apex's last FP16_Optimizer uses:
+    start at min(max, init); overflow halves (floored only by a given min) and resets the count;
+    ``scale_window`` clean steps in a row double (capped at max)."""
+
+    def __init__(self, init_scale=2.0**16, scale_window=2000, min_loss_scale=None, max_loss_scale=2.0**24):
+        self.cur_scale, self.window = min(max_loss_scale, init_scale), scale_window
+        self.min, self.max, self.unskipped = min_loss_scale, max_loss_scale, 0
+
+    def update_scale(self, overflow):
+        if overflow:
+            self.cur_scale = max(self.min, self.cur_scale / 2.0) if self.min else self.cur_scale / 2.0
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+        if self.unskipped == self.window:
+            self.cur_scale, self.unskipped = min(self.max, self.cur_scale * 2.0), 0
+
+
 class StaticRule:
     def __init__(self, scale):
         self.cur_scale = scale
@@ -158,7 +177,7 @@ def reference_run(data, rule, split=False, clip=None, with_fp32=True):
         scale = rule.cur_scale
         (F.mse_loss(model(x), y).float() * scale).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        overflow = isinstance(rule, ApexDynamicRule) and not all(g.isfinite().all() for g in grads.values())
+        overflow = isinstance(rule, (ApexDynamicRule, AmpDynamicRule)) and not all(g.isfinite().all() for g in grads.values())
         rule.update_scale(overflow)
         scales.append(rule.cur_scale)
         if overflow:
@@ -206,10 +225,10 @@ CASES = {
     "default": dict(kw={}, rule=lambda: StaticRule(1.0)),
     "static_loss_scale_128": dict(kw=dict(static_loss_scale=128.0), rule=lambda: StaticRule(128.0)),
     "dynamic": dict(kw=dict(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**20, "scale_window": 4}),
-                    rule=lambda: ApexDynamicRule(2.0**20, 2.0, 4)),
+                    rule=lambda: AmpDynamicRule(2.0**20, 4)),
     "two_param_groups": dict(kw=dict(static_loss_scale=64.0), rule=lambda: StaticRule(64.0), split=True),
     "clip_master_grads": dict(kw=dict(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**18}),
-                              rule=lambda: ApexDynamicRule(2.0**18), clip=0.01),
+                              rule=lambda: AmpDynamicRule(2.0**18), clip=0.01),
 }
 
 
@@ -232,7 +251,8 @@ def test_fp16_optimizer_adam_matches_fp32_adam_reference(case):
 
 def test_skipped_step_leaves_params_and_state_untouched_and_says_so(capsys):
     model = Mixed()
-    opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-3), dynamic_loss_scale=True, verbose=False)
+    opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-3), dynamic_loss_scale=True, verbose=False,
+                         dynamic_loss_args={"init_scale": 2.0**32, "max_loss_scale": 2.0**32})
     x, y = _data(1)[0]
     opt.backward(F.mse_loss(model(x), y))  # 2**32 overflows fp16 gradients
     before = [p.detach().clone() for p in model.parameters()]
@@ -333,7 +353,7 @@ def test_loss_scale_property_zero_grad_and_promoted_attributes():
     model = Mixed()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0, verbose=False)
     opt.loss_scale = 512.0
-    assert opt.loss_scale == 512.0 and opt.loss_scaler.cur_scale == 512.0
+    assert opt.loss_scale == 512.0 and opt.loss_scaler.loss_scale() == 512.0 and opt.loss_scaler._loss_scale == 512.0
     x, y = _data(1)[0]
     opt.backward(F.mse_loss(model(x), y))
     assert model.fc1.weight.grad is not None and opt.param_groups[0]["params"][0].grad is not None

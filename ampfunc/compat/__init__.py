@@ -8,6 +8,7 @@ was                                         now
 ``torch.amp.custom_fwd`` / ``custom_bwd``   ``ampfunc.compat.torch_amp.custom_fwd`` / ``custom_bwd``
 ``apex.fp16_utils``                         ``ampfunc.compat.apex.fp16_utils``
 ``apex.amp``                                ``ampfunc.compat.apex.amp``
+``torch.load`` of an apex checkpoint        ``ampfunc.compat.apex.checkpoint.load``
 ==========================================  ===================================================
 
 Every facade is a stateful shell over the pure core (:mod:`ampfunc.loss_scale`,

@@ -31,10 +31,10 @@ import inspect
 import math
 import warnings
 from collections import abc, defaultdict
-from enum import Enum
 from typing import Any, Callable
 
 import torch
+import torch.amp.grad_scaler as _torch_grad_scaler
 
 from ampfunc import ops
 from ampfunc.loss_scale import DynamicConfig, DynamicLossScale
@@ -44,19 +44,11 @@ from ampfunc.policy import Policy, get_policy
 __all__ = ["GradScaler", "OptState", "autocast", "custom_fwd", "custom_bwd"]
 
 
-class OptState(Enum):
-    """Where an optimizer is in the current iteration (torch's names)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-def _fresh_optimizer_state() -> dict[str, Any]:
-    # Module-level (not a lambda) so that the defaultdict can be pickled, as in torch.
-    # "finite" is a 0-d bool tensor on the scale's device once this optimizer's grads were
-    # checked, None while no check was recorded.
-    return {"stage": OptState.READY, "finite": None}
+# torch's own per-optimizer bookkeeping: frameworks read these entries (``stage`` is torch's
+# OptState, ``found_inf_per_device`` maps a device to a 0-d fp32 tensor, 1. if that device's
+# grads held an inf/NaN), so the facade keeps exactly torch's objects.
+OptState = _torch_grad_scaler.OptState
+_refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
 
 
 def _is_scalar_float(t: torch.Tensor) -> bool:
@@ -104,7 +96,7 @@ class GradScaler:
             # The loss scale lives on the device of the first tensor passed to scale(), as in
             # torch; until then it is None.
             self._ls: DynamicLossScale | None = None
-            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
 
     # -- the loss scale -----------------------------------------------------------------------
 
@@ -140,6 +132,12 @@ class GradScaler:
             c,
         )
 
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        """torch's hook: creates ``_scale`` and ``_growth_tracker`` on ``dev`` (once; ``AssertionError`` after)."""
+        if self._ls is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._lazy_init(torch.device(dev))
+
     def _check_initialized(self, funcname: str) -> DynamicLossScale:
         if self._ls is None:
             raise AssertionError(
@@ -147,6 +145,11 @@ class GradScaler:
                 "scaler.scale(loss or outputs) earlier in the iteration."
             )
         return self._ls
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's hook: ``(_scale, _growth_tracker)``, or torch's ``AssertionError`` before ``scale()``."""
+        ls = self._check_initialized(funcname)
+        return ls.loss_scale, ls.growth_tracker
 
     # -- scale --------------------------------------------------------------------------------
 
@@ -162,13 +165,13 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor):
             if self._ls is None:
-                self._lazy_init(outputs.device)
+                self._lazy_init_scale_growth_tracker(outputs.device)
             return self._scale_one(outputs)
 
         def apply(value):
             if isinstance(value, torch.Tensor):
                 if self._ls is None:
-                    self._lazy_init(value.device)
+                    self._lazy_init_scale_growth_tracker(value.device)
                 return self._scale_one(value)
             if isinstance(value, abc.Mapping):
                 return type(value)((k, apply(v)) for k, v in value.items())
@@ -191,13 +194,12 @@ class GradScaler:
     # -- unscale ------------------------------------------------------------------------------
 
     @staticmethod
-    def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
-        grads = []
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, param in enumerate(group["params"]):
+    def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
+        grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
                 if not isinstance(param, torch.Tensor):
-                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] is {type(param).__name__}, "
-                                    "expected a tensor")
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                 if param.grad is None:
                     continue
                 if not allow_fp16 and param.grad.dtype == torch.float16:
@@ -206,10 +208,29 @@ class GradScaler:
                     if param.grad.dtype is torch.float16:
                         # Coalescing may itself overflow, so check the coalesced values (torch's rule).
                         param.grad = param.grad.coalesce()
-                    grads.append(param.grad._values())
+                    to_unscale = param.grad._values()
                 else:
-                    grads.append(param.grad)
+                    to_unscale = param.grad
+                grads[to_unscale.device].append(to_unscale)
         return grads
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """torch's hook: multiplies the optimizer's grads by ``inv_scale`` in place and flags non-finite ones.
+
+        As torch: fp16 grads raise ``ValueError`` unless ``allow_fp16``; sparse fp16 grads are
+        coalesced first. Returns ``{device: found_inf}`` for each device holding grads, each a
+        fresh 0-d fp32 copy of ``found_inf`` set to ``1.`` if that device's grads held an
+        inf/NaN (``found_inf`` itself is not written). One pass per device
+        (:func:`ampfunc.ops.unscale_`), no host sync.
+        """
+        per_device_found_inf: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
+                finite = ops.unscale_(grads, inv_scale.to(device=device, non_blocking=True)).reshape(())
+                found = found_inf.to(device=device, non_blocking=True, copy=True)
+                per_device_found_inf[device] = found.masked_fill_(~finite.to(device), 1.0)
+        return per_device_found_inf
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale, in place, and records whether they are finite.
@@ -217,8 +238,9 @@ class GradScaler:
         As torch: at most once per optimizer per iteration, after all gradients are accumulated;
         a second call raises ``RuntimeError``, as does a call after :meth:`step`. fp16 gradients
         raise ``ValueError("Attempting to unscale FP16 gradients.")`` (in-place fp16 unscaling
-        loses precision); fp32 and bf16 gradients are accepted. One read and one write of the
-        gradients (:func:`ampfunc.ops.unscale_`), no host sync.
+        loses precision); fp32 and bf16 gradients are accepted. The record is torch's
+        ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]``. One read and one write
+        of the gradients (:func:`ampfunc.ops.unscale_`), no host sync.
         """
         if not self._enabled:
             return
@@ -228,13 +250,17 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = self._grads_of(optimizer, allow_fp16=False)
-        with torch.no_grad():
-            state["finite"] = self._on_scale_device(ops.unscale_(grads, ls.inv_scale)) if grads else None
+        found_inf = torch.zeros((), dtype=torch.float32, device=ls.loss_scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, ls.inv_scale, found_inf, False)
         state["stage"] = OptState.UNSCALED
 
-    def _on_scale_device(self, flag: torch.Tensor) -> torch.Tensor:
-        return flag.to(self._ls.loss_scale.device, non_blocking=True).reshape(())
+    def _found_inf_of(self, state: dict[str, Any]) -> torch.Tensor:
+        """The optimizer's per-device found_inf summed on the scale's device (torch's combination)."""
+        found = [t.to(device=self._ls.loss_scale.device, non_blocking=True)
+                 for t in state["found_inf_per_device"].values()]
+        if not found:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        return found[0] if len(found) == 1 else torch.stack([f.reshape(()) for f in found]).sum()
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -243,13 +269,14 @@ class GradScaler:
 
         Returns what ``optimizer.step(*args, **kwargs)`` returned (``None`` when skipped). With
         ``return_found_inf=True`` returns ``(retval, found_inf)``, ``found_inf`` a 0-d fp32
-        tensor on the scale's device, ``1.`` when the step was skipped and ``0.`` when it was
-        taken; it costs no host sync of its own.
+        tensor on the scale's device, non-zero when the step was skipped; it costs no host sync
+        of its own.
 
         Optimizers with ``_step_supports_amp_scaling`` (torch's fused Adam/AdamW/SGD) get
         ``optimizer.grad_scale`` and ``optimizer.found_inf`` and unscale and skip on the device:
         the finiteness check is a read-only pass and nothing is read back to the host. Other
-        optimizers need the flag on the host to decide whether to step: one sync, as torch.
+        optimizers need the flag on the host to decide whether to step: one sync (torch reads
+        one per device).
 
         A ``closure`` raises ``RuntimeError`` (the closure would run the backward pass after
         the gradients were checked), as in torch.
@@ -259,27 +286,25 @@ class GradScaler:
             return (retval, torch.zeros(())) if return_found_inf else retval
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        ls = self._check_initialized("step")
+        self._check_initialized("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            retval, found_inf = self._fused_step(optimizer, state, ls, args, kwargs)
+            retval, found_inf = self._fused_step(optimizer, state, args, kwargs)
         else:
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
-            if state["finite"] is None:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
+            found_inf = self._found_inf_of(state)
             retval = None
             # The one host read of the step: a plain optimizer cannot skip on the device.
-            if bool(state["finite"]):
+            if not bool(found_inf):
                 retval = optimizer.step(*args, **kwargs)
-            found_inf = (~state["finite"]).to(torch.float32)
         state["stage"] = OptState.STEPPED
         return (retval, found_inf) if return_found_inf else retval
 
-    def _fused_step(self, optimizer, state, ls, args, kwargs):
+    def _fused_step(self, optimizer, state, args, kwargs):
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # Legacy contract (apex FusedAdam capturable, old torch fused optimizers): the
             # optimizer pulls the scale and the inf checks from the scaler itself.
@@ -289,22 +314,16 @@ class GradScaler:
                 "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                 FutureWarning, stacklevel=3)
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-            if state["finite"] is None:
+            if not state["found_inf_per_device"]:
                 self._check_inf_per_device(optimizer)
-            return retval, (~state["finite"]).to(torch.float32)
+            return retval, self._found_inf_of(state)
         if state["stage"] is OptState.READY:
-            grads = self._grads_of(optimizer, allow_fp16=True)
-            if not grads:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-            # Read-only check: the optimizer divides by grad_scale itself.
-            state["finite"] = self._on_scale_device(ops.all_finite(grads))
-            optimizer.grad_scale = ls.loss_scale * getattr(optimizer, "grad_scale", 1)
-        else:
-            # Already unscaled by unscale_(): keep whatever grad_scale the user set (None -> no unscale).
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
-        if state["finite"] is None:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        found_inf = (~state["finite"]).to(torch.float32)
+            self._check_inf_per_device(optimizer)
+        found_inf = self._found_inf_of(state)
+        scale = self._get_scale_async()
+        # Already unscaled by unscale_(): keep whatever grad_scale the user set (None -> no unscale).
+        optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is OptState.UNSCALED
+                                else scale * getattr(optimizer, "grad_scale", 1))
         optimizer.found_inf = found_inf
         try:
             retval = optimizer.step(*args, **kwargs)
@@ -313,20 +332,27 @@ class GradScaler:
             del optimizer.found_inf
         return retval, found_inf
 
-    # torch's private hooks used by the legacy fused-optimizer contract.
+    # torch's private hooks used by the legacy fused-optimizer contract and by frameworks.
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._ls.loss_scale if self._ls is not None else None
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads, leaving them as they are.
+
+        A read-only pass per device (:func:`ampfunc.ops.all_finite`; torch multiplies by 1
+        instead); fp16 grads are allowed. No host sync.
+        """
         self._check_initialized("_check_inf_per_device")
-        grads = self._grads_of(optimizer, allow_fp16=True)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["finite"] = self._on_scale_device(ops.all_finite(grads)) if grads else None
-        return self._found_inf_per_device(optimizer)
+        per_device: dict[torch.device, torch.Tensor] = {}
+        for device, grads in self._grads_by_device(optimizer, allow_fp16=True).items():
+            finite = ops.all_finite(grads).reshape(()).to(device)
+            per_device[device] = (~finite).to(torch.float32)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return per_device
 
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        finite = self._per_optimizer_states[id(optimizer)]["finite"]
-        return {} if finite is None else {finite.device: (~finite).to(torch.float32).reshape(1)}
+        """torch's hook: the ``{device: found_inf}`` recorded for ``optimizer`` this iteration."""
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     # -- update -------------------------------------------------------------------------------
 
@@ -355,12 +381,13 @@ class GradScaler:
                                                           copy=True)
             self._ls = DynamicLossScale.from_tensors(value, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
         else:
-            flags = [s["finite"] for s in self._per_optimizer_states.values() if s["finite"] is not None]
-            if not flags:
+            found = [t.to(device=ls.loss_scale.device, non_blocking=True).reshape(())
+                     for s in self._per_optimizer_states.values() for t in s["found_inf_per_device"].values()]
+            if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
-            self._ls = update_scale(ls, finite)
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            combined = found[0] if len(found) == 1 else torch.stack(found).sum()
+            self._ls = update_scale(ls, combined == 0)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # -- getters and setters ------------------------------------------------------------------
 

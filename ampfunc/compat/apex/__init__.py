@@ -7,7 +7,7 @@ FP16_Optimizer``. Unlike apex, both work on CPU as well as on CUDA.
 
 import importlib
 
-__all__ = ["amp", "fp16_utils"]
+__all__ = ["amp", "fp16_utils", "checkpoint"]
 
 
 def __getattr__(name):

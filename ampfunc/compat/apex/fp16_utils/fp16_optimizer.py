@@ -1,40 +1,52 @@
 """apex's ``FP16_Optimizer``: fp32 master weights and loss scaling around any torch optimizer.
 
-The numeric work is ampfunc's: the scaled loss is :func:`ampfunc.scale_loss`, fp16 model
-grads become fp32 master grads through :func:`ampfunc.ops.unscale` (one read, one fp32 write,
-with the finiteness flag computed on the way), fp32 grads are unscaled in place by
-:func:`ampfunc.ops.unscale_`, and the dynamic scale advances by :func:`ampfunc.update_scale`
-inside :class:`DynamicLossScaler`. apex's control flow is host-side (``step`` prints and
-returns early on overflow), so with dynamic scaling each ``update_master_grads`` reads the
-one overflow flag back, as apex did.
+As in apex's last version, the scaler is apex's ``amp`` loss scaler
+(:class:`ampfunc.compat.apex.amp.LossScaler`: dynamic from ``2**16``, growth every 2000 clean
+steps, cap ``2**24``, no floor), and the masters are the helper amp O2 uses too
+(:class:`ampfunc.compat.apex._master.MasterWeights`). The scaled loss is
+:func:`ampfunc.scale_loss`; fp16 model grads become fp32 master grads through
+:func:`ampfunc.ops.unscale` (one read, one fp32 write, with the finiteness flag computed on
+the way); fp32 grads are unscaled in place. apex's control flow is host-side (``step`` prints
+and returns early on overflow), so with dynamic scaling each ``update_master_grads`` reads the
+one overflow flag back, as apex did. Checkpoints hold the scaler object with apex's attributes
+and load apex's (see :meth:`FP16_Optimizer.load_state_dict`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfunc import ops
-from ampfunc.compat.apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params
-from ampfunc.compat.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
+from ampfunc.compat.apex._scaler import LossScaler as AmpLossScaler
+from ampfunc.compat.apex.fp16_utils.fp16util import clip_grad_norm
 
 __all__ = ["FP16_Optimizer"]
 
-_MODEL_DTYPES = (torch.float16, torch.bfloat16)
+_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 
 
 class FP16_Optimizer:  # noqa: N801 - apex's name
     """Wraps ``init_optimizer`` so that it updates fp32 master copies of its fp16 params.
 
     ``init_optimizer`` may hold fp16 (and bf16) params, fp32 params, or both, in any number of
-    param groups with different hyper-parameters; its fp16/bf16 params are replaced by fp32
-    masters (existing per-param state is moved to the masters and recast to fp32), and after
-    each :meth:`step` the masters are copied back into the model's params. Other dtypes raise
-    ``TypeError`` naming the group and index, and leave the optimizer untouched.
+    param groups with different hyper-parameters; its trainable fp16/bf16 params are replaced by
+    fp32 masters (existing per-param state is moved to the masters and recast to fp32), and
+    after each :meth:`step` the masters are copied back into the model's params. Other dtypes
+    raise ``TypeError`` naming the group and index, and leave the optimizer untouched.
 
     Replace ``loss.backward()`` by ``optimizer.backward(loss)``. ``static_loss_scale`` is a
-    fixed scale; ``dynamic_loss_scale=True`` uses :class:`DynamicLossScaler` (keyword args
-    from ``dynamic_loss_args``), skipping steps whose gradients overflowed. ``verbose`` prints
-    the params found at construction. Unlike apex, CPU tensors work.
+    fixed scale; ``dynamic_loss_scale=True`` uses apex amp's dynamic ``LossScaler`` with
+    ``dynamic_loss_args`` (``init_scale=2**16``, ``scale_window=2000``,
+    ``min_loss_scale=None``, ``max_loss_scale=2**24``; ``scale_factor`` accepted and ignored,
+    as in apex), skipping steps whose gradients overflowed. ``verbose`` prints the params
+    found at construction. Unlike apex, CPU tensors work.
+
+    Example:
+      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+      >>> opt.loss_scale
+      65536.0
+
+    Cost: ``update_master_grads`` is one pass over the grads plus (dynamic scale) one host read.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -44,55 +56,39 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         # Validate everything before touching the optimizer.
         for i, group in enumerate(init_optimizer.param_groups):
             for j, param in enumerate(group["params"]):
-                if param.requires_grad and param.dtype not in _MODEL_DTYPES + (torch.float32,):
+                if param.requires_grad and param.dtype not in LOW_PRECISION + (torch.float32,):
                     raise TypeError(
                         "Wrapped parameters must be fp16, bf16 or fp32 tensors; "
                         f"param_groups[{i}]['params'][{j}] has dtype {param.dtype}"
                     )
         if dynamic_loss_scale:
-            try:
-                loss_scaler = DynamicLossScaler(**(dynamic_loss_args or {}))
-            except TypeError as e:
-                raise TypeError(f"FP16_Optimizer: dynamic_loss_args {dynamic_loss_args!r} do not fit "
-                                f"DynamicLossScaler(init_scale, scale_factor, scale_window): {e}") from None
+            unknown = sorted(set(dynamic_loss_args or {}) - set(_DYNAMIC_ARGS))
+            if unknown:
+                raise TypeError(f"FP16_Optimizer: dynamic_loss_args has unknown keys {unknown}; apex's amp "
+                                f"LossScaler('dynamic', ...) takes {list(_DYNAMIC_ARGS)}")
+            loss_scaler = AmpLossScaler("dynamic", **(dynamic_loss_args or {}))
         else:
-            loss_scaler = LossScaler(static_loss_scale)
+            loss_scaler = AmpLossScaler(static_loss_scale)
 
         self.verbose = verbose
         self.optimizer = init_optimizer
-        self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
-        for i, group in enumerate(self.optimizer.param_groups):
-            self.maybe_print(f"FP16_Optimizer processing param group {i}:")
-            fp16, fp32_from_fp16, fp32 = [], [], []
-            for j, param in enumerate(group["params"]):
-                if not param.requires_grad:
-                    continue
-                if param.dtype in _MODEL_DTYPES:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} param with {tuple(param.size())}")
-                    master = param.detach().clone().float()
-                    master.requires_grad = True
-                    group["params"][j] = master
-                    if param in self.optimizer.state:
-                        self.optimizer.state[master] = self.optimizer.state.pop(param)
-                    fp16.append(param)
-                    fp32_from_fp16.append(master)
-                else:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} param with {tuple(param.size())}")
-                    fp32.append(param)
-            self.fp16_groups.append(fp16)
-            self.fp32_from_fp16_groups.append(fp32_from_fp16)
-            self.fp32_from_fp32_groups.append(fp32)
-        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
-        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
-        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
-        # Recasts any per-param state tensors to the masters' dtype (apex's trick).
-        self.optimizer.load_state_dict(self.optimizer.state_dict())
-
+        self.masters = MasterWeights(
+            init_optimizer,
+            on_param=lambda p: self.maybe_print(f"FP16_Optimizer received {p.dtype} param with {tuple(p.size())}"),
+            on_group=lambda i: self.maybe_print(f"FP16_Optimizer processing param group {i}:"))
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self.loss_scaler = loss_scaler
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+
+    # apex's attribute names for the master lists.
+    fp16_groups = property(lambda self: self.masters.fp16_groups)
+    fp32_from_fp16_groups = property(lambda self: self.masters.fp32_from_fp16_groups)
+    fp32_from_fp32_groups = property(lambda self: self.masters.fp32_from_fp32_groups)
+    all_fp16_params = property(lambda self: self.masters.all_fp16_params)
+    all_fp32_from_fp16_params = property(lambda self: self.masters.all_fp32_from_fp16_params)
+    all_fp32_from_fp32_params = property(lambda self: self.masters.all_fp32_from_fp32_params)
 
     def maybe_print(self, msg: str) -> None:
         if self.verbose:
@@ -122,7 +118,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         :meth:`update_master_grads` once. After this the model's ``.grad`` are scaled; only the
         master grads (:meth:`inspect_master_grad_data`) are meaningful.
         """
-        self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
+        self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
 
@@ -131,30 +127,16 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         """Master grads = model grads / scale (fp32); fp32 params' grads are unscaled in place.
 
         With dynamic scaling the overflow flag is read back (``self.overflow``) and the scale
-        advanced; with a static scale ``overflow`` stays ``False`` (apex's rule).
+        advanced; with a static scale ``overflow`` stays ``False`` and the scaler counts the
+        step (apex's rule).
         """
-        inv_scale = self.loss_scaler.loss_state.inv_scale
-        flags = []
-        pairs = [(p.grad, m) for p, m in zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
-                 if p.grad is not None]
-        if pairs:
-            inv = inv_scale.to(pairs[0][0].device)
-            outs, finite = ops.unscale([g for g, _ in pairs], inv)
-            for (_, master), out in zip(pairs, outs):
-                master.grad = out
-            flags.append(finite)
+        scaler = self.loss_scaler
+        scaler.clear_overflow_state()
+        flags = [self.masters.grads_to_masters(scaler, accumulate=False)]
         fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
-        if fp32_grads:
-            flags.append(ops.unscale_(fp32_grads, inv_scale.to(fp32_grads[0].device)))
-        if not self.dynamic_loss_scale:
-            self.overflow = False
-            return
-        if not flags:
-            finite = torch.ones((), dtype=torch.bool, device=inv_scale.device)
-        else:
-            finite = torch.stack([f.to(flags[0].device).reshape(()) for f in flags]).all()
-        self.overflow = not bool(finite)  # the one host read (apex's step decides on the host)
-        self.loss_scaler._update(finite, self.overflow)
+        scaler.unscale(fp32_grads, fp32_grads)
+        finite = self.masters.finite_of(flags + [scaler._finite])
+        self.overflow = scaler.update_scale(finite)
 
     def inspect_master_grad_data(self):
         """Per param group, the fp32 master grads (``None`` for params without one); ``None`` after an overflow."""
@@ -184,7 +166,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         if closure is not None and self.dynamic_loss_scale:
             raise TypeError("Using step with a closure is currently not compatible with dynamic loss scaling.")
         if self.overflow:
-            print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale}")
+            print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
             return None
         retval = self._step_with_closure(closure) if closure is not None else self.optimizer.step()
         self._master_params_to_model_params()
@@ -205,7 +187,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         return retval
 
     def _master_params_to_model_params(self) -> None:
-        master_params_to_model_params(self.all_fp16_params, self.all_fp32_from_fp16_params)
+        self.masters.masters_to_model()
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -222,9 +204,14 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores a :meth:`state_dict`; the fp32 masters are copied from the saved ones (no fp16 round trip).
+        """Restores a :meth:`state_dict` of this class or of apex's ``FP16_Optimizer``.
 
-        Raises ``ValueError`` naming the group if the saved masters do not match this optimizer's.
+        The stored ``loss_scaler`` may be this facade's, apex's ``amp`` ``LossScaler`` (its
+        attributes ``dynamic``, ``_loss_scale``, ``_unskipped``, ``_min_loss_scale``,
+        ``_max_loss_scale``, ``_scale_seq_len`` carry over exactly), or an older apex
+        ``fp16_utils`` scaler (see :meth:`LossScaler.from_apex`). The fp32 masters are copied
+        from the saved ones (no fp16 round trip). Raises ``ValueError`` naming the shapes if the
+        saved masters do not match this optimizer's, before changing anything.
         """
         saved = state_dict["fp32_from_fp16"]
         if len(saved) != len(self.fp32_from_fp16_groups) or any(
@@ -233,11 +220,12 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             raise ValueError("FP16_Optimizer.load_state_dict: the saved fp32_from_fp16 masters "
                              f"({[[tuple(t.shape) for t in g] for g in saved]}) do not match this optimizer's "
                              f"({[[tuple(t.shape) for t in g] for g in self.fp32_from_fp16_groups]})")
-        self.loss_scaler = state_dict["loss_scaler"]
-        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
-        self.overflow = state_dict["overflow"]
-        self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
+        loss_scaler = AmpLossScaler.from_apex(state_dict["loss_scaler"])
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler = loss_scaler
+        self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
+        self.overflow = bool(state_dict["overflow"])
+        self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         with torch.no_grad():
             for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved):
                 for current, value in zip(current_group, saved_group):
@@ -247,11 +235,12 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     @property
     def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
+        """The current scale as a Python float (apex: ``loss_scaler.loss_scale()``)."""
+        return self.loss_scaler.loss_scale()
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.loss_scaler.cur_scale = value
+        self.loss_scaler._loss_scale = value
 
     @property
     def state(self):
