@@ -313,6 +313,36 @@ class GradScalerPath(Path):
         return [[p.detach() for p in self.model.parameters()], list(self.opt.state.values())]
 
 
+class ModuleTrainerPath(Path):
+    """``af.ModuleTrainer`` on a module held in ``dtype`` (an fp32 master when fp16/bf16)."""
+
+    def __init__(self, dtype, config):
+        super().__init__(dtype, config)
+        self.model = _MLP().to(dtype)
+        self.trainer = af.ModuleTrainer(self.model, af.adamw(1e-2), loss_scale=config.loss_scale())
+
+    def loss_scale(self):
+        return self.trainer.loss_scale
+
+    def grads(self, x, y, fault):
+        m = self.model
+        loss = loss_of({"l1": {"w": m.l1.w, "b": m.l1.b}, "l2": {"w": m.l2.w}}, x, y)
+        if fault is not None and fault.kind == "loss":
+            loss = loss * fault.value
+        self.trainer.scale(loss).backward()
+        gs = [m.l1.w.grad, m.l1.b.grad, m.l2.w.grad]
+        if fault is not None and fault.kind == "grad":
+            inject(gs, fault)
+        return {"l1": {"w": gs[0], "b": gs[1]}, "l2": {"w": gs[2]}}
+
+    def apply(self, grads):
+        self.trainer.step()
+
+    def state(self):
+        s = self.trainer.state
+        return [[p.detach() for p in self.model.parameters()], s.master, s.opt_state]
+
+
 PATHS: dict[str, Callable[[torch.dtype, Config], Path]] = {
     "mp-adamw.step": lambda d, c: MixedPrecisionPath(d, c, lambda: af.adamw(1e-2), "step"),
     "mp-adamw.step_": lambda d, c: MixedPrecisionPath(d, c, lambda: af.adamw(1e-2), "step_"),
@@ -327,6 +357,7 @@ PATHS: dict[str, Callable[[torch.dtype, Config], Path]] = {
     "primitives": lambda d, c: PrimitivesPath(d, c, inplace=False),
     "primitives_": lambda d, c: PrimitivesPath(d, c, inplace=True),
     "GradScaler": lambda d, c: GradScalerPath(d, c),
+    "ModuleTrainer": lambda d, c: ModuleTrainerPath(d, c),
 }
 
 
