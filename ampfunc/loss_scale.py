@@ -151,6 +151,11 @@ class LossScale:
         check_flag(finite, "update_scale: finite")
         return self
 
+    def adjust_(self, finite: torch.Tensor) -> "LossScale":
+        """In-place :meth:`adjust`; fixed scales only check the flag and return themselves."""
+        check_flag(finite, "update_scale_: finite")
+        return self
+
 
 class NoOpLossScale(LossScale):
     """No loss scaling: ``scale`` returns the loss unchanged, ``unscale`` only casts to fp32."""

@@ -12,6 +12,7 @@ pass by accident. Each row costs microseconds to milliseconds: the whole table r
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -456,19 +457,6 @@ def _():
     return (lambda: af.unscale_and_check_(grads, ls)), (grads, ls)
 
 
-@case("mixed_precision-master-narrower-than-param", ValueError, "master_dtype")
-def _():
-    params = {"enc": {"w": torch.zeros(3, dtype=torch.float64)}, "head": {"b": torch.zeros(3, dtype=torch.float64)}}
-    tx = af.mixed_precision(af.adam(1e-3), master_dtype=torch.float32)
-    return (lambda: tx.init(params)), params
-
-
-@case("mixed_precision-master-fp16", ValueError, "master_dtype")
-def _():
-    params = params_f32()
-    return (lambda: af.mixed_precision(af.adam(1e-3), master_dtype=torch.float16).init(params)), params
-
-
 @case("mixed_precision-master-int", ValueError, "master_dtype")
 def _():
     return (lambda: af.mixed_precision(af.adam(1e-3), master_dtype=torch.int32)), None
@@ -701,3 +689,41 @@ def test_bad_input_is_refused_clearly_and_touches_nothing(row: Case):
     after = [_bits(x) for x in leaves]
     changed = [i for i, (a, b) in enumerate(zip(before, after)) if not _same(a, b)]
     assert not changed, f"{row.id}: given tensors {changed} were modified before the error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Item 14: low-precision params with a plain optimizer (no master) warn, once
+# ----------------------------------------------------------------------------------------------
+
+_PLAIN_OPTIMIZERS = {
+    "sgd": lambda: af.sgd(0.1),
+    "adam": lambda: af.adam(1e-3),
+    "adamw": lambda: af.adamw(1e-3),
+    "from_torch": lambda: af.from_torch(torch.optim.RMSprop, lr=1e-3),
+}
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    from ampfunc.optim import base
+
+    monkeypatch.setattr(base, "_WARNED_LOW_PRECISION", set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(_PLAIN_OPTIMIZERS))
+def test_low_precision_params_without_master_warn_once(name, dtype, fresh_warnings):
+    params = {"enc": {"w": torch.zeros(3, dtype=torch.float32)}, "head": {"b": torch.zeros(3, dtype=dtype)}}
+    with pytest.warns(UserWarning, match=r"head\.b.*" + str(dtype).split(".")[-1] + r".*mixed_precision"):
+        _PLAIN_OPTIMIZERS[name]().init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _PLAIN_OPTIMIZERS[name]().init(params)  # once per process and optimizer kind
+
+
+@pytest.mark.parametrize("name", list(_PLAIN_OPTIMIZERS))
+def test_no_warning_with_a_master_or_fp32_params(name, fresh_warnings):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        af.mixed_precision(_PLAIN_OPTIMIZERS[name]()).init(params_f16())
+        _PLAIN_OPTIMIZERS[name]().init(params_f32())
