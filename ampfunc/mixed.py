@@ -135,11 +135,15 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
         if leaf.dtype == torch.float16:
             raise TypeError(f"unscale_and_check_: grads leaf {path!r} is float16; unscaling fp16 in place "
                             "loses precision -- use the pure unscale_and_check (fp32 out)")
+    # Every leaf is written: refuse aliased or overlapping ones (they would be unscaled twice).
+    check_no_overlap("unscale_and_check_", [("grads", grads, leaves)])
     if isinstance(ls, NoOpLossScale):
         finite = ops.all_finite(leaves)
     else:
         device = leaves[0].device if leaves else ls.loss_scale.device
-        finite = ops.unscale_(leaves, ls.inv_scale_on(device))
+        inv_scale = ls.inv_scale_on(device)
+        # NaN when the scale is outside SCALE_RANGE: not a clean step, even with no elements.
+        finite = ops.unscale_(leaves, inv_scale) & ~inv_scale.isnan()
     if group is not None:
         finite = agree_finite(finite, group)
     return grads, finite
@@ -182,8 +186,7 @@ def update_scale_(ls, finite):
             update_scale_(v, flags[k])
         return ls
     _check_loss_scale(ls, "update_scale_")
-    if isinstance(ls, DynamicLossScale):
-        ls.adjust_(finite)
+    ls.adjust_(finite)  # static and no-op scales only check the flag
     return ls
 
 

@@ -305,4 +305,11 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     one write.
     """
     check_same_structure(params, updates, "params", "updates")
+    for i, (p, u) in enumerate(zip(tree_leaves(params), tree_leaves(updates))):
+        if isinstance(p, torch.Tensor) and not (isinstance(u, torch.Tensor) and u.shape == p.shape):
+            path = leaves_with_paths(params)[i][0]
+            if not isinstance(u, torch.Tensor):
+                raise TypeError(f"apply_updates: updates leaf {path!r} is a {type(u).__name__}, expected a tensor")
+            raise ValueError(f"apply_updates: leaf {path!r} has shape {tuple(p.shape)} in params and "
+                             f"{tuple(u.shape)} in updates")
     return tree_map(_apply_leaf, params, updates)
