@@ -292,3 +292,20 @@ def test_python_bool_flags_are_accepted():
 def test_non_number_settings_are_refused_naming_them(name, value):
     with pytest.raises(TypeError, match=name):
         af.DynamicLossScale(**{name: value})
+
+
+@pytest.mark.parametrize("method", ["step", "step_"])
+@pytest.mark.parametrize("inner", [lambda: af.adam(1e-3), lambda: af.from_torch(torch.optim.Adam, lr=1e-3)],
+                         ids=["fused", "generic"])
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+def test_hand_set_invalid_scale_skips_the_composed_step(bad, inner, method):
+    params = {"w": torch.ones(3, dtype=torch.float16)}
+    ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
+                                          torch.ones((), dtype=torch.int32), af.DynamicConfig())
+    tx = af.mixed_precision(inner(), loss_scale=ls)
+    state = tx.init(params)
+    new_params, new_state = getattr(tx, method)(params, {"w": torch.ones(3, dtype=torch.float16)}, state)
+    assert torch.equal(new_params["w"], torch.ones(3, dtype=torch.float16))
+    assert torch.equal(new_state.master["w"], torch.ones(3))
+    if bad == 0.0:  # a zero scale backs off to the floor (here min_scale=1) and trains again
+        assert af.loss_scale_of(new_state).loss_scale.item() == 1.0
