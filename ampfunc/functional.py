@@ -235,7 +235,7 @@ class TrainStep(NamedTuple):
 
 def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
                     loss_scale: LossScale | None = None, has_aux: bool = False, keep=None,
-                    group=None) -> TrainStep:
+                    group=None, overwrite_with_gradient: Callable[[str], bool] | None = None) -> TrainStep:
     """A pure, compilable train step for ``model``: ``train.init()`` and ``train.step(state, *batch)``.
 
     One step: forward and backward of the scaled loss (``torch.func.grad``), then the
@@ -260,6 +260,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
       loss_scale: default :class:`NoOpLossScale`.
       group: a ``torch.distributed`` process group: gradients are averaged over it (data
         parallelism without DDP) and every rank takes the same skip decision.
+      overwrite_with_gradient: a predicate on param paths (flax's "overwrite with gradient"):
+        those params are not given to ``tx``; their "gradient" (what a custom autograd
+        function's backward returned for them, e.g. new FP8 scaling state) becomes their new
+        value, kept on a skipped step like every param.
 
     Returns:
       A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
@@ -291,12 +295,17 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     # The params are stored in the policy's param dtype and are the optimizer's reference:
     # no separate master copy (jmp's model).
     engine = Engine(tx, master_dtype=None, where="make_train_step")
+    overwritten = overwrite_with_gradient if overwrite_with_gradient is not None else (lambda path: False)
+
+    def optimized(tree: dict) -> dict:
+        """The entries ``tx`` trains (all but the overwrite-with-gradient ones)."""
+        return {k: v for k, v in tree.items() if not overwritten(k)} if overwrite_with_gradient else tree
 
     def init() -> TrainState:
         params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
         device = next((p.device for p in params.values()), torch.device("cpu"))
-        return TrainState(params, buffers, tx.init(params), loss_scale.to(device), *skip_stats(device))
+        return TrainState(params, buffers, tx.init(optimized(params)), loss_scale.to(device), *skip_stats(device))
 
     def scaled_loss(params, buffers, ls, *batch):
         compute_params = cast_params(params, compute_dtype, keep=keep)
@@ -331,7 +340,11 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             grads = all_reduce_mean(grads, group)
         mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
         # torch.func.grad gives every gradient its param's shape: no per-leaf shape check.
-        params, mp = engine.step(state.params, grads, mp, where="make_train_step", trust_grads=True)
+        params, mp = engine.step(optimized(state.params), optimized(grads), mp, where="make_train_step",
+                                 trust_grads=True)
+        if overwrite_with_gradient is not None:
+            params = {k: params[k] if k in params else torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v)
+                      for k, v in state.params.items()}
         new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         return new_state, StepOutput(loss, mp.finite, ls.loss_scale, aux if has_aux else None)
 

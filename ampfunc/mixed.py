@@ -53,9 +53,20 @@ def _check_loss_scale(ls, where: str):
 
 
 def scale_loss(loss: torch.Tensor, ls: LossScale) -> torch.Tensor:
-    """``loss.float() * ls.loss_scale`` (the loss unchanged for :class:`NoOpLossScale`).
+    """The loss times the loss scale, in fp32: what to call ``.backward()`` on.
 
-    ``loss`` must be a scalar floating tensor; a non-scalar loss raises ``ValueError``.
+    Args:
+      loss: a scalar floating tensor (a non-scalar loss raises ``ValueError``).
+      ls: the loss scale (:class:`NoOpLossScale` returns the loss unchanged).
+
+    Returns:
+      ``loss.float() * ls.loss_scale``, a 0-d fp32 tensor.
+
+    Example::
+
+      af.scale_loss(loss, af.loss_scale_of(state)).backward()
+
+    Cost: one scalar multiply; no host sync.
     """
     _check_loss_scale(ls, "scale_loss")
     return ls.scale(loss)
@@ -65,22 +76,45 @@ def unscale(tree: PyTree, ls: LossScale) -> PyTree:
     """Every floating leaf of ``tree`` in fp32 divided by the loss scale, with no finiteness check.
 
     For quantities computed from the scaled loss outside the optimizer step: gradient
-    penalties (``torch.autograd.grad`` of the scaled loss), per-loss gradients. One read, one
-    fp32 write per leaf.
+    penalties (``torch.autograd.grad`` of the scaled loss), per-loss gradients.
+
+    Args:
+      tree: a pytree of floating tensors.
+      ls: the loss scale they were scaled by.
+
+    Returns:
+      A new tree of fp32 tensors (the tree only: use :func:`unscale_and_check` for the flag).
+
+    Example::
+
+      penalty_grads = af.unscale(torch.autograd.grad(scaled, inputs), ls)
+
+    Cost: one read and one fp32 write per leaf; no host sync.
     """
     _check_loss_scale(ls, "unscale")
     return ls.unscale(tree)
 
 
 def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTree, torch.Tensor]:
-    """``(grads_fp32 / scale, finite)``.
+    """The gradients of the scaled loss, unscaled to fp32, and whether they were all finite.
 
-    ``grads`` may hold fp32, fp16 or bf16 leaves (``None`` entries stay ``None``); every result
-    leaf is a new fp32 tensor (with :class:`NoOpLossScale`, fp32 leaves are passed through as
-    they are: there is nothing to divide). ``finite`` is a 0-d bool tensor on the device of the first leaf:
-    ``True`` when every gradient element was finite. With ``group`` (a ``torch.distributed``
-    process group) every rank agrees on ``finite``. Costs one read of the gradients and one fp32
-    write; no host sync. A non-floating leaf raises ``TypeError`` naming its path.
+    Args:
+      grads: a pytree of fp32, fp16 or bf16 gradients of the scaled loss (``None`` entries stay
+        ``None``; a non-floating leaf raises ``TypeError`` naming its path).
+      ls: the loss scale.
+      group: a ``torch.distributed`` process group: every rank gets the same flag.
+
+    Returns:
+      ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (with :class:`NoOpLossScale`,
+      fp32 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
+      ``True`` when every element was finite.
+
+    Example::
+
+      grads, finite = af.unscale_and_check(grads, ls)
+
+    Cost: one read of the gradients and one fp32 write (one all-reduce of one float with
+    ``group``); no host sync.
     """
     _check_loss_scale(ls, "unscale_and_check")
     out, finite = ls.unscale_and_check(grads, "unscale_and_check: grads")
@@ -92,18 +126,40 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
 def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """Per leaf ``new if finite else old``, chosen on the device (``torch.where``).
 
-    Works on any pytrees of identical structure: params, optimizer states, loss scales, or a
-    tuple of them. A skipped step (``finite`` False) returns values bit-identical to ``old``.
-    One read of both trees and one write.
+    Args:
+      finite: 0-d bool tensor (from :func:`unscale_and_check`).
+      new: the candidate trees (params, optimizer states, loss scales, or a tuple of them).
+      old: trees of the same structure and shapes.
+
+    Returns:
+      A new tree: bit-identical to ``old`` on a skipped step (``finite`` False), else ``new``.
+
+    Example::
+
+      params, opt_state = af.skip_or_apply(finite, (new_params, new_state), (params, opt_state))
+
+    Cost: one read of both trees and one write; no host sync.
     """
     return select_tree(finite, new, old)
 
 
 def update_scale(ls, finite):
-    """The loss scale for the next step (``ls.adjust(finite)``).
+    """The loss scale for the next step.
 
-    ``ls`` may also be a dict or list of loss scales, one per loss (apex's ``num_losses``), with
-    ``finite`` either one flag for all or a matching dict/list of flags.
+    The function form of ``LossScale.adjust`` that also takes several scales at once.
+
+    Args:
+      ls: a loss scale, or a dict or list of loss scales, one per loss (apex's ``num_losses``).
+      finite: the step's 0-d bool flag, or a matching dict/list of flags.
+
+    Returns:
+      The next loss scale(s), new objects (static and no-op scales return themselves).
+
+    Example::
+
+      ls = af.update_scale(ls, finite)
+
+    Cost: a few 0-d ops on the device; no host sync.
     """
     if isinstance(ls, Mapping):
         flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
@@ -131,6 +187,7 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
     """
     _check_loss_scale(ls, "unscale_and_check_")
     paths, leaves = float_leaves_with_paths(grads, "unscale_and_check_: grads")
+    check_no_overlap("unscale_and_check_", [("grads", dict(zip(paths, leaves)), leaves)])
     for path, leaf in zip(paths, leaves):
         if leaf.dtype == torch.float16:
             raise TypeError(f"unscale_and_check_: grads leaf {path!r} is float16; unscaling fp16 in place "

@@ -54,16 +54,34 @@ class ModuleTrainer:
     """Runs ``tx`` (an optimizer transform) on ``model``'s parameters, one ``step()`` per step.
 
     ``step()`` reads every trainable parameter's ``.grad`` (gradients of the *scaled* loss:
-    use :meth:`scale`), unscales and checks them (``group``: all ranks agree), runs ``tx`` in
-    fp32 against the parameters -- or an fp32 master copy the trainer keeps when the module is
-    fp16/bf16 (apex O2) -- skips the step on the device if any gradient was not finite, writes
-    the result into the parameters in place, advances the loss scale, and clears the grads.
-    Returns the ``finite`` flag; never syncs with the host.
+    use :meth:`scale`) and runs the mixed-precision step of :class:`ampfunc.engine.Engine` in
+    place on the parameters: check (``group``: all ranks agree), ``tx`` in fp32 against the
+    parameters -- or an fp32 master copy the trainer keeps when the module is fp16/bf16 (apex
+    O2) --, the skip on the device if any gradient was not finite, the loss-scale update; then
+    it clears the grads. With a kernel-backed ``tx`` (``sgd``/``adam``/``adamw``, optionally
+    after ``clip_by_global_norm``) that is one check pass and one fused optimizer pass over the
+    parameters.
 
     A parameter without ``.grad`` (unused this step) gets a zero gradient, so the optimizer
     state keeps a fixed structure (``torch.optim`` would skip it instead; with weight decay or
     momentum the two differ for that parameter). ``state`` (a :class:`TrainerState` pytree) can
     be saved and loaded with ``torch.save`` or, sharded, with ``af.dist.save_sharded``.
+
+    Args:
+      model: the module; its parameters with ``requires_grad`` are trained.
+      tx: the optimizer transform (not a ``mixed_precision`` wrapper).
+      loss_scale: default :class:`NoOpLossScale`.
+      group: a ``torch.distributed`` process group whose ranks agree on skipping.
+      master_dtype: the master dtype for parameters narrower than it.
+      set_grads_to_none: clear ``.grad`` after each step (as ``zero_grad(set_to_none=True)``).
+
+    Example::
+
+      trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=af.DynamicLossScale())
+      trainer.scale(loss).backward()
+      finite = trainer.step()          # 0-d bool; trainer.skipped counts the skipped steps
+
+    Cost: see :meth:`step`. Never syncs with the host.
     """
 
     def __init__(self, model: torch.nn.Module, tx: GradientTransformation, *, loss_scale: LossScale | None = None,

@@ -145,7 +145,23 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Applies ``transforms`` in order; the state is the tuple of their states."""
+    """Applies ``transforms`` in order; the state is the tuple of their states.
+
+    Args:
+      *transforms: ``GradientTransformation`` s, applied first to last.
+
+    Returns:
+      A ``GradientTransformation``. When every transform is registered with the kernels, the
+      chain is registered too (as a :class:`ChainSpec`), so ``chain(clip_by_global_norm(c),
+      adamw(lr))`` runs fused inside ``mixed_precision``, ``make_train_step`` and
+      ``ModuleTrainer``.
+
+    Example::
+
+      tx = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))
+
+    Cost: the sum of the transforms' costs.
+    """
     transforms = tuple(transforms)
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
@@ -171,7 +187,21 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
-    """Like :func:`chain`, with a dict state keyed by the given names (handy for inspection)."""
+    """Like :func:`chain`, with a dict state keyed by the given names (handy for inspection).
+
+    Args:
+      *named: ``(name, transform)`` pairs, applied in order; names must be unique.
+
+    Returns:
+      A ``GradientTransformation`` whose state is ``{name: state}``; registered with the kernels
+      (a :class:`ChainSpec` with the names) when every transform is.
+
+    Example::
+
+      tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.adamw(1e-3)))
+
+    Cost: the sum of the transforms' costs.
+    """
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")

@@ -4,7 +4,7 @@ One process, one run, the same model, data and optimizer settings for every row.
 median time per iteration (forward + backward + optimizer step), the spread (min-max) and the
 ratio to torch's eager autocast + GradScaler loop.
 
-    python benchmarks/bench_transformer.py            # 2 layers, d=256, ~2.1M params, CPU (~2 min)
+    python benchmarks/bench_transformer.py            # 2 layers, d=256, vocab 1024: 2.1M params, CPU (~2 min)
     python benchmarks/bench_transformer.py --quick    # a smoke run: tiny model, few iterations
     python benchmarks/bench_transformer.py --no-compile
 
@@ -136,8 +136,8 @@ def main(argv=None):
         vocab, d, layers, heads, ctx, batch = 64, 32, 1, 2, 16, 2
         iters, warmup = args.iters or 3, args.warmup or 1
     else:
-        vocab, d, layers, heads, ctx, batch = 2048, 256, 2, 4, 64, 8
-        iters, warmup = args.iters or 20, args.warmup or 3
+        vocab, d, layers, heads, ctx, batch = 1024, 256, 2, 4, 64, 8
+        iters, warmup = args.iters or 15, args.warmup or 3
     torch.manual_seed(0)
     reference = GPT(vocab, d, layers, heads, ctx)
     n_params = sum(p.numel() for p in reference.parameters())

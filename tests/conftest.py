@@ -64,4 +64,5 @@ def assert_trees_equal(a, b):
 
 @pytest.fixture
 def params():
+    """A fresh :func:`make_params` tree for each test that asks for it."""
     return make_params()

@@ -19,9 +19,8 @@ INNERS = {
 }
 
 
-def test_a_gradient_transformation_is_exactly_the_pair_init_update():
+def test_a_gradient_transformation_is_exactly_the_pair_init_update(params):
     init, update = af.adamw(1e-3)
-    params = make_params()
     state = init(params)
     updates, state = update(grads_at(0), state, params)
     assert set(updates) == set(params)
@@ -272,3 +271,65 @@ def test_the_monitoring_hook_gets_per_leaf_flags_from_the_check_pass_and_their_p
     assert not bool(finite) and flags.dtype == torch.bool
     assert dict(zip(paths, flags.tolist())) == {"w": True, "b": False}
     assert int(state.skipped) == 1
+
+
+class _Overwrite(torch.autograd.Function):
+    """Forward: x unchanged; backward: the gradient of ``state`` is its new value (state + 1)."""
+
+    @staticmethod
+    def forward(x, state):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (state,) = ctx.saved_tensors
+        return g, state + 1
+
+
+def test_make_train_step_overwrites_chosen_params_with_their_gradient_around_the_optimizer():
+    class Net(_Net):
+        def __init__(self):
+            super().__init__()
+            self.amax = torch.nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return super().forward(_Overwrite.apply(x, self.amax))
+
+    train = af.make_train_step(Net(), _loss, af.adamw(1e-2), loss_scale=af.DynamicLossScale(2.0**6),
+                               overwrite_with_gradient=lambda path: path == "amax")
+    state = train.init()
+    assert "amax" not in state.opt_state.exp_avg and "fc1.weight" in state.opt_state.exp_avg
+    for step in range(5):  # step 3 overflows: amax keeps its value then
+        state, out = train.step(state, *_batch(step))
+    assert int(state.skipped) == 1
+    assert torch.equal(state.params["amax"], torch.full((2,), 4.0))
+    assert list(state.params) == list(af.params_of(Net()))
+
+
+def test_generic_in_place_step_writes_parameter_leaves_like_the_pure_step():
+    tx = af.mixed_precision(af.from_torch(torch.optim.AdamW, lr=1e-2), af.StaticLossScale(4.0))
+    params = {"w": torch.nn.Parameter(torch.randn(3, 2)), "b": torch.randn(2)}
+    state = tx.init(params)
+    grads = {"w": torch.randn(3, 2) * 4, "b": torch.randn(2) * 4}
+    new, new_state = tx.step(params, grads, state)
+    p2, s2 = tx.step_(params, grads, state)
+    assert p2 is params and isinstance(params["w"], torch.nn.Parameter)
+    assert torch.equal(params["w"].detach(), new["w"]) and torch.equal(params["b"], new["b"])
+    assert_trees_equal(s2.inner, new_state.inner)
+
+
+def test_make_train_step_never_writes_the_state_it_is_given():
+    train = af.make_train_step(_Net(), _loss, af.chain(af.clip_by_global_norm(0.5), af.adamw(1e-2)),
+                               loss_scale=af.DynamicLossScale(2.0**6))
+    state = train.init()
+    for step in (0, 3):  # an applied step and a skipped one
+        snap = _snapshot(state)
+        new_state, _ = train.step(state, *_batch(step))
+        assert _unchanged(snap, state)
+        ids = {id(t) for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)}
+        assert not ids & {id(t) for t in af.tree.tree_leaves(new_state.params)}
+        state = new_state
