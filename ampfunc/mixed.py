@@ -192,8 +192,6 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
         if leaf.dtype == torch.float16:
             raise TypeError(f"unscale_and_check_: grads leaf {path!r} is float16; unscaling fp16 in place "
                             "loses precision -- use the pure unscale_and_check (fp32 out)")
-    # Every leaf is written: refuse aliased or overlapping ones (they would be unscaled twice).
-    check_no_overlap("unscale_and_check_", [("grads", grads, leaves)])
     if isinstance(ls, NoOpLossScale):
         finite = ops.all_finite(leaves)
     else:
