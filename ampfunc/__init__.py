@@ -98,6 +98,8 @@ from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402
 from ampfunc import compat  # noqa: F401,E402
 # -- flat buffers and the fused step (ampfunc/flat.py, ampfunc/fused.py)
 from ampfunc import flat, fused  # noqa: F401,E402
+# -- checkpoints with a format version and a checksum (ampfunc/checkpoint.py)
+from ampfunc import checkpoint  # noqa: F401,E402
 from ampfunc.flat import FlatTree, flatten  # noqa: F401,E402
 
 

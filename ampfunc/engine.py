@@ -104,7 +104,8 @@ def _compiling() -> bool:
     return ops._is_compiling()
 
 
-_GETTERS = {"dtype": _dtype_of, "device": _device_of, "shape": _shape_of, "floating": torch.is_floating_point}
+_GETTERS = {"dtype": _dtype_of, "device": _device_of, "shape": _shape_of, "floating": torch.is_floating_point,
+            "layout": operator.attrgetter("layout")}
 
 
 def _attrs(name: str, leaves: list) -> list:
@@ -145,6 +146,8 @@ def validate_step(where: str, named: list, *, shapes: bool = True, param_shapes:
             kinds = set(_attrs("dtype", leaves))
         if not all(d.is_floating_point for d in kinds):
             float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf and its dtype
+        if set(_attrs("layout", leaves)) - {torch.strided}:
+            float_leaves_with_paths(tree, f"{where}: {name}")  # raises on the sparse leaf, naming it
         devices = set(_attrs("device", leaves))
         if any(d.type == "meta" for d in devices):
             i = next(i for i, t in enumerate(leaves) if t.device.type == "meta")

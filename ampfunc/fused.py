@@ -129,6 +129,8 @@ class FusedPlan:
         if group is not None:
             finite = agree_finite(finite, group)
         inv_scale = loss_scale.inv_scale_on(dev)
+        # NaN when the scale is outside SCALE_RANGE (set by hand): skip rather than write NaN.
+        finite = finite & ~inv_scale.isnan()
         grad_scale = inv_scale
         if self.max_norm is not None:
             # clip_grad_norm_'s coefficient, of the unscaled gradients' norm.

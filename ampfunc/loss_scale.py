@@ -24,9 +24,19 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import NAMESPACE, PyTree, float_leaves_with_paths, tree_unflatten, tree_flatten
+from ampfunc.tree import NAMESPACE, PyTree, check_flag, float_leaves_with_paths, tree_unflatten, tree_flatten
 
-__all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig"]
+__all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig", "SCALE_RANGE"]
+
+#: Every loss scale ampfunc holds lies in this closed range: the normal fp32 numbers. Its lower end
+#: is the smallest scale whose fp32 inverse is finite with room to spare (``2**-126``, fp32's
+#: smallest normal number), its upper end fp32's largest. Construction refuses a scale outside it,
+#: and :meth:`DynamicLossScale.adjust` never leaves it, whatever ``min_scale`` and ``max_scale``
+#: say (with ``min_scale=0`` the floor is ``2**-126``: torch's GradScaler instead reaches 0 after
+#: ~150 overflowing steps and then writes inf into every parameter). A scale that got outside it
+#: anyway (a tensor set by hand) has a NaN :attr:`LossScale.inv_scale`, so every step with it is
+#: skipped rather than applied.
+SCALE_RANGE = (2.0**-126, float(torch.finfo(torch.float32).max))
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -42,12 +52,35 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _scalar(value, dtype, device, name) -> torch.Tensor:
+def _scale_tensor(value, device, name) -> torch.Tensor:
+    """``value`` (a number or a one-element real tensor) as a 0-d fp32 tensor on ``device``,
+    refused unless it lies in :data:`SCALE_RANGE` once stored in fp32. A tensor is read back to
+    the host once, here at construction (never in a step)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return value.detach().reshape(()).to(device=device if device is not None else value.device, dtype=dtype).clone()
-    return torch.tensor(value, dtype=dtype, device=device)
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a tensor of dtype {value.dtype}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is a tensor on the meta device (it has no value)")
+        out = value.detach().reshape(()).to(device=device if device is not None else value.device,
+                                            dtype=torch.float32, copy=True)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number or a one-element tensor, got {type(value).__name__}")
+    else:
+        out = torch.tensor(float(value), dtype=torch.float32, device=device)
+    stored = float(out.item())
+    lo, hi = SCALE_RANGE
+    if not (lo <= stored <= hi):
+        given = value.item() if isinstance(value, torch.Tensor) else value
+        raise ValueError(f"{name} must be a finite number in [2**-126, {hi:.4g}] once stored in fp32 (so that "
+                         f"it and its inverse are finite and nonzero), got {given!r} (stored as {stored!r})")
+    return out
+
+
+def _valid_scale(loss_scale: torch.Tensor) -> torch.Tensor:
+    """0-d bool: ``loss_scale`` lies in :data:`SCALE_RANGE` (NaN, 0, subnormal and inf do not)."""
+    return (loss_scale >= SCALE_RANGE[0]) & (loss_scale <= SCALE_RANGE[1])
 
 
 def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor | None, what: str):
@@ -75,8 +108,20 @@ class LossScale:
 
     @property
     def inv_scale(self) -> torch.Tensor:
-        """0-d fp32 ``1 / loss_scale``, the reciprocal taken in double (as GradScaler does)."""
-        return self.loss_scale.to(torch.float64).reciprocal().to(torch.float32)
+        """0-d fp32 ``1 / loss_scale``, the reciprocal taken in double (as GradScaler does).
+
+        NaN when the scale lies outside :data:`SCALE_RANGE` (0, subnormal, inf or NaN: only a
+        tensor set by hand gets there), so gradients unscaled by it are not finite and the step
+        is skipped instead of writing inf or NaN into the state. Two 0-d ops, no host sync.
+        """
+        s = self.loss_scale
+        inv = s.to(torch.float64).reciprocal().to(torch.float32)
+        return torch.where(_valid_scale(s), inv, torch.full_like(inv, float("nan")))
+
+    def is_valid(self) -> torch.Tensor:
+        """0-d bool tensor: the scale lies in :data:`SCALE_RANGE` (so its inverse is finite and
+        nonzero). A step must be skipped when it is False; on the device, no host sync."""
+        return _valid_scale(self.loss_scale)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss.float() * loss_scale``: one scalar multiply."""
@@ -92,10 +137,23 @@ class LossScale:
         return self.unscale_and_check(tree, "unscale")[0]
 
     def unscale_and_check(self, tree: PyTree, what: str = "grads") -> tuple[PyTree, torch.Tensor]:
-        """``(fp32 leaves times inv_scale, finite)``; see :func:`ampfunc.unscale_and_check`."""
-        return _fp32_unscaled(tree, self.inv_scale, what)
+        """``(fp32 leaves times inv_scale, finite)``; see :func:`ampfunc.unscale_and_check`.
+
+        ``finite`` is also False when the scale itself is not valid (:meth:`is_valid`), even for
+        a tree without elements.
+        """
+        out, finite = _fp32_unscaled(tree, self.inv_scale, what)
+        return out, finite & self.is_valid().to(finite.device)
 
     def adjust(self, finite: torch.Tensor) -> "LossScale":
+        """The loss scale after a step whose gradients were ``finite`` (a 0-d bool tensor; a
+        Python ``bool`` is accepted too). Fixed scales return themselves."""
+        check_flag(finite, "update_scale: finite")
+        return self
+
+    def adjust_(self, finite: torch.Tensor) -> "LossScale":
+        """In-place :meth:`adjust`; fixed scales only check the flag and return themselves."""
+        check_flag(finite, "update_scale_: finite")
         return self
 
 
@@ -115,6 +173,9 @@ class NoOpLossScale(LossScale):
     def inv_scale_on(self, device) -> torch.Tensor:
         # Made on the device (a fill, no host-to-device copy), so CUDA graph capture works.
         return torch.ones((), dtype=torch.float32, device=device)
+
+    def is_valid(self) -> torch.Tensor:
+        return torch.ones((), dtype=torch.bool)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return _check_loss(loss)
@@ -137,21 +198,29 @@ class NoOpLossScale(LossScale):
 
 
 class StaticLossScale(LossScale):
-    """A fixed loss scale (apex's ``static_loss_scale``); ``adjust`` returns it unchanged."""
+    """A fixed loss scale (apex's ``static_loss_scale``); ``adjust`` returns it unchanged.
+
+    ``loss_scale`` (a number or a one-element tensor, read once here) must lie in
+    :data:`SCALE_RANGE` once stored in fp32: ``StaticLossScale(1e-50)`` (0 in fp32),
+    ``StaticLossScale(2**-130)`` (inverse infinite in fp32), ``StaticLossScale(1e39)`` (inf),
+    NaN, 0 and negative scales raise ``ValueError`` naming ``loss_scale``.
+    """
 
     __slots__ = ("_loss_scale",)
 
     def __init__(self, loss_scale: float | torch.Tensor, device=None):
-        if not isinstance(loss_scale, torch.Tensor) and not (loss_scale > 0 and math.isfinite(loss_scale)):
-            raise ValueError(f"StaticLossScale: loss_scale must be finite and > 0, got {loss_scale!r}")
-        self._loss_scale = _scalar(loss_scale, torch.float32, device, "StaticLossScale: loss_scale")
+        self._loss_scale = _scale_tensor(loss_scale, device, "StaticLossScale: loss_scale")
 
     @property
     def loss_scale(self) -> torch.Tensor:
         return self._loss_scale
 
+    def adjust(self, finite: torch.Tensor) -> "StaticLossScale":
+        check_flag(finite, "update_scale: finite")
+        return self
+
     def to(self, device) -> "StaticLossScale":
-        return StaticLossScale(self._loss_scale.to(device))
+        return _static_unflatten(None, (self._loss_scale.to(device),))
 
     def __repr__(self) -> str:
         return f"StaticLossScale({self._loss_scale!r})"
@@ -177,6 +246,12 @@ class DynamicConfig(NamedTuple):
         def bad(name, value, rule):
             raise ValueError(f"DynamicLossScale: {name} must be {rule}, got {value!r}")
 
+        for name, value in self._asdict().items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"DynamicLossScale: {name} must be a Python number, got {type(value).__name__}"
+                                + (" (a tensor setting would be read on the host every step)"
+                                   if isinstance(value, torch.Tensor) else ""))
+
         if not (self.growth_factor > 1.0) or not math.isfinite(self.growth_factor):
             bad("growth_factor", self.growth_factor, "a finite number > 1")
         if not (0.0 < self.backoff_factor < 1.0):
@@ -185,6 +260,8 @@ class DynamicConfig(NamedTuple):
             bad("growth_interval", self.growth_interval, "an integer >= 1")
         if not (self.min_scale >= 0.0) or not math.isfinite(self.min_scale):
             bad("min_scale", self.min_scale, "a finite number >= 0")
+        if self.min_scale > SCALE_RANGE[1]:
+            bad("min_scale", self.min_scale, f"at most fp32's largest number {SCALE_RANGE[1]:.4g}")
         if not (self.max_scale >= self.min_scale) or self.max_scale <= 0:
             bad("max_scale", self.max_scale, f"> 0 and >= min_scale ({self.min_scale})")
         if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
@@ -204,11 +281,18 @@ class DynamicLossScale(LossScale):
     ``growth_factor`` (capped at ``max_scale``). With ``min_scale=0, max_scale=inf,
     hysteresis=1`` the sequence of scales equals ``torch.amp.GradScaler``'s step for step,
     rounding included (products in double, stored in fp32; a growth that would overflow fp32 is
-    not applied). apex's ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
+    not applied) -- except that the scale never goes below ``2**-126`` (:data:`SCALE_RANGE`),
+    where GradScaler would reach 0 and then write inf into the parameters. apex's ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
     ``DynamicLossScale(2.**32, growth_interval=1000, min_scale=1, max_scale=inf)``.
 
     Tensors (all 0-d, on ``device``): ``loss_scale`` (fp32), ``growth_tracker`` (int32, clean
     steps since the last change), ``hysteresis_tracker`` (int32, overflows still tolerated).
+
+    ``init_scale`` (a number or a one-element tensor, read once here) must lie in
+    :data:`SCALE_RANGE` once stored in fp32 and in ``[min_scale, max_scale]``:
+    ``DynamicLossScale(2.**32)`` is refused (above the default ``max_scale=2**24``; pass
+    ``max_scale=float("inf")`` as apex's configuration does), so are NaN, 0, negative and
+    fp32-infinite scales such as ``1e39``. Errors name the setting at fault.
     """
 
     __slots__ = ("_loss_scale", "_growth_tracker", "_hysteresis_tracker", "_config")
@@ -218,9 +302,12 @@ class DynamicLossScale(LossScale):
                  max_scale: float = 2.0**24, hysteresis: int = 1, device=None):
         config = DynamicConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
                                hysteresis).validate()
-        if not isinstance(init_scale, torch.Tensor) and not (init_scale > 0 and math.isfinite(init_scale)):
-            raise ValueError(f"DynamicLossScale: init_scale must be finite and > 0, got {init_scale!r}")
-        scale = _scalar(init_scale, torch.float32, device, "DynamicLossScale: init_scale")
+        scale = _scale_tensor(init_scale, device, "DynamicLossScale: init_scale")
+        value = float(scale.item())
+        if not (config.min_scale <= value <= config.max_scale):
+            raise ValueError(f"DynamicLossScale: init_scale {value!r} lies outside [min_scale, max_scale] = "
+                             f"[{config.min_scale!r}, {config.max_scale!r}]; widen max_scale or min_scale "
+                             "(apex's setting is max_scale=float('inf'))")
         self._set(scale, torch.zeros((), dtype=torch.int32, device=scale.device),
                   torch.full((), config.hysteresis, dtype=torch.int32, device=scale.device), config)
 
@@ -270,17 +357,25 @@ class DynamicLossScale(LossScale):
 
         Pure; a handful of 0-d kernels on the scale's device, no host sync.
         """
-        if not isinstance(finite, torch.Tensor):
-            finite = torch.tensor(bool(finite))
+        finite = check_flag(finite, "update_scale: finite")
         s, g, h = ops.update_scale(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
-                                   **self._config._asdict())
+                                   **self._kernel_config())
         return DynamicLossScale.from_tensors(s, g, h, self._config)
 
     def adjust_(self, finite: torch.Tensor) -> "DynamicLossScale":
         """In-place :meth:`adjust` (the donating fast path); returns ``self``."""
+        finite = check_flag(finite, "update_scale_: finite")
         ops.update_scale_(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
-                          **self._config._asdict())
+                          **self._kernel_config())
         return self
+
+    def _kernel_config(self) -> dict:
+        # The backoff floor never goes below SCALE_RANGE's low end: a scale of 0 (or one whose
+        # fp32 inverse overflows) would turn the next finite step into inf/NaN parameters.
+        # Growth cannot leave the range: the kernels do not apply a growth that overflows fp32.
+        config = self._config._asdict()
+        config["min_scale"] = max(config["min_scale"], SCALE_RANGE[0])
+        return config
 
     def to(self, device) -> "DynamicLossScale":
         return DynamicLossScale.from_tensors(self._loss_scale.to(device), self._growth_tracker.to(device),

@@ -196,7 +196,9 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
         finite = ops.all_finite(leaves)
     else:
         device = leaves[0].device if leaves else ls.loss_scale.device
-        finite = ops.unscale_(leaves, ls.inv_scale_on(device))
+        inv_scale = ls.inv_scale_on(device)
+        # NaN when the scale is outside SCALE_RANGE: not a clean step, even with no elements.
+        finite = ops.unscale_(leaves, inv_scale) & ~inv_scale.isnan()
     if group is not None:
         finite = agree_finite(finite, group)
     return grads, finite
@@ -239,8 +241,7 @@ def update_scale_(ls, finite):
             update_scale_(v, flags[k])
         return ls
     _check_loss_scale(ls, "update_scale_")
-    if isinstance(ls, DynamicLossScale):
-        ls.adjust_(finite)
+    ls.adjust_(finite)  # static and no-op scales only check the flag
     return ls
 
 

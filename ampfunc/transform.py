@@ -13,6 +13,7 @@ a whole step can be skipped on the device with :func:`ampfunc.skip_or_apply`, sa
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
@@ -343,6 +344,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     if u_spec != p_spec:
         check_same_structure(params, updates, "params", "updates")
         return tree_map(_apply_leaf, params, updates)
+    _check_update_shapes(params, p_leaves, u_leaves)
     if p_leaves and ops.kernel_ready(p_leaves[0].device if isinstance(p_leaves[0], torch.Tensor) else None,
                                      (), (p_leaves, u_leaves)):
         try:
@@ -350,3 +352,30 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         except (ValueError, TypeError):
             pass  # shapes the kernel does not broadcast: the leaf-by-leaf path (it validates first)
     return tree_unflatten(p_spec, [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])
+
+
+def _check_update_shapes(params: PyTree, p_leaves: list, u_leaves: list) -> None:
+    """Refuses, naming the leaf, an update that is not a tensor or would change its param's
+    shape. One C-speed comparison of the shape lists; the per-leaf look only on a mismatch."""
+    try:
+        if set(map(type, u_leaves)) <= _PLAIN_TENSORS and list(map(_shape_of, p_leaves)) == list(map(_shape_of, u_leaves)):
+            return
+    except AttributeError:  # a param leaf that is not a tensor: the look below skips it
+        pass
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if isinstance(p, torch.Tensor) and not (isinstance(u, torch.Tensor) and u.shape == p.shape):
+            # An update may broadcast onto its param (e.g. a 0-d one) but never change its shape.
+            path = leaves_with_paths(params)[i][0]
+            if not isinstance(u, torch.Tensor):
+                raise TypeError(f"apply_updates: updates leaf {path!r} is a {type(u).__name__}, expected a tensor")
+            try:
+                fits = torch.broadcast_shapes(p.shape, u.shape) == p.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"apply_updates: leaf {path!r} has shape {tuple(p.shape)} in params and "
+                                 f"{tuple(u.shape)} in updates, which does not broadcast to it")
+
+
+_shape_of = operator.attrgetter("shape")
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}

@@ -36,6 +36,8 @@ __all__ = [
     "is_float_tensor",
     "tree_zeros_like",
     "tree_clone",
+    "check_flag",
+    "check_tensor_leaves",
 ]
 
 
@@ -128,16 +130,63 @@ def _select_leaf(pred: torch.Tensor, path: str):
     return select
 
 
+def check_flag(flag: Any, where: str) -> torch.Tensor:
+    """``flag`` as a 0-d bool tensor, or ``TypeError``/``ValueError`` naming ``where``.
+
+    A step's ``finite`` flag must be a bool tensor with no dimensions (under ``torch.vmap`` that
+    is one flag per example); a Python ``bool`` is turned into one. Integer and float flags are
+    refused: ``torch.tensor(nan)`` would otherwise read as True. Reads no value (no host sync).
+    """
+    if isinstance(flag, bool):
+        return torch.tensor(flag)
+    if not isinstance(flag, torch.Tensor):
+        raise TypeError(f"{where} must be a 0-d bool tensor (the finite flag), got {type(flag).__name__}")
+    if flag.dtype != torch.bool:
+        raise TypeError(f"{where} must be a 0-d bool tensor (the finite flag), got dtype {flag.dtype}; "
+                        "compare explicitly (e.g. `flag != 0`) if that is what you mean")
+    if flag.dim() != 0:
+        raise ValueError(f"{where} must be a 0-d bool tensor (the finite flag), got shape {tuple(flag.shape)}; "
+                         "reduce it (e.g. `.all()`) first")
+    if flag.device.type == "meta":
+        raise ValueError(f"{where} is on the meta device (it has no value)")
+    return flag
+
+
+def check_tensor_leaves(tree: PyTree, what: str, *, floating: bool = True, allow_sparse: bool = False,
+                        allow_meta: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """``[(path, leaf), ...]`` of ``tree``, every leaf checked to be a dense tensor on a real device.
+
+    Refuses, naming the leaf path: a leaf that is not a tensor (a numpy array, a Python number),
+    a non-floating tensor when ``floating``, a sparse tensor (unless ``allow_sparse``), a tensor
+    on the ``meta`` device (unless ``allow_meta``: it has no values). One flatten; no tensor data
+    is read.
+    """
+    out = []
+    for path, leaf in leaves_with_paths(tree):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} leaf {path!r} is a {type(leaf).__module__}.{type(leaf).__name__}, "
+                            "expected a torch.Tensor" + (" (convert it with torch.as_tensor)"
+                                                         if hasattr(leaf, "__array__") else ""))
+        if leaf.layout != torch.strided and not allow_sparse:
+            raise TypeError(f"{what} leaf {path!r} has layout {leaf.layout}; only dense (strided) tensors are "
+                            "supported (densify it with .to_dense())")
+        if floating and not torch.is_floating_point(leaf):
+            raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
+        if leaf.device.type == "meta" and not allow_meta:
+            raise ValueError(f"{what} leaf {path!r} is on the meta device (it has no values)")
+        out.append((path, leaf))
+    return out
+
+
 def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
     """Per leaf ``a if pred else b``, decided on the device (``torch.where``; no host sync).
 
-    ``pred`` is a 0-d bool tensor. Costs one read of each tree and one write of the result.
-    Non-tensor leaves must be equal in both trees.
+    ``pred`` is a 0-d bool tensor (:func:`check_flag`; int, float and shaped flags are
+    refused). Costs one read of each tree and one write of the result. Non-tensor leaves must
+    be equal in both trees.
     """
+    pred = check_flag(pred, "skip_or_apply: finite")
     check_same_structure(a, b, "new", "old")
-    if not isinstance(pred, torch.Tensor) or pred.numel() != 1:
-        raise TypeError(f"select_tree: pred must be a 0-d bool tensor, got {pred!r}")
-    pred = pred.reshape(()).to(torch.bool)
     accessors, leaves_a, spec = optree.tree_flatten_with_accessor(a, namespace=NAMESPACE)
     leaves_b = tree_leaves(b)
     out = [_select_leaf(pred, path_to_str(acc))(x, y) for acc, x, y in zip(accessors, leaves_a, leaves_b)]
@@ -177,15 +226,8 @@ def tree_clone(tree: PyTree) -> PyTree:
 
 def float_leaves_with_paths(tree: PyTree, what: str = "tree") -> tuple[list[str], list[torch.Tensor]]:
     """Paths and leaves of ``tree``; raises ``TypeError`` naming the first non-floating tensor leaf."""
-    paths, leaves = [], []
-    for path, leaf in leaves_with_paths(tree):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{what} leaf {path!r} is {type(leaf).__name__}, expected a floating tensor")
-        if not torch.is_floating_point(leaf):
-            raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
-        paths.append(path)
-        leaves.append(leaf)
-    return paths, leaves
+    pairs = check_tensor_leaves(tree, what)
+    return [p for p, _ in pairs], [t for _, t in pairs]
 
 
 def aligned_leaves(trees: Sequence[PyTree]) -> list[list[torch.Tensor]] | None:

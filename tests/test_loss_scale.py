@@ -180,3 +180,132 @@ def test_adjust_in_place_matches_pure_adjust():
         assert torch.equal(a.loss_scale, b.loss_scale)
         assert torch.equal(a.growth_tracker, b.growth_tracker)
         assert torch.equal(a.hysteresis_tracker, b.hysteresis_tracker)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 10, items 1, 2, 7 and 9: a scale or inverse of 0 or inf never reaches a step.
+# ----------------------------------------------------------------------------------------------
+
+LO, HI = af.loss_scale.SCALE_RANGE
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gradscaler_parity_setting_never_underflows_to_zero(inplace):
+    # torch's GradScaler reaches 0 after ~150 overflowing steps from 2**16; ours stops at 2**-126.
+    ls = af.DynamicLossScale(2.0**16, min_scale=0.0, max_scale=math.inf)
+    for _ in range(300):
+        ls = ls.adjust_(torch.tensor(False)) if inplace else ls.adjust(torch.tensor(False))
+    assert ls.loss_scale.item() == LO
+    assert math.isfinite(ls.inv_scale.item()) and ls.inv_scale.item() > 0
+    assert ls.is_valid().item()
+
+
+def test_gradscaler_parity_holds_until_the_floor():
+    overflows = [True] * 180
+    ours = af.DynamicLossScale(2.0**16, min_scale=0.0, max_scale=math.inf)
+    theirs = _grad_scaler_sequence(overflows)
+    for i, overflow in enumerate(overflows):
+        ours = ours.adjust(torch.tensor(not overflow))
+        assert ours.loss_scale.item() == max(theirs[i], LO), i
+    assert theirs[-1] == 0.0  # what torch does: the next finite step writes inf
+
+
+@pytest.mark.parametrize("inner", [af.adam(1e-3), af.from_torch(torch.optim.Adam, lr=1e-3)], ids=["fused", "generic"])
+def test_long_overflow_run_then_finite_step_keeps_params_finite(inner):
+    params = {"w": torch.randn(8)}
+    tx = af.mixed_precision(inner, loss_scale=af.DynamicLossScale(2.0**16, min_scale=0.0, max_scale=math.inf))
+    state = tx.init(params)
+    bad = {"w": torch.full((8,), float("inf"))}
+    for _ in range(200):
+        params, state = tx.step(params, bad, state)
+    before = params["w"].clone()
+    scaled = {"w": torch.full((8,), 1e-3) * af.loss_scale_of(state).loss_scale}  # grads of the scaled loss
+    params, state = tx.step(params, scaled, state)
+    leaves = [t for t in af.tree.tree_leaves((params, state)) if t.is_floating_point()]
+    assert all(torch.isfinite(t).all() for t in leaves)
+    assert not torch.equal(params["w"], before)  # the finite step was applied
+
+
+@pytest.mark.parametrize("value", [1e-50, 2.0**-130, 2.0**-127, 1e39, float("inf"), float("nan"), 0.0, -2.0,
+                                   torch.tensor(float("nan")), torch.tensor(0.0), torch.tensor(-2.0),
+                                   torch.tensor(float("inf")), torch.tensor(1e-50, dtype=torch.float64)])
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_scales_outside_the_fp32_normal_range_are_refused(value, kind):
+    with pytest.raises(ValueError, match="init_scale" if kind == "dynamic" else "loss_scale"):
+        if kind == "static":
+            af.StaticLossScale(value)
+        else:
+            af.DynamicLossScale(value, min_scale=0.0, max_scale=math.inf)
+
+
+def test_scale_range_ends_are_accepted_and_their_inverses_finite():
+    for v in (LO, HI):
+        ls = af.StaticLossScale(v)
+        assert ls.loss_scale.item() == v
+        inv = ls.inv_scale.item()
+        assert math.isfinite(inv) and inv > 0
+
+
+def test_init_scale_outside_min_max_is_refused():
+    with pytest.raises(ValueError, match=r"init_scale .*max_scale"):
+        af.DynamicLossScale(2.0**32)  # default max_scale is 2**24
+    with pytest.raises(ValueError, match=r"init_scale .*min_scale"):
+        af.DynamicLossScale(0.5)  # default min_scale is 1
+    assert af.DynamicLossScale(2.0**32, max_scale=math.inf).loss_scale.item() == 2.0**32
+
+
+def test_hand_set_invalid_scale_skips_every_step_instead_of_poisoning():
+    # A scale set by hand (from_tensors does not read values) with 0 or inf: inv_scale is NaN,
+    # unscale_and_check says "not finite", and the composed step is skipped.
+    for bad in (0.0, float("inf"), float("nan"), 1e-45):
+        ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
+                                              torch.ones((), dtype=torch.int32), af.DynamicConfig())
+        assert not ls.is_valid().item()
+        assert math.isnan(ls.inv_scale.item())
+        _, finite = af.unscale_and_check({"w": torch.ones(3)}, ls)
+        assert not finite.item()
+        _, finite = af.unscale_and_check({}, ls)  # no elements: still not a clean step
+        assert not finite.item()
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(float("nan")), torch.tensor(1.0), torch.tensor(1),
+                                  1, 1.0, None, "yes", torch.tensor([True, True])])
+@pytest.mark.parametrize("ls", [af.DynamicLossScale(), af.StaticLossScale(8.0), af.NoOpLossScale()],
+                         ids=["dynamic", "static", "noop"])
+def test_update_scale_refuses_non_bool_or_shaped_flags(flag, ls):
+    before = [t.clone() for t in af.tree.tree_leaves(ls)]
+    with pytest.raises((TypeError, ValueError), match="finite"):
+        af.update_scale(ls, flag)
+    with pytest.raises((TypeError, ValueError), match="finite"):
+        af.update_scale_(ls, flag)
+    assert all(torch.equal(a, b) for a, b in zip(before, af.tree.tree_leaves(ls)))
+
+
+def test_python_bool_flags_are_accepted():
+    ls = af.DynamicLossScale(8.0, growth_interval=1)
+    assert af.update_scale(ls, True).loss_scale.item() == 16.0
+    assert af.update_scale(ls, False).loss_scale.item() == 4.0
+
+
+@pytest.mark.parametrize("name,value", [("growth_factor", torch.tensor(2.0)), ("min_scale", "1"),
+                                        ("hysteresis", True), ("max_scale", None)])
+def test_non_number_settings_are_refused_naming_them(name, value):
+    with pytest.raises(TypeError, match=name):
+        af.DynamicLossScale(**{name: value})
+
+
+@pytest.mark.parametrize("method", ["step", "step_"])
+@pytest.mark.parametrize("inner", [lambda: af.adam(1e-3), lambda: af.from_torch(torch.optim.Adam, lr=1e-3)],
+                         ids=["fused", "generic"])
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+def test_hand_set_invalid_scale_skips_the_composed_step(bad, inner, method):
+    params = {"w": torch.ones(3, dtype=torch.float16)}
+    ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
+                                          torch.ones((), dtype=torch.int32), af.DynamicConfig())
+    tx = af.mixed_precision(inner(), loss_scale=ls)
+    state = tx.init(params)
+    new_params, new_state = getattr(tx, method)(params, {"w": torch.ones(3, dtype=torch.float16)}, state)
+    assert torch.equal(new_params["w"], torch.ones(3, dtype=torch.float16))
+    assert torch.equal(new_state.master["w"], torch.ones(3))
+    if bad == 0.0:  # a zero scale backs off to the floor (here min_scale=1) and trains again
+        assert af.loss_scale_of(new_state).loss_scale.item() == 1.0

@@ -34,10 +34,10 @@ def test_all_finite_ignores_integer_and_bool_leaves_and_is_true_for_empty_trees(
 def test_select_tree_picks_on_the_device_and_checks_python_leaves():
     new = {"w": torch.ones(2), "lr": 0.1}
     old = {"w": torch.zeros(2), "lr": 0.1}
-    assert torch.equal(af.select_tree(torch.tensor(False), new, old)["w"], torch.zeros(2))
-    assert torch.equal(af.select_tree(torch.tensor(True), new, old)["w"], torch.ones(2))
+    assert torch.equal(af.tree.select_tree(torch.tensor(False), new, old)["w"], torch.zeros(2))
+    assert torch.equal(af.tree.select_tree(torch.tensor(True), new, old)["w"], torch.ones(2))
     with pytest.raises(ValueError, match="'lr'"):
-        af.select_tree(torch.tensor(True), {"lr": 0.1}, {"lr": 0.2})
+        af.tree.select_tree(torch.tensor(True), {"lr": 0.1}, {"lr": 0.2})
 
 
 def test_structure_mismatch_names_the_leaves():

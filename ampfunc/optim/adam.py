@@ -24,6 +24,7 @@ from ampfunc.optim.base import (
     lr_at,
     on,
     step_device,
+    warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
@@ -98,6 +99,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
 
     def init(params):
         float_leaves_with_paths(params, "params")
+        warn_low_precision_params(params, kind)
         zeros = lambda: tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)  # noqa: E731
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)

@@ -7,6 +7,7 @@ it is re-exported here for the optimizer modules.)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Union
 
 import torch
@@ -25,6 +26,31 @@ __all__ = ["FusedSpec", "Schedule", "ScalarOrSchedule"]
 
 Schedule = Callable[[torch.Tensor], Union[torch.Tensor, float]]
 ScalarOrSchedule = Union[float, Schedule]
+
+
+_WARNED_LOW_PRECISION: set = set()
+
+
+def warn_low_precision_params(params: PyTree, where: str) -> None:
+    """Warns once per process and optimizer when a param leaf is fp16/bf16 (issue 10, item 14).
+
+    Without an fp32 master copy (:func:`ampfunc.mixed_precision` keeps one), updates smaller
+    than the param's resolution vanish when added, and in fp16 a finite gradient above ~1e19
+    makes Adam's ``exp_avg_sq`` inf for good. torch.optim is silent about both. Cost: one
+    flatten of ``params`` at init; nothing per step.
+    """
+    if where in _WARNED_LOW_PRECISION:
+        return
+    for path, leaf in leaves_with_paths(params):
+        if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16):
+            _WARNED_LOW_PRECISION.add(where)
+            dtype = str(leaf.dtype).split(".")[-1]
+            warnings.warn(
+                f"{where}: params leaf {path!r} is {dtype} and the optimizer keeps no fp32 master copy: "
+                f"updates below {dtype}'s resolution are lost and its state may overflow; wrap the "
+                "optimizer in ampfunc.mixed_precision(...) to keep fp32 masters (warned once)",
+                UserWarning, stacklevel=3)
+            return
 
 
 def check_lr(lr: Any, where: str) -> None:
@@ -90,6 +116,10 @@ def checked_inputs(grads: PyTree, params: PyTree | None, slot: PyTree | None, sl
         if not all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves):
             float_leaves_with_paths(trees[name], name)  # raises, naming the leaf and its dtype
         if name == "grads":
+            # Fresh every step: also refuse sparse and meta leaves (params and slots were
+            # checked by init), naming the leaf rather than failing inside an op.
+            if not all(x.layout is torch.strided and not x.is_meta for x in leaves):
+                float_leaves_with_paths(trees[name], f"{where}: {name}")
             continue
         for i, (gi, xi) in enumerate(zip(g, leaves)):
             if gi.shape != xi.shape:

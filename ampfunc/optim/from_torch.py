@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ampfunc.optim.base import checked_inputs, step_device
+from ampfunc.optim.base import checked_inputs, step_device, warn_low_precision_params
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import float_leaves_with_paths, leaves_with_paths, tree_structure, tree_unflatten
 
@@ -119,6 +119,7 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
 
     def init(params):
         _, leaves = float_leaves_with_paths(params, "params")
+        warn_low_precision_params(params, f"from_torch({name})")
         clones = [p.detach().clone() for p in leaves]
         for c in clones:
             c.grad = torch.zeros_like(c)

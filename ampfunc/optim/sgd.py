@@ -21,6 +21,7 @@ from ampfunc.optim.base import (
     lr_at,
     on,
     step_device,
+    warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
@@ -89,6 +90,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
 
     def init(params):
         float_leaves_with_paths(params, "params")
+        warn_low_precision_params(params, "sgd")
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         buf = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params) if momentum != 0 else None
         return SgdState(step, buf)

@@ -3,6 +3,8 @@ decoupled weight decay."""
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import torch
@@ -24,6 +26,8 @@ def scale(step_size: float) -> GradientTransformation:
     """Multiplies every update by ``step_size``. Stateless; one read and write."""
     if isinstance(step_size, bool) or not isinstance(step_size, (int, float)):
         raise TypeError(f"scale: step_size must be a float, got {type(step_size).__name__}")
+    if not math.isfinite(step_size):
+        raise ValueError(f"scale: step_size must be finite, got {step_size!r}")
 
     def init(params):
         return EmptyState()

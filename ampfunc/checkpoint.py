@@ -1,0 +1,141 @@
+"""Checkpoints that notice damage: ``torch.save`` bytes behind a versioned, checksummed header.
+
+``torch.save`` alone writes a zip archive whose tensor bytes ``torch.load`` reads back without
+verifying them: a file with overwritten bytes in a tensor's storage loads, and the damage shows
+up later as NaN or wrong numbers in the run. :func:`save` writes the same ``torch.save`` payload
+after a fixed header (a magic line, a format version, the payload's length and its SHA-256), and
+:func:`load` refuses, with :class:`CheckpointError`, a file whose header is missing, whose
+version is newer than this library's, which is truncated, or whose bytes do not match the
+checksum -- before anything is unpickled. A path is written atomically (a temporary file in the
+same folder, flushed to disk, then renamed over the target), so a crash mid-save leaves the old
+checkpoint intact.
+
+Every ampfunc state (parameters, optimizer states, loss scales, :class:`MixedPrecisionState`, ...)
+is a pytree of tensors and resumes bit for bit through this pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import struct
+import tempfile
+from typing import IO, Any, Union
+
+import torch
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "save", "load"]
+
+#: The format this module writes. :func:`load` reads this version and older ones.
+FORMAT_VERSION = 1
+
+_MAGIC = b"AMPFUNC-CHECKPOINT\n"
+# version (uint32), payload length (uint64), SHA-256 of (version, length, payload): little endian.
+_FIELDS = struct.Struct("<IQ")
+_HEADER_LEN = len(_MAGIC) + _FIELDS.size + hashlib.sha256().digest_size
+
+PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is not one, is newer than this library, truncated or corrupted."""
+
+
+def _digest(version: int, payload: bytes) -> bytes:
+    h = hashlib.sha256(_FIELDS.pack(version, len(payload)))
+    h.update(payload)
+    return h.digest()
+
+
+def _name(f: PathOrFile) -> str:
+    return os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", type(f).__name__)
+
+
+def save(obj: Any, f: PathOrFile) -> None:
+    """Writes ``obj`` (anything ``torch.save`` takes) to ``f`` with a version and a checksum.
+
+    Args:
+      obj: the object to save, typically ``{"params": ..., "opt_state": ..., "step": ...}``.
+      f: a path (written atomically: temporary file, fsync, rename) or a binary file object
+        (written at its current position).
+
+    Returns:
+      None.
+
+    Example:
+      >>> af.checkpoint.save({"params": params, "state": state}, "ckpt.pt")  # doctest: +SKIP
+      >>> ckpt = af.checkpoint.load("ckpt.pt")                               # doctest: +SKIP
+
+    Cost: one ``torch.save`` into memory, one SHA-256 pass over the bytes (about 1 GB/s) and
+    one write; tensors on a GPU are copied to the host (as ``torch.save`` does).
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
+    blob = _MAGIC + _FIELDS.pack(FORMAT_VERSION, len(payload)) + _digest(FORMAT_VERSION, payload) + payload
+    if not isinstance(f, (str, os.PathLike)):
+        f.write(blob)
+        return
+    path = os.fspath(f)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ampfunc-ckpt-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(blob)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(f: PathOrFile, *, map_location=None, weights_only: bool = True) -> Any:
+    """Reads what :func:`save` wrote, after checking its header, length and checksum.
+
+    Args:
+      f: a path or a binary file object positioned at the checkpoint.
+      map_location: as for ``torch.load`` (e.g. ``"cpu"``).
+      weights_only: as for ``torch.load``; True (the default) unpickles only tensors, containers
+        and the ampfunc state classes.
+
+    Returns:
+      The saved object.
+
+    Raises:
+      CheckpointError: the file has no ampfunc header (a plain ``torch.save`` file: load it with
+        ``torch.load``), was written by a newer format version, is truncated or has extra bytes,
+        or its bytes do not match the recorded SHA-256. The message names the file.
+
+    Example:
+      >>> state = af.checkpoint.load("ckpt.pt", map_location="cpu")  # doctest: +SKIP
+
+    Cost: one read of the file and one SHA-256 pass before ``torch.load``.
+    """
+    name = _name(f)
+    if isinstance(f, (str, os.PathLike)):
+        with open(f, "rb") as fh:
+            blob = fh.read()
+    else:
+        blob = f.read()
+    if not blob.startswith(_MAGIC):
+        raise CheckpointError(f"{name!r} is not an ampfunc checkpoint (no ampfunc header); a file from plain "
+                              "torch.save is read with torch.load, which does not verify its bytes")
+    if len(blob) < _HEADER_LEN:
+        raise CheckpointError(f"{name!r}: truncated ampfunc checkpoint ({len(blob)} bytes, shorter than its header)")
+    version, length = _FIELDS.unpack_from(blob, len(_MAGIC))
+    if version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(f"{name!r}: checkpoint format version {version} is not supported (this ampfunc "
+                              f"reads versions 1 to {FORMAT_VERSION}); upgrade ampfunc")
+    digest = blob[len(_MAGIC) + _FIELDS.size:_HEADER_LEN]
+    payload = blob[_HEADER_LEN:]
+    if len(payload) != length:
+        what = "truncated" if len(payload) < length else "has extra bytes"
+        raise CheckpointError(f"{name!r}: checkpoint {what}: the header records {length} payload bytes, "
+                              f"the file holds {len(payload)}")
+    if _digest(version, payload) != digest:
+        raise CheckpointError(f"{name!r}: checkpoint corrupted: its bytes do not match the recorded SHA-256 "
+                              "(the file was modified after it was written)")
+    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=weights_only)
