@@ -353,6 +353,20 @@ class TrainingMonitor:
             new_counts,
         ), self._config)
 
+    def record_state(self, state: Any, *, loss: Any = None,
+                     leaf_nonfinite: Optional[torch.Tensor] = None) -> "TrainingMonitor":
+        """:meth:`record` from the state a mixed-precision step returned.
+
+        ``state``: anything with the step's ``finite`` flag and the next ``loss_scale`` (the
+        states of ``mixed_precision``, ``make_train_step`` and ``ModuleTrainer``). Pure; no host
+        sync.
+        """
+        finite, ls = getattr(state, "finite", None), getattr(state, "loss_scale", None)
+        if not isinstance(finite, torch.Tensor) or ls is None:
+            raise TypeError(f"TrainingMonitor.record_state: {type(state).__name__} carries no finite flag and "
+                            "loss scale (pass the state a mixed-precision step returned, or use record())")
+        return self.record(finite, ls, loss=loss, leaf_nonfinite=leaf_nonfinite)
+
     # -- readers (one host sync each) ------------------------------------------------------
 
     def _host(self) -> dict:

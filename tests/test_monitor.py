@@ -279,3 +279,20 @@ def test_monitor_rejects_bad_settings_and_inputs():
         mon.record(torch.tensor(True), leaf_nonfinite=torch.tensor([True, False]))
     with pytest.raises(ValueError, match="finite"):
         mon.record(torch.tensor([True, True]))
+
+
+def test_record_state_reads_the_finite_flag_and_scale_of_a_step_state():
+    tx = af.mixed_precision(af.sgd(0.1), loss_scale=af.DynamicLossScale(init_scale=4.0))
+    params = {"w": torch.ones(2)}
+    state = tx.init(params)
+    if getattr(state, "finite", None) is None:
+        pytest.skip("this mixed_precision state carries no finite flag")
+    mon = TrainingMonitor(params)
+    for g in (torch.ones(2), torch.tensor([1.0, float("inf")]), torch.ones(2)):
+        params, state = tx.step(params, {"w": g}, state)
+        mon = mon.record_state(state, loss=1.0)
+    assert mon.history()["finite"] == [True, False, True]
+    assert mon.scaler_stats()["skipped_steps"] == int(state.skipped) == 1
+    assert mon.scaler_stats()["current_scale"] == float(af.loss_scale_of(state).loss_scale) == 2.0
+    with pytest.raises(TypeError, match="finite flag"):
+        mon.record_state({"w": 1})

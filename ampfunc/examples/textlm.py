@@ -14,7 +14,7 @@ tokens, so the gradient reaching each logit is of order ``1 / tokens`` times a p
 in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 loses precision) unless the loss is
 scaled up first.
 
-    python -m ampfunc.examples.textlm [--steps 150] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+    python -m ampfunc.examples.textlm [--steps 200] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Block(torch.nn.Module):
 
 
 class ByteGPT(torch.nn.Module):
-    def __init__(self, d=128, layers=2, heads=4, context=64, vocab=256):
+    def __init__(self, d=64, layers=2, heads=4, context=64, vocab=256):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d)
         self.pos = torch.nn.Parameter(torch.zeros(context, d))
@@ -133,7 +133,7 @@ def batches(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
         yield window[:, :-1], window[:, 1:]
 
 
-def train(name, *, steps=150, batch=32, context=64, d=128, layers=2, lr=3e-3, device="cpu", seed=0,
+def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, device="cpu", seed=0,
           data=None, metrics=None, log_every=25, progress=None, eval_batches=8):
     """Trains one configuration; returns a row of the results table and its history."""
     cfg = CONFIGS[name]
@@ -213,10 +213,10 @@ peak MiB: CUDA only."""
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="configs: " + "; ".join(f"{k}: {v.about}" for k, v in CONFIGS.items()))
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
