@@ -30,7 +30,8 @@ def check_outputs(rows, metrics_path, plot_path, steps_per_config):
 
 def test_digits_every_config_with_metrics_and_plot(tmp_path, capsys):
     m, p = tmp_path / "m.jsonl", tmp_path / "p.png"
-    rows = digits.main(["--epochs", "1", "--batch", "256", "--log-every", "2", "--metrics", str(m), "--plot", str(p), "--no-progress"])
+    rows = digits.main(["--epochs", "1", "--batch", "256", "--log-every", "2", "--metrics", str(m), "--plot", str(p),
+                        "--no-progress"])
     check_outputs(rows, m, p, steps_per_config=5)
     out = capsys.readouterr().out
     assert "| fp16 unscaled |" in out and "plot:" in out

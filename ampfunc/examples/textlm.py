@@ -160,15 +160,20 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     log = LiveLog(name, steps, params=params, metrics=metrics, log_every=log_every, progress=progress, device=device)
     stream = batches(train_bytes, batch, context, torch.Generator().manual_seed(seed + 1))
     zeros = torch.zeros((), dtype=torch.int64, device=device)  # gradient elements flushed to exactly 0
+    late_zeros = zeros.clone()  # the same over the last tenth of the run: flushing grows as the model sharpens
+    late_from = steps - max(1, steps // 10)
     n_grad = sum(p.numel() for p in params.values())
     if str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
         x, y = (t.to(device, non_blocking=True) for t in next(stream))
         ls = af.loss_scale_of(state)
         grads, loss = grad_fn(params, x, y, ls)
-        zeros = zeros + count_zeros(grads)
+        step_zeros = count_zeros(grads)
+        zeros = zeros + step_zeros
+        if step >= late_from:
+            late_zeros = late_zeros + step_zeros
         flags = leaf_nonfinite(grads)  # which leaves overflowed: counted on the device, no sync
         params, state = tx.step(params, grads, state)
         log.monitor = log.monitor.record(~flags.any(), af.loss_scale_of(state), loss=loss, leaf_nonfinite=flags)
@@ -187,6 +192,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         "skipped": summary["skipped"],
         "final scale": float(af.loss_scale_of(state).loss_scale),
         "flushed %": 100.0 * int(zeros) / (n_grad * steps),
+        "flushed late %": 100.0 * int(late_zeros) / (n_grad * (steps - late_from)),
         "state MiB": state_bytes(params, state) / 2**20,
         "peak MiB": peak,
         "time s": elapsed,
@@ -198,7 +204,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
 
 COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f}"), ("tokens/s", "tokens/s", "{:.0f}"),
            ("skipped", "skipped", "{}"), ("final scale", "final scale", "{:g}"),
-           ("grad elems flushed to 0 %", "flushed %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
+           ("grad elems flushed to 0 %", "flushed %", "{:.2f}"),
+           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
            ("peak MiB", "peak MiB", "{}"), ("time s", "time s", "{:.1f}")]
 
 EXPLAIN = """\
@@ -206,7 +213,8 @@ held-out loss: mean cross-entropy (nats per byte) on the held-out files; tokens/
 throughput; skipped: steps with inf/nan gradients (not applied); grad elems flushed to 0 %: share
 of gradient elements that came out exactly zero (with the tied embedding, only the attention key
 bias has a gradient that is zero in exact arithmetic, so the fp32 row is the baseline and anything
-above it was flushed by the compute dtype); state MiB: params + fp32 master + optimizer moments;
+above it was flushed by the compute dtype; the next column counts the last tenth of the run only,
+as the share grows while the model's predictions sharpen); state MiB: params + fp32 master + optimizer moments;
 peak MiB: CUDA only."""
 
 
