@@ -42,7 +42,7 @@ from ampfunc import ops
 from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths
 
 __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_leaves",
-           "TrainingMonitor", "MonitorConfig", "leaf_nonfinite"]
+           "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
 
 
 class StepStats(NamedTuple):
@@ -225,6 +225,49 @@ def leaf_nonfinite(grads: PyTree) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.bool)
     return ops.check(tensors, per_leaf=True)[2]
+
+
+class LeafFlagsHook:
+    """Catches a step's per-leaf overflow flags for :meth:`TrainingMonitor.record`, in its leaf order.
+
+    Set it as a mixed-precision step's check hook (``tx.engine.on_check = hook``, also
+    ``ModuleTrainer.engine``): the step's own check pass then hands over one flag per gradient
+    leaf, on the device; :meth:`take` returns them ordered as ``monitor.leaf_paths`` (one gather,
+    no host sync) and clears them. Eager steps only: inside ``torch.compile`` the hook is not
+    called and :meth:`take` returns ``None`` (record without per-leaf counts, or call
+    :func:`leaf_nonfinite` on the gradients).
+
+    Example:
+      >>> hook = LeafFlagsHook(mon)
+      >>> tx.engine.on_check = hook
+      >>> params, state = tx.step(params, grads, state)
+      >>> mon = mon.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+    """
+
+    def __init__(self, monitor: "TrainingMonitor"):
+        self.leaf_paths = tuple(monitor.leaf_paths)
+        self._flags: Optional[torch.Tensor] = None
+        self._order: dict = {}  # the step's leaf paths -> gather index into the monitor's order
+
+    def __call__(self, finite: torch.Tensor, leaf_nonfinite: torch.Tensor, leaf_paths) -> None:
+        paths = tuple(leaf_paths() if callable(leaf_paths) else leaf_paths)
+        index = self._order.get(paths)
+        if index is None:
+            position = {p: i for i, p in enumerate(paths)}
+            missing = [p for p in self.leaf_paths if p not in position]
+            if missing:
+                raise ValueError(f"LeafFlagsHook: the step's gradients have no leaf {missing[0]!r} of the monitor "
+                                 f"(build the monitor from the params the step updates)")
+            index = torch.tensor([position[p] for p in self.leaf_paths], dtype=torch.int64)
+            self._order[paths] = index
+        if index.device != leaf_nonfinite.device:
+            index = self._order[paths] = index.to(leaf_nonfinite.device)
+        self._flags = leaf_nonfinite.detach().index_select(0, index)
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The last step's flags in the monitor's leaf order (then cleared), or ``None``."""
+        flags, self._flags = self._flags, None
+        return flags
 
 
 _MON_FIELDS = ("steps", "skipped", "consecutive_skips", "scale", "growth_tracker", "loss_window",

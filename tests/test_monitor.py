@@ -296,3 +296,23 @@ def test_record_state_reads_the_finite_flag_and_scale_of_a_step_state():
     assert mon.scaler_stats()["current_scale"] == float(af.loss_scale_of(state).loss_scale) == 2.0
     with pytest.raises(TypeError, match="finite flag"):
         mon.record_state({"w": 1})
+
+
+def test_the_steps_own_check_pass_feeds_the_per_leaf_counts():
+    from ampfunc.monitor import LeafFlagsHook
+
+    # b, a: dict order differs from the monitor's (sorted) path order; the hook maps between them
+    params = {"b": torch.ones(3), "a": torch.ones(2)}
+    for inner in (af.adamw(0.1), af.from_torch(torch.optim.SGD, lr=0.1)):  # fused plan, generic plan
+        tx = af.mixed_precision(inner, loss_scale=af.DynamicLossScale(init_scale=4.0))
+        if not hasattr(getattr(tx, "engine", None), "on_check"):
+            pytest.skip("this mixed_precision has no check hook")
+        state, p = tx.init(params), params
+        mon = TrainingMonitor(params)
+        hook = LeafFlagsHook(mon)
+        tx.engine.on_check = hook
+        for ga, gb in [(1.0, 1.0), (float("inf"), 1.0), (1.0, float("nan")), (float("inf"), 1.0)]:
+            p, state = tx.step(p, {"b": torch.full((3,), gb), "a": torch.full((2,), ga)}, state)
+            mon = mon.record_state(state, loss=1.0, leaf_nonfinite=hook.take())
+        assert mon.overflows() == {"a": 2, "b": 1} and int(state.skipped) == 3
+        assert hook.take() is None
