@@ -4,10 +4,11 @@ Three rules make a mixed-precision step correct across processes, and each has a
 
 * every rank skips the same steps, so the loss scale stays identical everywhere:
   ``unscale_and_check(grads, ls, group=pg)`` all-reduces the overflow flag (the collective is
-  :func:`ampfunc.agree_finite`: a MAX all-reduce of one float, on the device, no host sync);
+  :func:`agree_finite`: a MAX all-reduce of one float, on the device, no host sync);
 * under sharding (FSDP2's ``fully_shard``, DTensor) each rank holds only its shards, so the
   global gradient norm for clipping is the all-reduced sum of the local sums of squares:
-  :func:`global_norm`, :func:`clip_by_global_norm`;
+  :func:`sharded_global_norm`, used by ``ampfunc.global_norm(tree, group)`` and
+  ``ampfunc.clip_by_global_norm(max_norm, group=group)``;
 * sharded optimizer state is saved and loaded per rank: :func:`save_sharded`, :func:`load_sharded`.
 
 Plain tensors passed with a ``group`` are taken to be *local shards* of a tensor sharded over
@@ -23,8 +24,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+import sys
+import warnings
+
 from ampfunc import ops
-from ampfunc.mixed import agree_finite
 from ampfunc.transform import EmptyState, GradientTransformation
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
@@ -35,21 +38,51 @@ __all__ = [
     "all_reduce_mean",
     "is_dtensor",
     "local_shards",
-    "global_norm",
-    "clip_by_global_norm",
+    "any_dtensor",
+    "sharded_global_norm",
+    "scale_tree",
     "save_sharded",
     "load_sharded",
 ]
 
-try:  # public since torch 2.5; torch 2.4 has it under _tensor
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-except ImportError:  # pragma: no cover - depends on the torch version and build
-    try:
-        from torch.distributed._tensor import DTensor  # type: ignore
-        from torch.distributed._tensor.placement_types import Partial, Replicate, Shard  # type: ignore
-    except ImportError:  # a torch built without distributed: no leaf is ever a DTensor
-        DTensor = Partial = Replicate = Shard = ()  # type: ignore  # isinstance(x, ()) is False
+# torch.distributed.tensor costs about a second to import: it is loaded on first use, so that
+# the layers below the front-ends can import this module at their top for free.
+_DTENSOR: list = []
+
+
+def _dtensor_types():
+    """``(DTensor, Partial, Replicate, Shard)``, imported on first use (empty tuples when torch is
+    built without distributed: then no leaf is ever a DTensor)."""
+    if not _DTENSOR:
+        try:  # public since torch 2.5; torch 2.4 has it under _tensor
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+        except ImportError:  # pragma: no cover - depends on the torch version and build
+            try:
+                from torch.distributed._tensor import DTensor  # type: ignore
+                from torch.distributed._tensor.placement_types import Partial, Replicate, Shard  # type: ignore
+            except ImportError:
+                DTensor = Partial = Replicate = Shard = ()  # type: ignore  # isinstance(x, ()) is False
+        _DTENSOR.extend([DTensor, Partial, Replicate, Shard])
+    return tuple(_DTENSOR)
+
+
+def agree_finite(finite: torch.Tensor, group) -> torch.Tensor:
+    """``finite`` and-reduced over the ranks of ``group`` (an all-reduce MAX of the overflow flag).
+
+    Args:
+      finite: 0-d bool tensor, this rank's flag.
+      group: a ``torch.distributed`` process group (``None``: the default group).
+
+    Returns:
+      A 0-d bool tensor, the same on every rank: every rank skips the same steps and its loss
+      scale stays identical.
+
+    Cost: one all-reduce of one float on the device; no host sync.
+    """
+    overflow = (~finite).to(torch.float32)
+    dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
+    return overflow == 0
 
 
 class DistEnv(NamedTuple):
@@ -113,15 +146,33 @@ def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
 
 
 def is_dtensor(x: Any) -> bool:
-    return isinstance(x, DTensor)
+    return _dtensor_loaded() and isinstance(x, _dtensor_types()[0])
+
+
+def _dtensor_loaded() -> bool:
+    # Nobody can hold a DTensor before torch.distributed.tensor is imported: skip the import then.
+    return "torch.distributed.tensor" in sys.modules or "torch.distributed._tensor" in sys.modules
+
+
+def any_dtensor(leaves) -> bool:
+    """Whether any of ``leaves`` is a DTensor (free when ``torch.distributed.tensor`` was never
+    imported: nobody can hold one then)."""
+    if not _dtensor_loaded():
+        return False
+    DTensor = _dtensor_types()[0]
+    return any(isinstance(x, DTensor) for x in leaves)
 
 
 def local_shards(tree: PyTree) -> PyTree:
     """``tree`` with every DTensor leaf replaced by its local shard (``to_local()``; no copy)."""
+    if not _dtensor_loaded():
+        return tree_map(lambda x: x, tree)
+    DTensor = _dtensor_types()[0]
     return tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, tree)
 
 
-def _sharded_mesh_dims(path: str, x: DTensor) -> tuple[int, ...]:
+def _sharded_mesh_dims(path: str, x) -> tuple[int, ...]:
+    _, Partial, Replicate, Shard = _dtensor_types()
     dims = []
     for i, p in enumerate(x.placements):
         if isinstance(p, Shard):
@@ -135,7 +186,7 @@ def _sharded_mesh_dims(path: str, x: DTensor) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def global_norm(tree: PyTree, group=None) -> torch.Tensor:
+def sharded_global_norm(tree: PyTree, group=None) -> torch.Tensor:
     """0-d fp32: the L2 norm over all leaves of ``tree`` as if every sharded leaf were whole.
 
     DTensor leaves (FSDP2 params and grads, ``distribute_tensor``) contribute the sum of squares
@@ -146,6 +197,7 @@ def global_norm(tree: PyTree, group=None) -> torch.Tensor:
     of the whole tensors (up to fp32 summation order). Cost: one read of the shards and one
     all-reduce of one float per sharding layout; no host sync.
     """
+    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
     plain: list[torch.Tensor] = []
     by_layout: dict = {}
     for path, x in leaves_with_paths(tree):
@@ -169,7 +221,11 @@ def global_norm(tree: PyTree, group=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def _scale_leaf(coef: torch.Tensor):
+def scale_tree(tree: PyTree, coef: torch.Tensor) -> PyTree:
+    """A new tree: every tensor leaf times the 0-d ``coef`` (in the leaf's dtype); DTensor
+    leaves are scaled shard by shard and stay DTensors with their placements. No host sync."""
+    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
+
     def scale(u):
         if isinstance(u, DTensor):
             local = u.to_local()
@@ -179,29 +235,32 @@ def _scale_leaf(coef: torch.Tensor):
             return u * coef.to(u.device, u.dtype)
         return u
 
-    return scale
+    return tree_map(scale, tree)
+
+
+def global_norm(tree: PyTree, group=None) -> torch.Tensor:
+    """Deprecated alias of :func:`sharded_global_norm`; use ``ampfunc.global_norm(tree, group)``
+    (one name for the norm, sharded or not). Removed in the next release."""
+    warnings.warn("ampfunc.dist.global_norm is deprecated: use ampfunc.global_norm(tree, group=group)",
+                  DeprecationWarning, stacklevel=2)
+    return sharded_global_norm(tree, group)
 
 
 def clip_by_global_norm(max_norm: float, group=None) -> GradientTransformation:
-    """Scales the updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the *global* norm.
-
-    ``torch.nn.utils.clip_grad_norm_``'s rule, with the norm from :func:`global_norm`: correct
-    when the updates are DTensors (FSDP2) or, with ``group``, local shards of tensors sharded
-    over ``group``. Every rank computes the same coefficient, so the clipped whole gradient
-    equals the single-process result. Stateless; no host sync; one all-reduce of one float.
-    (The single-process ``ampfunc.clip_by_global_norm`` is the fused one; use this one when the
-    updates are sharded.)
+    """Deprecated: use ``ampfunc.clip_by_global_norm(max_norm, group=group)``, which takes the
+    sharded norm whenever ``group`` is given or a leaf is a DTensor. Removed in the next release.
     """
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+    warnings.warn("ampfunc.dist.clip_by_global_norm is deprecated: use "
+                  "ampfunc.clip_by_global_norm(max_norm, group=group)", DeprecationWarning, stacklevel=2)
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}")
 
     def init(params):
         return EmptyState()
 
     def update(updates, state, params=None):
-        norm = global_norm(updates, group)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        return tree_map(_scale_leaf(coef), updates), state
+        norm = sharded_global_norm(updates, group)
+        return scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
 
     return GradientTransformation(init, update)
 
@@ -231,6 +290,7 @@ def save_sharded(tree: PyTree, directory: str, *, group=None) -> str:
     file renamed into place; all ranks then meet at a barrier, so on return every shard exists.
     """
     rank, world = _rank_and_world(group)
+    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
     os.makedirs(directory, exist_ok=True)
     items = leaves_with_paths(tree)
     payload = {
@@ -266,6 +326,7 @@ def load_sharded(directory: str, like: PyTree, *, group=None) -> PyTree:
         raise FileNotFoundError(f"load_sharded: no shard for rank {rank} of {world} in {directory!r} "
                                 f"(found {found[:4]}); it must be loaded with the world size it was saved with")
     payload = torch.load(path, map_location="cpu", weights_only=True)
+    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
     like_items = leaves_with_paths(like)
     like_paths = [p for p, _ in like_items]
     if payload["paths"] != like_paths:

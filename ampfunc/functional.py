@@ -22,16 +22,18 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.func import functional_call
 
+from ampfunc.dist import all_reduce_mean
+from ampfunc.engine import Engine, MixedPrecisionState, skip_stats
 from ampfunc.loss_scale import LossScale, NoOpLossScale
-from ampfunc.mixed import MixedPrecision, skip_or_apply, unscale_and_check, update_scale
-from ampfunc.transform import GradientTransformation, apply_updates
-from ampfunc.tree import (PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map,
-                          tree_unflatten)
+from ampfunc.mixed import check_optimizer_transform, unscale_and_check
+from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
     "apply_module",
@@ -144,8 +146,6 @@ def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_au
         else:
             grads32, finite = unscale_and_check(grads, loss_scale, group=group)
             if group is not None:
-                from ampfunc.dist import all_reduce_mean
-
                 grads32 = all_reduce_mean(grads32, group)
         return ValueAndGrad(value if has_aux else value[0], grads32, finite)
 
@@ -199,18 +199,24 @@ class TrainState(NamedTuple):
     """Everything a step changes, as one pytree of tensors (``torch.save``-able, compilable).
 
     ``params`` in the policy's param dtype, ``buffers`` (BatchNorm statistics, ...),
-    ``opt_state`` of the optimizer transform, ``loss_scale`` for the next loss.
+    ``opt_state`` of the optimizer transform, ``loss_scale`` for the next loss, ``finite``
+    (0-d bool: the last step was applied; True before the first) and ``skipped`` (0-d int64:
+    steps skipped so far). Read the last two as tensors (no host sync) or with
+    ``bool(...)``/``int(...)`` when you log.
     """
 
     params: PyTree
     buffers: PyTree
     opt_state: PyTree
     loss_scale: LossScale
+    finite: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None
 
 
 class StepOutput(NamedTuple):
     """Per-step results, all tensors on the params' device: ``loss`` (unscaled), ``finite``
-    (the step was applied), ``loss_scale`` (the scale the step used), ``aux`` (from ``loss_fn``)."""
+    (the step was applied), ``loss_scale`` (the 0-d scale tensor the step used), ``aux`` (from
+    ``loss_fn``)."""
 
     loss: torch.Tensor
     finite: torch.Tensor
@@ -227,60 +233,81 @@ class TrainStep(NamedTuple):
     step: Callable[..., tuple[TrainState, StepOutput]]
 
 
-def _reject_mixed_precision(tx, where: str):
-    if isinstance(tx, MixedPrecision):
-        raise TypeError(
-            f"{where} runs the mixed-precision step itself (unscale, check, skip, scale update): pass the "
-            "optimizer transform and the loss scale separately, e.g. tx=tx.inner, loss_scale=af.DynamicLossScale()")
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"{where}: tx must be a GradientTransformation, got {type(tx).__name__}")
-
-
 def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
                     loss_scale: LossScale | None = None, has_aux: bool = False, keep=None,
-                    group=None) -> TrainStep:
+                    group=None, overwrite_with_gradient: Callable[[str], bool] | None = None) -> TrainStep:
     """A pure, compilable train step for ``model``: ``train.init()`` and ``train.step(state, *batch)``.
 
-    ``loss_fn(forward, *batch)`` returns the loss (or ``(loss, aux)`` with ``has_aux``);
-    ``forward(*inputs, **kwargs)`` runs ``model`` through ``functional_call`` with the step's
-    params cast to ``policy.compute_dtype`` (leaves named by ``keep`` -- by default the norm
-    layers, :func:`ampfunc.norm_layers` -- stay as stored), its floating inputs cast to the compute
-    dtype and its output cast to ``policy.output_dtype``. Buffers are passed as they are, on
-    fresh copies, so BatchNorm's running statistics come back updated in the new state (as the
-    module's forward would update them, skipped steps included, like a ``GradScaler`` loop).
+    One step: forward and backward of the scaled loss (``torch.func.grad``), then the
+    mixed-precision step of :class:`ampfunc.engine.Engine` -- check, ``tx`` (clipping, the
+    optimizer), apply, skip on the device, loss-scale update -- which runs the fused kernels
+    when ``tx`` is registered with them (``sgd``/``adam``/``adamw``, optionally after
+    ``clip_by_global_norm``) and the params are fp32, and the generic path otherwise, with the
+    same numbers. Params live in the policy's param dtype (fp32 by default; the compute copy is
+    a cast inside the step, as jmp does).
 
-    One step: forward and backward of the scaled loss (``torch.func.grad``), unscale and check
-    (``group``: all ranks agree and the grads are averaged), ``tx.update`` (clipping, the
-    optimizer), ``apply_updates``, the skip of params and optimizer state on the device when
-    ``finite`` is False, and the loss-scale update. ``tx`` is the optimizer transform (not a
-    :func:`ampfunc.mixed_precision` wrapper: this function is that wrapper); ``loss_scale``
-    defaults to :class:`NoOpLossScale`; ``policy`` defaults to full fp32. Params live in the
-    policy's param dtype (fp32 master weights by default; the compute copy is a cast inside the
-    step, as jmp does).
+    Args:
+      model: the ``nn.Module`` (its weights seed ``init``; the step never writes it).
+      loss_fn: ``loss_fn(forward, *batch)`` returns the loss (or ``(loss, aux)`` with
+        ``has_aux``); ``forward(*inputs, **kwargs)`` runs ``model`` through ``functional_call``
+        with the params cast to ``policy.compute_dtype`` (leaves named by ``keep`` -- by default
+        the norm layers, :func:`ampfunc.norm_layers` -- stay as stored), floating inputs cast to
+        the compute dtype and the output cast to ``policy.output_dtype``. Buffers are passed on
+        fresh copies, so BatchNorm's running statistics come back updated in the new state.
+      tx: the optimizer transform (not a :func:`ampfunc.mixed_precision` wrapper: this function
+        is that wrapper).
+      policy: a :class:`~ampfunc.Policy` or its string form; default full fp32.
+      loss_scale: default :class:`NoOpLossScale`.
+      group: a ``torch.distributed`` process group: gradients are averaged over it (data
+        parallelism without DDP) and every rank takes the same skip decision.
+      overwrite_with_gradient: a predicate on param paths (flax's "overwrite with gradient"):
+        those params are not given to ``tx``; their "gradient" (what a custom autograd
+        function's backward returned for them, e.g. new FP8 scaling state) becomes their new
+        value, kept on a skipped step like every param.
+
+    Returns:
+      A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
+      ``state.finite`` and ``state.skipped`` say whether the last step was applied and how many
+      were skipped.
+
+    Example::
+
+      train = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.adamw(1e-3),
+                                 "p=f32,c=bf16,o=f32")
+      state = train.init()
+      step = torch.compile(train.step, fullgraph=True)
+      state, out = step(state, x, y)
+
+    Cost: the forward and backward, one read-only check pass and one optimizer pass (fused),
+    and the cast of the params to the compute dtype; no host sync.
     """
-    from ampfunc.policy import Policy, buffers_of, cast_params, norm_layers, params_of
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
-    _reject_mixed_precision(tx, "make_train_step")
+    check_optimizer_transform(tx, "make_train_step")
     policy = Policy() if policy is None else policy
     if isinstance(policy, str):
-        from ampfunc.policy import get_policy
-
         policy = get_policy(policy)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     if not isinstance(loss_scale, LossScale):
         raise TypeError(f"make_train_step: loss_scale must be a loss scale, got {type(loss_scale).__name__}")
     keep = norm_layers(model) if keep is None else keep
     compute_dtype = policy.compute_dtype
+    # The params are stored in the policy's param dtype and are the optimizer's reference:
+    # no separate master copy (jmp's model).
+    engine = Engine(tx, master_dtype=None, where="make_train_step")
+    overwritten = overwrite_with_gradient if overwrite_with_gradient is not None else (lambda path: False)
+
+    def optimized(tree: dict) -> dict:
+        """The entries ``tx`` trains (all but the overwrite-with-gradient ones)."""
+        return {k: v for k, v in tree.items() if not overwritten(k)} if overwrite_with_gradient else tree
 
     def init() -> TrainState:
         params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
         device = next((p.device for p in params.values()), torch.device("cpu"))
-        return TrainState(params, buffers, tx.init(params), loss_scale.to(device))
+        return TrainState(params, buffers, tx.init(optimized(params)), loss_scale.to(device), *skip_stats(device))
 
-    def loss_of(params, buffers, *batch):
+    def scaled_loss(params, buffers, ls, *batch):
         compute_params = cast_params(params, compute_dtype, keep=keep)
         new_buffers = [buffers]
 
@@ -292,19 +319,34 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             return policy.cast_to_output(out)
 
         out = loss_fn(forward, *batch)
-        loss, aux = out if has_aux else (out, ())
-        return loss, (new_buffers[0], aux)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"make_train_step(has_aux=True): loss_fn must return (loss, aux), got {type(out).__name__}")
+            loss, aux = out
+        else:
+            loss, aux = out, ()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"make_train_step: loss_fn must return a tensor loss, got {type(loss).__name__}")
+        return ls.scale(loss), (loss.detach(), new_buffers[0], aux)
 
-    grad_fn = value_and_grad(loss_of, has_aux=True, group=group)
+    grad_fn = torch.func.grad(scaled_loss, argnums=0, has_aux=True)
 
     def step(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
         ls = state.loss_scale
-        (loss, (new_buffers, aux)), grads, finite = grad_fn(ls, state.params, state.buffers, *batch)
-        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-        new_params = apply_updates(state.params, updates)
-        params, opt_state = skip_or_apply(finite, (new_params, new_opt_state), (state.params, state.opt_state))
-        new_state = TrainState(params, new_buffers, opt_state, update_scale(ls, finite))
-        return new_state, StepOutput(loss, finite, ls.loss_scale, aux if has_aux else None)
+        grads, (loss, new_buffers, aux) = grad_fn(state.params, state.buffers, ls, *batch)
+        if group is not None:
+            # Averaged while still scaled: with the power-of-two scales this equals averaging the
+            # unscaled gradients, and every rank then sees the same values and the same flag.
+            grads = all_reduce_mean(grads, group)
+        mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
+        # torch.func.grad gives every gradient its param's shape: no per-leaf shape check.
+        params, mp = engine.step(optimized(state.params), optimized(grads), mp, where="make_train_step",
+                                 trust_grads=True)
+        if overwrite_with_gradient is not None:
+            params = {k: params[k] if k in params else torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v)
+                      for k, v in state.params.items()}
+        new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
+        return new_state, StepOutput(loss, mp.finite, ls.loss_scale, aux if has_aux else None)
 
     return TrainStep(init, step)
 

@@ -1,188 +1,134 @@
-"""The fused mixed-precision step: the whole of ``mixed_precision(inner).step_`` in two passes.
+"""The fused plan: how the kernels run ``[clip_by_global_norm] -> sgd|adam|adamw`` in two passes.
 
-:func:`plan_for` recognises an inner transform the kernels can run -- one of ``sgd``, ``adam``,
-``adamw`` (a float learning rate or a schedule, evaluated on the device), optionally preceded by
-``clip_by_global_norm`` in a ``chain`` -- and returns a :class:`FusedPlan`; anything else
-(``from_torch`` optimizers, schedules, other chains) gets ``None`` and runs through the generic
-pure path. :meth:`FusedPlan.step_` then does, on the device and without a host sync:
+:func:`plan_for` reads the kernel registry of :mod:`ampfunc.transform`: an inner transform
+registered as one of ``sgd``, ``adam``, ``adamw`` (a float learning rate or a schedule,
+evaluated on the device), alone or after ``clip_by_global_norm`` in a ``chain`` /
+``named_chain``, gets a :class:`FusedPlan`; anything else gets ``None`` and the engine
+(:mod:`ampfunc.engine`) runs its generic path. A plan works on leaf lists that the engine has
+flattened, lined up and validated; it does, on the device and without a host sync:
 
 1. one read-only pass over the gradients (:func:`ampfunc.ops.check`): the finite flag and the
    sum of squares (the global norm) together;
 2. a few 0-d ops: ``grad_scale = inv_scale * clip_coef`` with torch's ``clip_grad_norm_``
    coefficient ``min(1, max_norm / (norm + 1e-6))`` of the unscaled gradients;
-3. one fused optimizer pass (:func:`ampfunc.ops.adam_step_` / :func:`~ampfunc.ops.sgd_step_`)
-   that reads each gradient, multiplies it by ``grad_scale``, updates the fp32 master params and
-   the moments, and writes the fp16/bf16 model params; it writes nothing (step counter
-   included) when the flag says the gradients were not finite;
-4. the loss-scale update in place (``DynamicLossScale.adjust_``).
+3. one fused optimizer pass (:func:`ampfunc.ops.adam_step_` / :func:`~ampfunc.ops.sgd_step_`,
+   or the out-of-place :func:`ampfunc.ops.adam_step` / :func:`~ampfunc.ops.sgd_step` for the
+   pure step) that reads each gradient, multiplies it by ``grad_scale``, updates the fp32
+   params (the master when there is one) and the moments, and writes the fp16/bf16 model
+   params; it writes nothing (step counter included) when the flag says the gradients were
+   not finite.
 
 Traffic per fp32 element for AdamW without master weights: read g (check), read g, p, m, v and
 write p, m, v -- 32 bytes, against 28 for the optimizer alone and about 60 for
 ``GradScaler.unscale_`` + ``clip_grad_norm_`` + ``AdamW(fused=True)``.
-
-:meth:`FusedPlan.step_` updates the tensors of ``params`` and ``state`` in place and returns
-them (donated, as JAX's ``donate_argnums``). :meth:`FusedPlan.step`, behind the pure
-``mixed_precision(...).step`` and ``.update``, makes the same passes with the out-of-place
-optimizer ops (:func:`ampfunc.ops.adam_step` / :func:`~ampfunc.ops.sgd_step`): the kernel reads
-the old params and moments and writes new tensors, so the pure step moves the same bytes as the
-in-place one (plus the allocation of its outputs) instead of cloning everything first, and
-both give the same numbers bit for bit.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
 from ampfunc import ops
-from ampfunc.tree import (
-    PyTree,
-    aligned_leaves,
-    check_same_structure,
-    tree_flatten,
-    tree_leaves,
-    tree_map,
-    tree_unflatten,
-)
+from ampfunc.dist import agree_finite
+from ampfunc.optim.base import lr_at
+from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
 
-__all__ = ["FusedPlan", "plan_for"]
+__all__ = ["FusedPlan", "plan_for", "KERNEL_GRAD_DTYPES"]
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
-_dtype_of = operator.attrgetter("dtype")
-_MODEL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
-
-
-def _dtypes(leaves: list) -> set:
-    # map(attrgetter) runs at C speed on 10,000 leaves; dynamo cannot trace attrgetter, so a
-    # torch.compile trace takes the comprehension.
-    if ops._is_compiling():
-        return {t.dtype for t in leaves}
-    return set(map(_dtype_of, leaves))
-
-
-def _clone(x):
-    return x.clone() if isinstance(x, torch.Tensor) else x
-
-
-def _cloned(tree):
-    """A copy of ``tree`` with every tensor cloned (None stays None)."""
-    return None if tree is None else tree_map(_clone, tree)
-
-
-def _spec_parts(spec: Any):
-    """``(kind, hparams)`` of a FusedSpec-like value, or None."""
-    kind = getattr(spec, "kind", None)
-    hparams = getattr(spec, "hparams", None)
-    if isinstance(kind, str) and isinstance(hparams, dict):
-        return kind, hparams
-    return None
+# What the optimizer kernels read as gradients. float64 gradients take the generic path (the
+# kernels refuse them), so both paths give them the same numbers.
+KERNEL_GRAD_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_SLOT_NAMES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+_LAYOUT = {"sgd": ("step", "momentum_buffer"), "adam": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
 
 
 class FusedPlan:
     """How to run one mixed-precision step of ``[clip_by_global_norm] -> sgd|adam|adamw`` fused.
 
-    ``kind``: ``"sgd"``, ``"adam"`` or ``"adamw"``; ``hparams``: the optimizer's constructor
-    arguments; ``max_norm``: the clipping threshold or None.
+    ``kind``: ``"sgd"``, ``"adam"`` or ``"adamw"``; ``hparams``: the optimizer's registered
+    settings (complete: the plan keeps no defaults of its own); ``max_norm``: the clipping
+    threshold or None; ``chained``: the inner state is a chain's (a tuple, or a dict keyed by
+    ``names`` for ``named_chain``) whose last entry is the optimizer's.
     """
 
-    __slots__ = ("kind", "hparams", "max_norm")
+    __slots__ = ("kind", "hparams", "max_norm", "chained", "names")
 
-    def __init__(self, kind: str, hparams: dict, max_norm: float | None = None):
+    def __init__(self, kind: str, hparams: dict, max_norm: float | None = None, *, chained: bool = False,
+                 names: tuple | None = None):
         self.kind = kind
         self.hparams = dict(hparams)
         self.max_norm = max_norm
+        self.chained = chained or names is not None
+        self.names = names
 
     def __repr__(self) -> str:
         clip = f"clip_by_global_norm({self.max_norm}) -> " if self.max_norm is not None else ""
         return f"FusedPlan({clip}{self.kind}, {self.hparams})"
 
-    # -- state access ------------------------------------------------------------------------
+    # -- the optimizer's state inside the inner state -----------------------------------------
 
-    def _opt_state(self, inner_state):
-        """The optimizer's state: ``inner_state`` itself, or the last element of a chain's
-        state tuple (``chain(opt)`` and ``chain(clip, opt)``); None if neither has its layout."""
-        want = ("step", "momentum_buffer") if self.kind == "sgd" else (
-            "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-        if tuple(getattr(inner_state, "_fields", ())) == want:
-            return inner_state
-        if type(inner_state) is tuple and inner_state:
-            last = inner_state[-1]
-            if tuple(getattr(last, "_fields", ())) == want:
-                return last
-        return None
-
-    def supports(self, params: PyTree, state: Any) -> bool:
-        """Whether :meth:`step_` can run on these ``params`` and ``state`` (the
-        ``MixedPrecisionState`` from ``mixed_precision(inner).init``): the optimizer state has
-        the expected layout, the master params (or the params, without a master) are fp32, and
-        everything lives on one device. Looks at dtypes and devices only; never at values."""
-        master = getattr(state, "master", None)
-        return self.supports_leaves(tree_leaves(params), None if master is None else tree_leaves(master), state)
-
-    def supports_leaves(self, params: list, master: list | None, state: Any) -> bool:
-        """:meth:`supports` on already-flattened ``params`` and ``master`` leaves (for callers
-        that flatten once per step: a 10,000-leaf dict costs milliseconds to flatten)."""
-        opt = self._opt_state(getattr(state, "inner", None))
-        if opt is None or not isinstance(opt.step, torch.Tensor) or opt.step.dtype != torch.float32:
-            return False
-        if self.kind == "sgd" and self.hparams.get("momentum", 0) != 0 and opt.momentum_buffer is None:
-            return False
-        if self.kind != "sgd" and self.hparams.get("amsgrad") and opt.max_exp_avg_sq is None:
-            return False
-        # mixed_precision.init guarantees float tensor leaves; dtypes decide here. Devices are
-        # checked on the first leaf only: the kernels refuse a stray device with an error that
-        # names the leaf's index, before writing anything.
-        ref = master if master is not None else params
-        dev = opt.step.device
-        if ref and (ref[0].device != dev or _dtypes(ref) != {torch.float32}):
-            return False
-        if master is not None:
-            model = params
-            if model and (model[0].device != dev or not _dtypes(model) <= _MODEL_DTYPES):
-                return False
-        return True
-
-    # -- the step ----------------------------------------------------------------------------
-
-    def step_(self, params: PyTree, grads: PyTree, state: Any, *, group=None):
-        """One whole mixed-precision step, in place; returns ``(params, state)`` (the same
-        objects, their tensors updated). ``grads`` are the gradients of the scaled loss (any
-        float dtype per leaf) and are only read. ``group``: a ``torch.distributed`` process
-        group whose ranks must agree on skipping. See the module docstring for the passes."""
-        master = state.master
-        self.step_leaves_(tree_leaves(params), tree_leaves(grads),
-                          None if master is None else tree_leaves(master),
-                          [tree_leaves(t) for t in self.slot_trees(state) or []], state, group=group)
-        return params, state
-
-    def slot_trees(self, state: Any) -> list:
-        """The optimizer's per-parameter state trees the kernel reads and writes, in the order
-        :meth:`step_leaves_` takes their leaves: SGD ``[momentum_buffer]`` (none without
-        momentum); Adam ``[exp_avg, exp_avg_sq]`` plus ``max_exp_avg_sq`` with amsgrad. None
-        when ``state.inner`` does not have the optimizer's layout."""
-        opt = self._opt_state(getattr(state, "inner", None))
-        if opt is None:
+    def opt_state(self, inner_state: Any):
+        """The optimizer's state inside ``inner_state`` (the inner transform's state), or None
+        when it does not have the layout the kernels expect."""
+        opt = inner_state
+        if self.chained:
+            if self.names is not None:
+                opt = inner_state.get(self.names[-1]) if isinstance(inner_state, dict) else None
+            else:
+                opt = inner_state[-1] if type(inner_state) is tuple and inner_state else None
+        want = _LAYOUT["sgd" if self.kind == "sgd" else "adam"]
+        if tuple(getattr(opt, "_fields", ())) != want:
             return None
+        if not isinstance(opt.step, torch.Tensor) or opt.step.dtype != torch.float32 or opt.step.dim() != 0:
+            return None
+        if self.kind == "sgd" and self.hparams["momentum"] != 0 and opt.momentum_buffer is None:
+            return None
+        if self.kind != "sgd" and self.hparams["amsgrad"] and opt.max_exp_avg_sq is None:
+            return None
+        return opt
+
+    def slot_trees(self, opt: Any) -> list:
+        """The per-parameter state trees of ``opt`` (from :meth:`opt_state`) that the kernel reads
+        and writes, in kernel order: SGD ``[momentum_buffer]`` (none without momentum); Adam
+        ``[exp_avg, exp_avg_sq]`` plus ``max_exp_avg_sq`` with amsgrad."""
         if self.kind == "sgd":
-            return [opt.momentum_buffer] if self.hparams.get("momentum", 0) else []
+            return [opt.momentum_buffer] if self.hparams["momentum"] != 0 else []
         slots = [opt.exp_avg, opt.exp_avg_sq]
-        return slots + [opt.max_exp_avg_sq] if self.hparams.get("amsgrad", False) else slots
+        return slots + [opt.max_exp_avg_sq] if self.hparams["amsgrad"] else slots
 
-    def _prologue(self, grads: list, ref: list, state: Any, group):
-        """What both steps compute before the optimizer pass: ``(opt, finite, grad_scale, lr)``.
-        One read-only pass over ``grads`` and a few 0-d ops; call under ``torch.no_grad()``."""
-        opt = self._opt_state(state.inner)
-        if len(grads) != len(ref):
-            raise ValueError(f"fused step: grads has {len(grads)} leaves but the params have {len(ref)}")
+    def slot_names(self) -> tuple:
+        names = _SLOT_NAMES["sgd" if self.kind == "sgd" else "adam"]
+        if self.kind == "sgd":
+            return names if self.hparams["momentum"] != 0 else ()
+        return names if self.hparams["amsgrad"] else names[:2]
+
+    def replace_opt_state(self, inner_state: Any, new_opt: Any, copy_others) -> Any:
+        """``inner_state`` with the optimizer's state replaced by ``new_opt``; the other entries
+        of a chain's state (the clip's empty state) pass through ``copy_others``."""
+        if not self.chained:
+            return new_opt
+        if self.names is not None:
+            last = self.names[-1]
+            return {k: (new_opt if k == last else copy_others(v)) for k, v in inner_state.items()}
+        return tuple(copy_others(s) for s in inner_state[:-1]) + (new_opt,)
+
+    # -- the passes -----------------------------------------------------------------------------
+
+    def _prologue(self, grads: list, opt: Any, loss_scale: Any, group, on_check=None):
+        """``(finite, grad_scale, lr)``: one read-only pass over ``grads`` and a few 0-d ops.
+        ``on_check(finite, leaf_nonfinite)`` gets this rank's flag and the per-leaf flags of the
+        same pass (device tensors). Call under ``torch.no_grad()``."""
         dev = opt.step.device
-        finite, sumsq = ops.check(grads)
+        if on_check is None:
+            finite, sumsq = ops.check(grads)
+        else:
+            finite, sumsq, leaf_nonfinite = ops.check(grads, per_leaf=True)
+            on_check(finite, leaf_nonfinite)
         if group is not None:
-            from ampfunc.mixed import agree_finite
-
             finite = agree_finite(finite, group)
-        inv_scale = state.loss_scale.inv_scale_on(dev)
+        inv_scale = loss_scale.inv_scale_on(dev)
         grad_scale = inv_scale
         if self.max_norm is not None:
             # clip_grad_norm_'s coefficient, of the unscaled gradients' norm.
@@ -190,34 +136,30 @@ class FusedPlan:
             grad_scale = inv_scale * (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
         lr = self.hparams["lr"]
         if callable(lr):  # a schedule of the applied-step count, evaluated on the device
-            from ampfunc.optim.base import lr_at
-
             lr = lr_at(lr, opt.step)
             lr = lr.to(dev, torch.float32) if isinstance(lr, torch.Tensor) else lr
-        return opt, finite, grad_scale, lr
+        return finite, grad_scale, lr
 
     def _sgd_kwargs(self, lr) -> dict:
         h = self.hparams
-        return dict(lr=lr, weight_decay=h.get("weight_decay", 0.0), momentum=h.get("momentum", 0.0),
-                    dampening=h.get("dampening", 0.0), nesterov=h.get("nesterov", False),
-                    maximize=h.get("maximize", False))
+        return dict(lr=lr, weight_decay=h["weight_decay"], momentum=h["momentum"], dampening=h["dampening"],
+                    nesterov=h["nesterov"], maximize=h["maximize"])
 
     def _adam_kwargs(self, lr) -> dict:
         h = self.hparams
-        beta1, beta2 = h.get("betas", (0.9, 0.999))
-        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=h.get("eps", 1e-8), weight_decay=h.get("weight_decay", 0.0),
-                    amsgrad=bool(h.get("amsgrad", False)), decoupled_weight_decay=self.kind == "adamw",
-                    maximize=h.get("maximize", False))
+        beta1, beta2 = h["betas"]
+        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=h["eps"], weight_decay=h["weight_decay"],
+                    amsgrad=bool(h["amsgrad"]), decoupled_weight_decay=self.kind == "adamw",
+                    maximize=h["maximize"])
 
-    def step_leaves_(self, params: list, grads: list, master: list | None, slots: list, state: Any, *,
-                     group=None) -> None:
-        """:meth:`step_` on already-flattened leaves: ``params``, ``grads``, ``master`` (or None)
-        and ``slots`` (the leaves of :meth:`slot_trees`), all in one consistent order."""
-        ref = master if master is not None else params
-        model = params if master is not None else None
-        ls = state.loss_scale
+    def run_(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
+             group=None, on_check=None) -> torch.Tensor:
+        """The in-place step on validated leaf lists: ``ref`` (fp32 params, or the master),
+        ``grads``, ``model`` (the low-precision params with a master, else None) and ``slots``
+        (:meth:`slot_trees`' leaves) are written, ``opt.step`` advanced; returns ``finite``.
+        The loss scale is not touched (the engine updates it)."""
         with torch.no_grad():
-            opt, finite, grad_scale, lr = self._prologue(grads, ref, state, group)
+            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             if self.kind == "sgd":
                 ops.sgd_step_(ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,
                               **self._sgd_kwargs(lr))
@@ -225,22 +167,15 @@ class FusedPlan:
                 kw = self._adam_kwargs(lr)
                 ops.adam_step_(ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step,
                                grad_scale, finite, **kw)
-            adjust_ = getattr(ls, "adjust_", None)
-            if adjust_ is not None:
-                adjust_(finite.to(ls.loss_scale.device))
+        return finite
 
-    def step_leaves(self, params: list, grads: list, master: list | None, slots: list, state: Any, *,
-                    group=None):
-        """The pure :meth:`step_leaves_`: nothing given is written. Returns ``(new_ref,
-        new_model, new_slots, new_step, finite)``: the new fp32 params (the new master when
-        ``master`` is given), the new params in each param's dtype (None without a master), the
-        new slot leaves (in :meth:`slot_trees` order), the new 0-d step count and the 0-d finite
-        flag. One read-only check pass, then one out-of-place optimizer pass into new tensors;
-        on a skipped step the outputs are copies of the inputs."""
-        ref = master if master is not None else params
-        model = params if master is not None else None
+    def run(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
+            group=None, on_check=None):
+        """The pure :meth:`run_`: nothing given is written. Returns ``(new_ref, new_model,
+        new_slots, new_step, finite)`` (``new_model`` None without ``model``); on a skipped
+        step the outputs are copies of the inputs. Same numbers as :meth:`run_` bit for bit."""
         with torch.no_grad():
-            opt, finite, grad_scale, lr = self._prologue(grads, ref, state, group)
+            finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             if self.kind == "sgd":
                 new_ref, new_buf, new_model, new_step = ops.sgd_step(
                     ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,
@@ -252,90 +187,31 @@ class FusedPlan:
                     ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step, grad_scale,
                     finite, **kw)
                 new_slots = [m1, m2, vmax] if kw["amsgrad"] else [m1, m2]
-        return new_ref, (new_model if master is not None else None), new_slots, new_step, finite
-
-    def step(self, params: PyTree, grads: PyTree, state: Any, *, group=None):
-        """The pure :meth:`step_`: ``(new_params, new_state)``, new tensors throughout, the
-        inputs untouched; the numbers are those of :meth:`step_` bit for bit. Returns None when
-        the fused kernels cannot run these trees (:meth:`supports` is false), so the caller can
-        take the generic path.
-
-        Costs one read-only check pass and one out-of-place optimizer pass (reads g, p, m, v;
-        writes new p, m, v and the new model copy) plus the allocation of the outputs; the
-        tensors the kernel does not write (the loss scale's, a chain's other states) are cloned
-        (0-d or empty in practice). Leaves are lined up as :meth:`step_`'s caller does it: plain
-        dicts sharing one key order by their values, anything else by optree's flatten, and
-        the output trees are rebuilt in the inputs' structures.
-        """
-        slot_trees = self.slot_trees(state)
-        if slot_trees is None:
-            return None
-        master = state.master
-        masters = [master] if master is not None else []
-        leaves = aligned_leaves([params, grads] + masters + slot_trees)
-        if leaves is not None:
-            keys = list(params)
-
-            def rebuild(_i, new):  # every tree has the keys of params, in that order
-                return dict(zip(keys, new))
-
-            p, g, m, slots = leaves[0], leaves[1], (leaves[2] if masters else None), leaves[2 + len(masters):]
-        else:
-            p, p_spec = tree_flatten(params)
-            g, g_spec = tree_flatten(grads)
-            if g_spec != p_spec:
-                check_same_structure(grads, params, "grads", "params")
-            m, m_spec = tree_flatten(master) if master is not None else (None, None)
-            slot_flat = [tree_flatten(t) for t in slot_trees]
-            slots = [leaves for leaves, _ in slot_flat]
-            specs = [p_spec, m_spec] + [spec for _, spec in slot_flat]
-
-            def rebuild(i, new):  # i: 0 params, 1 master, 2 + k slot tree k
-                return tree_unflatten(specs[i], new)
-
-        if not self.supports_leaves(p, m, state):
-            return None
-        new_ref, new_model, new_slots, new_step, finite = self.step_leaves(p, g, m, slots, state, group=group)
-        if master is not None:
-            new_params, new_master = rebuild(0, new_model), rebuild(1, new_ref)
-        else:
-            new_params, new_master = rebuild(0, new_ref), None
-        new_slot_trees = [rebuild(2 + k, leaves) for k, leaves in enumerate(new_slots)]
-
-        opt = self._opt_state(state.inner)
-        names = ["momentum_buffer"] if self.kind == "sgd" else ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
-        written = dict(zip(names, new_slot_trees), step=new_step)
-        new_opt = opt._replace(**{f: written[f] if f in written else _cloned(getattr(opt, f)) for f in opt._fields})
-        inner = state.inner
-        new_inner = new_opt if inner is opt else tuple(_cloned(s) for s in inner[:-1]) + (new_opt,)
-        ls = state.loss_scale
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
-        if new_ls is ls:  # static and no-op scales return themselves; the result owns its tensors
-            new_ls = _cloned(ls)
-        return new_params, state._replace(master=new_master, inner=new_inner, loss_scale=new_ls)
+        return new_ref, (new_model if model is not None else None), new_slots, new_step, finite
 
 
 def plan_for(inner) -> FusedPlan | None:
     """The :class:`FusedPlan` for ``inner`` (a ``GradientTransformation``), or None when the
-    kernels cannot run it: only ``sgd``/``adam``/``adamw`` (float ``lr`` or schedule), alone or
-    as ``chain(clip_by_global_norm(max_norm), opt)``, are fused."""
-    fused = getattr(inner, "fused", None)
-    if fused is None:
+    kernels cannot run it: only registered ``sgd``/``adam``/``adamw`` (float ``lr`` or schedule),
+    alone or as ``chain(clip_by_global_norm(max_norm), opt)`` (or its ``named_chain``), are fused.
+    Cost: a dictionary lookup; call once per transform."""
+    spec = kernel_spec(inner)
+    if spec is None:
         return None
-    chained = isinstance(fused, tuple) and len(fused) == 2 and fused[0] == "chain"
-    specs = tuple(fused[1]) if chained else (fused,)
-    parts = [_spec_parts(s) for s in specs]
-    if any(p is None for p in parts) or not 1 <= len(parts) <= 2:
+    chained = isinstance(spec, ChainSpec)
+    specs = spec.specs if chained else (spec,)
+    names = spec.names if chained else None
+    if not 1 <= len(specs) <= 2 or not all(isinstance(s, FusedSpec) for s in specs):
         return None
-    kind, hparams = parts[-1]
+    kind, hparams = specs[-1]
     if kind not in _OPTIMIZERS:
         return None
     lr = hparams.get("lr")
     if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
         return None
     max_norm = None
-    if len(parts) == 2:
-        if parts[0][0] != "clip_by_global_norm":
+    if len(specs) == 2:
+        if specs[0].kind != "clip_by_global_norm":
             return None
-        max_norm = float(parts[0][1]["max_norm"])
-    return FusedPlan(kind, hparams, max_norm)
+        max_norm = float(specs[0].hparams["max_norm"])
+    return FusedPlan(kind, hparams, max_norm, chained=chained, names=names)

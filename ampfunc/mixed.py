@@ -15,25 +15,16 @@ so a step built from them can be captured in a CUDA graph or compiled with
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ampfunc import ops
+from ampfunc.dist import agree_finite
+from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from ampfunc.transform import GradientTransformation, apply_updates
-from ampfunc.tree import (
-    PyTree,
-    check_same_structure,
-    float_leaves_with_paths,
-    select_tree,
-    tree_flatten,
-    tree_leaves,
-    tree_map,
-    tree_unflatten,
-    register_state_classes,
-    aligned_leaves,
-)
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, select_tree, tree_leaves
 
 __all__ = [
     "scale_loss",
@@ -49,6 +40,7 @@ __all__ = [
     "MixedPrecision",
     "mixed_precision",
     "loss_scale_of",
+    "check_optimizer_transform",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -61,9 +53,20 @@ def _check_loss_scale(ls, where: str):
 
 
 def scale_loss(loss: torch.Tensor, ls: LossScale) -> torch.Tensor:
-    """``loss.float() * ls.loss_scale`` (the loss unchanged for :class:`NoOpLossScale`).
+    """The loss times the loss scale, in fp32: what to call ``.backward()`` on.
 
-    ``loss`` must be a scalar floating tensor; a non-scalar loss raises ``ValueError``.
+    Args:
+      loss: a scalar floating tensor (a non-scalar loss raises ``ValueError``).
+      ls: the loss scale (:class:`NoOpLossScale` returns the loss unchanged).
+
+    Returns:
+      ``loss.float() * ls.loss_scale``, a 0-d fp32 tensor.
+
+    Example::
+
+      af.scale_loss(loss, af.loss_scale_of(state)).backward()
+
+    Cost: one scalar multiply; no host sync.
     """
     _check_loss_scale(ls, "scale_loss")
     return ls.scale(loss)
@@ -73,35 +76,45 @@ def unscale(tree: PyTree, ls: LossScale) -> PyTree:
     """Every floating leaf of ``tree`` in fp32 divided by the loss scale, with no finiteness check.
 
     For quantities computed from the scaled loss outside the optimizer step: gradient
-    penalties (``torch.autograd.grad`` of the scaled loss), per-loss gradients. One read, one
-    fp32 write per leaf.
+    penalties (``torch.autograd.grad`` of the scaled loss), per-loss gradients.
+
+    Args:
+      tree: a pytree of floating tensors.
+      ls: the loss scale they were scaled by.
+
+    Returns:
+      A new tree of fp32 tensors (the tree only: use :func:`unscale_and_check` for the flag).
+
+    Example::
+
+      penalty_grads = af.unscale(torch.autograd.grad(scaled, inputs), ls)
+
+    Cost: one read and one fp32 write per leaf; no host sync.
     """
     _check_loss_scale(ls, "unscale")
     return ls.unscale(tree)
 
 
-def agree_finite(finite: torch.Tensor, group) -> torch.Tensor:
-    """``finite`` and-reduced over the ranks of ``group`` (an all-reduce MAX of the overflow flag).
-
-    Runs on the device as a collective: no host sync. Every rank gets the same flag, so every
-    rank skips the same steps and its loss scale stays identical.
-    """
-    import torch.distributed as dist
-
-    overflow = (~finite).to(torch.float32)
-    dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
-    return overflow == 0
-
-
 def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTree, torch.Tensor]:
-    """``(grads_fp32 / scale, finite)``.
+    """The gradients of the scaled loss, unscaled to fp32, and whether they were all finite.
 
-    ``grads`` may hold fp32, fp16 or bf16 leaves (``None`` entries stay ``None``); every result
-    leaf is a new fp32 tensor (with :class:`NoOpLossScale`, fp32 leaves are passed through as
-    they are: there is nothing to divide). ``finite`` is a 0-d bool tensor on the device of the first leaf:
-    ``True`` when every gradient element was finite. With ``group`` (a ``torch.distributed``
-    process group) every rank agrees on ``finite``. Costs one read of the gradients and one fp32
-    write; no host sync. A non-floating leaf raises ``TypeError`` naming its path.
+    Args:
+      grads: a pytree of fp32, fp16 or bf16 gradients of the scaled loss (``None`` entries stay
+        ``None``; a non-floating leaf raises ``TypeError`` naming its path).
+      ls: the loss scale.
+      group: a ``torch.distributed`` process group: every rank gets the same flag.
+
+    Returns:
+      ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (with :class:`NoOpLossScale`,
+      fp32 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
+      ``True`` when every element was finite.
+
+    Example::
+
+      grads, finite = af.unscale_and_check(grads, ls)
+
+    Cost: one read of the gradients and one fp32 write (one all-reduce of one float with
+    ``group``); no host sync.
     """
     _check_loss_scale(ls, "unscale_and_check")
     out, finite = ls.unscale_and_check(grads, "unscale_and_check: grads")
@@ -113,18 +126,40 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
 def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """Per leaf ``new if finite else old``, chosen on the device (``torch.where``).
 
-    Works on any pytrees of identical structure: params, optimizer states, loss scales, or a
-    tuple of them. A skipped step (``finite`` False) returns values bit-identical to ``old``.
-    One read of both trees and one write.
+    Args:
+      finite: 0-d bool tensor (from :func:`unscale_and_check`).
+      new: the candidate trees (params, optimizer states, loss scales, or a tuple of them).
+      old: trees of the same structure and shapes.
+
+    Returns:
+      A new tree: bit-identical to ``old`` on a skipped step (``finite`` False), else ``new``.
+
+    Example::
+
+      params, opt_state = af.skip_or_apply(finite, (new_params, new_state), (params, opt_state))
+
+    Cost: one read of both trees and one write; no host sync.
     """
     return select_tree(finite, new, old)
 
 
 def update_scale(ls, finite):
-    """The loss scale for the next step (``ls.adjust(finite)``).
+    """The loss scale for the next step.
 
-    ``ls`` may also be a dict or list of loss scales, one per loss (apex's ``num_losses``), with
-    ``finite`` either one flag for all or a matching dict/list of flags.
+    The function form of ``LossScale.adjust`` that also takes several scales at once.
+
+    Args:
+      ls: a loss scale, or a dict or list of loss scales, one per loss (apex's ``num_losses``).
+      finite: the step's 0-d bool flag, or a matching dict/list of flags.
+
+    Returns:
+      The next loss scale(s), new objects (static and no-op scales return themselves).
+
+    Example::
+
+      ls = af.update_scale(ls, finite)
+
+    Cost: a few 0-d ops on the device; no host sync.
     """
     if isinstance(ls, Mapping):
         flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
@@ -152,6 +187,7 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
     """
     _check_loss_scale(ls, "unscale_and_check_")
     paths, leaves = float_leaves_with_paths(grads, "unscale_and_check_: grads")
+    check_no_overlap("unscale_and_check_", [("grads", dict(zip(paths, leaves)), leaves)])
     for path, leaf in zip(paths, leaves):
         if leaf.dtype == torch.float16:
             raise TypeError(f"unscale_and_check_: grads leaf {path!r} is float16; unscaling fp16 in place "
@@ -169,13 +205,28 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
 def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """In-place :func:`skip_or_apply`: ``old`` is overwritten with ``new`` when ``finite``.
 
-    Returns ``old`` (the same tensors). On the device, no host sync; one read of both trees and
-    one write of ``old``.
+    Args:
+      finite: 0-d bool tensor.
+      new: the candidate values.
+      old: the tensors to update (``nn.Parameter`` leaves included), same structure and shapes.
+
+    Returns:
+      ``old`` (the same tensors).
+
+    Everything is checked before the first write: structures and shapes (by
+    :func:`skip_or_apply`'s selection, computed first) and that no two leaves of ``old`` share
+    memory (``ValueError`` naming both paths). Cost: one read of both trees and one write of
+    ``old``; on the device, no host sync.
     """
     chosen = skip_or_apply(finite, new, old)
-    for dst, src in zip(tree_leaves(old), tree_leaves(chosen)):
-        if isinstance(dst, torch.Tensor):
-            dst.copy_(src)
+    paths_old = leaves_with_paths(old)
+    tensors = [x for _, x in paths_old if isinstance(x, torch.Tensor)]
+    tensor_tree = {p: x for p, x in paths_old if isinstance(x, torch.Tensor)}
+    check_no_overlap("skip_or_apply_", [("old", tensor_tree, tensors)])
+    with torch.no_grad():  # nn.Parameter leaves are written like any tensor
+        for dst, src in zip(tree_leaves(old), tree_leaves(chosen)):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
     return old
 
 
@@ -194,179 +245,113 @@ def update_scale_(ls, finite):
 
 
 # ----------------------------------------------------------------------------------------------
-# The composed transform
+# The composed transform (the front-end of ampfunc.engine)
 # ----------------------------------------------------------------------------------------------
 
 
-class MixedPrecisionState(NamedTuple):
-    """``master``: fp32 copy of the params when any is fp16/bf16, else ``None``;
-    ``inner``: the inner optimizer's state; ``loss_scale``: the scale for the next loss."""
+class MixedPrecision(GradientTransformation):
+    """A mixed-precision transform: optax's pair ``(init, update)`` plus whole-step helpers.
 
-    master: Any
-    inner: Any
-    loss_scale: LossScale
+    It *is* a :class:`~ampfunc.GradientTransformation` (``init, update = tx`` works) with:
 
-
-register_state_classes(MixedPrecisionState)
-
-
-class MixedPrecision(NamedTuple):
-    """A mixed-precision transform: optax's ``init``/``update`` plus whole-step helpers.
-
-    * ``init(params) -> state``
-    * ``update(grads, state, params) -> (updates, state)``: pure; ``apply_updates(params,
-      updates)`` gives the new params.
     * ``step(params, grads, state) -> (params, state)``: pure; the new params directly (for
-      fp16/bf16 params, exactly the cast of the fp32 master).
+      fp16/bf16 params, exactly the cast of the fp32 master);
     * ``step_(params, grads, state) -> (params, state)``: the same numbers, computed in place:
-      ``params`` and ``state`` are donated (their tensors are overwritten and returned).
+      ``params`` and ``state`` are donated (their tensors are overwritten and returned);
+    * ``inner``: the wrapped optimizer transform; ``engine``: the :class:`ampfunc.engine.Engine`
+      all three run.
 
     ``grads`` are the gradients of the *scaled* loss (``scale_loss(loss, loss_scale_of(state))``).
     """
 
-    init: Callable
-    update: Callable
-    step: Callable
-    step_: Callable
-    inner: GradientTransformation
+    @property
+    def step(self) -> Callable:
+        return self.engine.step
 
+    @property
+    def step_(self) -> Callable:
+        return self.engine.step_
 
-def _needs_master(params: PyTree, master_dtype: torch.dtype) -> bool:
-    return any(p.dtype != master_dtype for p in tree_leaves(params))
-
-
-def _first_device(tree: PyTree) -> torch.device:
-    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
-    return leaves[0].device if leaves else torch.device("cpu")
-
-
-def _copy_into(dst: PyTree, src: PyTree) -> None:
-    for d, s in zip(tree_leaves(dst), tree_leaves(src)):
-        if isinstance(d, torch.Tensor) and d is not s:
-            d.copy_(s)
+    @property
+    def inner(self) -> GradientTransformation:
+        return self.engine.inner
 
 
 def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None = None,
                     master_dtype: torch.dtype = torch.float32, *, group=None) -> MixedPrecision:
     """Wraps ``inner`` (any optimizer transform) into a whole mixed-precision step.
 
-    One step: unscale the gradients of the scaled loss and check them (one pass), run ``inner``
-    on fp32 gradients against the fp32 master params, keep the old params/state on the device
-    if any gradient was not finite, and advance the loss scale. When the params are fp16/bf16 an
-    fp32 master copy lives in the state (apex ``FP16_Optimizer`` / amp O2) and the params handed
-    back are the master cast to each param's dtype. ``group`` makes all ranks of a process group
-    agree on skipping. ``loss_scale`` defaults to ``DynamicLossScale()``.
+    One step (:class:`ampfunc.engine.Engine`): unscale the gradients of the scaled loss and check
+    them (one pass), run ``inner`` on fp32 gradients against the fp32 master params, keep the
+    old params/state on the device if any gradient was not finite, and advance the loss scale.
+    When a param is fp16/bf16 an fp32 master copy lives in the state (apex ``FP16_Optimizer`` /
+    amp O2) and the params handed back are the master cast to each param's dtype. When
+    ``inner`` is registered with the kernels (``sgd``/``adam``/``adamw``, optionally after
+    ``clip_by_global_norm``) every entry point runs the fused kernels, with the numbers of the
+    generic path.
+
+    Args:
+      inner: the optimizer transform.
+      loss_scale: ``NoOpLossScale()``, ``StaticLossScale(s)`` or ``DynamicLossScale(...)``
+        (the default).
+      master_dtype: the master dtype for params narrower than it (never narrows a param: fp64
+        params keep fp64).
+      group: a ``torch.distributed`` process group whose ranks agree on skipping.
+
+    Returns:
+      A :class:`MixedPrecision`: ``init(params)``, ``update(grads, state, params)``,
+      ``step(params, grads, state)``, ``step_(params, grads, state)``. The state
+      (:class:`~ampfunc.engine.MixedPrecisionState`) carries the loss scale for the next loss
+      (:func:`loss_scale_of`), the last step's ``finite`` flag and the count of ``skipped``
+      steps as 0-d tensors.
+
+    Example::
+
+      tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)),
+                              loss_scale=af.DynamicLossScale())
+      state = tx.init(params)
+      params, state = tx.step_(params, grads, state)   # grads of scale_loss(loss, loss_scale_of(state))
+      print(int(state.skipped))                        # a host sync: do it when you log
+
+    Cost: fused: one read-only pass over the gradients and one optimizer pass (in place for
+    ``step_``, into new tensors for ``step``); generic: the primitives' passes. No host sync.
     """
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"mixed_precision: inner must be a GradientTransformation, got {type(inner).__name__}")
     if loss_scale is None:
         loss_scale = DynamicLossScale()
     _check_loss_scale(loss_scale, "mixed_precision")
-    if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
-        raise ValueError(f"mixed_precision: master_dtype must be a floating dtype, got {master_dtype!r}")
-    fused_plan = _fused_plan(inner)
+    engine = Engine(inner, master_dtype=master_dtype, group=group, where="mixed_precision")
 
     def init(params):
-        float_leaves_with_paths(params, "mixed_precision.init: params")
-        master = None
-        if _needs_master(params, master_dtype):
-            master = tree_map(lambda p: p.detach().to(master_dtype, copy=True), params)
-        inner_state = inner.init(master if master is not None else params)
-        return MixedPrecisionState(master, inner_state, loss_scale.to(_first_device(params)))
+        return engine.init(params, loss_scale)
 
-    def _check(params, grads, state, where):
-        _check_state(state, where)
-        check_same_structure(grads, params, "grads", "params")
-        if state.master is not None:
-            check_same_structure(state.master, params, "state.master", "params")
-
-    def _generic(params, grads, state):
-        """(new reference params, new inner state, finite, new loss scale); pure."""
-        grads32, finite = unscale_and_check(grads, state.loss_scale, group=group)
-        ref = state.master if state.master is not None else params
-        updates, new_inner = inner.update(grads32, state.inner, ref)
-        new_ref = apply_updates(ref, updates)
-        new_ref, new_inner = skip_or_apply(finite, (new_ref, new_inner), (ref, state.inner))
-        return new_ref, new_inner, finite, update_scale(state.loss_scale, finite)
-
-    def step(params, grads, state):
-        _check(params, grads, state, "mixed_precision.step")
-        if fused_plan is not None:
-            # Out of place in one optimizer pass (new tensors, inputs untouched); None when the
-            # kernels cannot run these trees.
-            out = fused_plan.step(params, grads, state, group=group)
-            if out is not None:
-                return out
-        new_ref, new_inner, _, new_ls = _generic(params, grads, state)
-        if state.master is None:
-            return new_ref, MixedPrecisionState(None, new_inner, new_ls)
-        new_params = tree_map(lambda m, p: m.to(p.dtype), new_ref, params)
-        return new_params, MixedPrecisionState(new_ref, new_inner, new_ls)
-
-    def update(grads, state, params):
-        if params is None:
-            raise ValueError("mixed_precision.update needs params (the master copy and the skip depend on them)")
-        new_params, new_state = step(params, grads, state)
-        # Deltas in fp32: apply_updates adds them in fp32 and rounds once to each param's dtype.
-        updates = tree_map(lambda n, p: n.to(torch.float32) - p.to(torch.float32), new_params, params)
-        return updates, new_state
-
-    def step_(params, grads, state):
-        if fused_plan is not None:
-            _check_state(state, "mixed_precision.step_")
-            slot_trees = fused_plan.slot_trees(state)  # None: the inner state is not the kernel's layout
-            masters = [state.master] if state.master is not None else []
-            # Every list handed to the kernel must share one leaf order: the cheap dict-values
-            # order when all the trees allow it (and then their structures agree), else optree's,
-            # flattening each tree once (a 10,000-leaf dict costs milliseconds per flatten).
-            leaves = aligned_leaves([params, grads] + masters + (slot_trees or []))
-            if leaves is not None:
-                p, g, m, slots = leaves[0], leaves[1], (leaves[2] if masters else None), leaves[2 + len(masters):]
-            else:
-                (p, g, m), slots = _flat_checked(params, grads, state, "mixed_precision.step_"), None
-            if slot_trees is not None and fused_plan.supports_leaves(p, m, state):
-                if slots is None:
-                    slots = [tree_leaves(t) for t in slot_trees]
-                fused_plan.step_leaves_(p, g, m, slots, state, group=group)
-                return params, state
-        _check(params, grads, state, "mixed_precision.step_")
-        new_params, new_state = step(params, grads, state)
-        _copy_into(params, new_params)
-        _copy_into(state, new_state)
-        return params, state
-
-    return MixedPrecision(init, update, step, step_, inner)
+    tx = MixedPrecision(init, engine.update)
+    tx.engine = engine
+    return tx
 
 
-def _check_state(state, where):
-    if not isinstance(state, MixedPrecisionState):
-        raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
-
-
-def _flat_checked(params, grads, state, where):
-    """``(params, grads, master)`` leaf lists, one optree flatten per tree; mismatches name the leaf."""
-    _check_state(state, where)
-    p, p_spec = tree_flatten(params)
-    g, g_spec = tree_flatten(grads)
-    if g_spec != p_spec:
-        check_same_structure(grads, params, "grads", "params")
-    m = None
-    if state.master is not None:
-        m, m_spec = tree_flatten(state.master)
-        if m_spec != p_spec:
-            check_same_structure(state.master, params, "state.master", "params")
-    return p, g, m
-
-
-def _fused_plan(inner: GradientTransformation):
-    """The fused kernel plan for ``inner`` (see ``ampfunc.fused``), or None for the generic path."""
-    from ampfunc import fused  # imported late: fused builds on ops and the optimizer specs
-
-    return fused.plan_for(inner)
+def check_optimizer_transform(tx, where: str) -> None:
+    """Raises unless ``tx`` is a plain optimizer transform (front-ends that run the
+    mixed-precision step themselves refuse a :class:`MixedPrecision` wrapper)."""
+    if isinstance(tx, MixedPrecision):
+        raise TypeError(
+            f"{where} runs the mixed-precision step itself (unscale, check, skip, scale update): pass the "
+            "optimizer transform and the loss scale separately, e.g. tx=tx.inner, loss_scale=af.DynamicLossScale()")
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"{where}: tx must be a GradientTransformation, got {type(tx).__name__}")
 
 
 def loss_scale_of(state: Any) -> LossScale:
-    """The loss scale held in a (possibly nested) state: the scale to use for the next loss."""
+    """The loss scale held in a (possibly nested) state: the scale to use for the next loss.
+
+    Args:
+      state: a :class:`~ampfunc.engine.MixedPrecisionState`, a loss scale, or a tuple/list/dict
+        holding one.
+
+    Returns:
+      The loss scale object (use ``.loss_scale`` for its 0-d tensor).
+
+    Cost: a walk over the containers; no tensor is read.
+    """
     if isinstance(state, MixedPrecisionState):
         return state.loss_scale
     if isinstance(state, LossScale):

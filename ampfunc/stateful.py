@@ -18,26 +18,30 @@ on the local shards, so its optimizer state is sharded too; clip with
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ampfunc.functional import _reject_mixed_precision
+from ampfunc.engine import Engine, MixedPrecisionState
 from ampfunc.loss_scale import LossScale, NoOpLossScale
-from ampfunc.mixed import scale_loss, skip_or_apply, unscale_and_check, update_scale
-from ampfunc.transform import GradientTransformation, apply_updates
-from ampfunc.tree import check_same_structure, tree_leaves, tree_map
+from ampfunc.mixed import check_optimizer_transform, scale_loss
+from ampfunc.transform import GradientTransformation
+from ampfunc.tree import check_same_structure
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
 
 class TrainerState(NamedTuple):
     """``master``: fp32 copy of the (local shards of the) params when any is fp16/bf16, else
-    ``None``; ``opt_state``: the optimizer's state; ``loss_scale``: the scale for the next loss."""
+    ``None``; ``opt_state``: the optimizer's state; ``loss_scale``: the scale for the next loss;
+    ``finite``: 0-d bool, the last step was applied (True before the first); ``skipped``: 0-d
+    int64, the steps skipped so far."""
 
     master: Any
     opt_state: Any
     loss_scale: LossScale
+    finite: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,23 +54,41 @@ class ModuleTrainer:
     """Runs ``tx`` (an optimizer transform) on ``model``'s parameters, one ``step()`` per step.
 
     ``step()`` reads every trainable parameter's ``.grad`` (gradients of the *scaled* loss:
-    use :meth:`scale`), unscales and checks them (``group``: all ranks agree), runs ``tx`` in
-    fp32 against the parameters -- or an fp32 master copy the trainer keeps when the module is
-    fp16/bf16 (apex O2) -- skips the step on the device if any gradient was not finite, writes
-    the result into the parameters in place, advances the loss scale, and clears the grads.
-    Returns the ``finite`` flag; never syncs with the host.
+    use :meth:`scale`) and runs the mixed-precision step of :class:`ampfunc.engine.Engine` in
+    place on the parameters: check (``group``: all ranks agree), ``tx`` in fp32 against the
+    parameters -- or an fp32 master copy the trainer keeps when the module is fp16/bf16 (apex
+    O2) --, the skip on the device if any gradient was not finite, the loss-scale update; then
+    it clears the grads. With a kernel-backed ``tx`` (``sgd``/``adam``/``adamw``, optionally
+    after ``clip_by_global_norm``) that is one check pass and one fused optimizer pass over the
+    parameters.
 
     A parameter without ``.grad`` (unused this step) gets a zero gradient, so the optimizer
     state keeps a fixed structure (``torch.optim`` would skip it instead; with weight decay or
     momentum the two differ for that parameter). ``state`` (a :class:`TrainerState` pytree) can
     be saved and loaded with ``torch.save`` or, sharded, with ``af.dist.save_sharded``.
+
+    Args:
+      model: the module; its parameters with ``requires_grad`` are trained.
+      tx: the optimizer transform (not a ``mixed_precision`` wrapper).
+      loss_scale: default :class:`NoOpLossScale`.
+      group: a ``torch.distributed`` process group whose ranks agree on skipping.
+      master_dtype: the master dtype for parameters narrower than it.
+      set_grads_to_none: clear ``.grad`` after each step (as ``zero_grad(set_to_none=True)``).
+
+    Example::
+
+      trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=af.DynamicLossScale())
+      trainer.scale(loss).backward()
+      finite = trainer.step()          # 0-d bool; trainer.skipped counts the skipped steps
+
+    Cost: see :meth:`step`. Never syncs with the host.
     """
 
     def __init__(self, model: torch.nn.Module, tx: GradientTransformation, *, loss_scale: LossScale | None = None,
                  group=None, master_dtype: torch.dtype = torch.float32, set_grads_to_none: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ModuleTrainer: model must be a torch.nn.Module, got {type(model).__name__}")
-        _reject_mixed_precision(tx, "ModuleTrainer")
+        check_optimizer_transform(tx, "ModuleTrainer")
         loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
         if not isinstance(loss_scale, LossScale):
             raise TypeError(f"ModuleTrainer: loss_scale must be a loss scale, got {type(loss_scale).__name__}")
@@ -80,13 +102,9 @@ class ModuleTrainer:
         for name, p in self._named:
             if not torch.is_floating_point(p):
                 raise TypeError(f"ModuleTrainer: parameter {name!r} has dtype {p.dtype}, expected a floating dtype")
-        params = self._params()
-        master = None
-        if any(p.dtype != master_dtype for p in params.values()):
-            master = tree_map(lambda p: p.detach().to(master_dtype, copy=True), params)
-        ref = master if master is not None else params
-        device = next(iter(params.values())).device
-        self._state = TrainerState(master, tx.init(ref), loss_scale.to(device))
+        self._engine = Engine(tx, master_dtype=master_dtype, group=group, where="ModuleTrainer.step")
+        st = self._engine.init(self._params(), loss_scale)
+        self._state = TrainerState(st.master, st.inner, st.loss_scale, st.finite, st.skipped)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -113,7 +131,9 @@ class ModuleTrainer:
     # -- the step ------------------------------------------------------------------------------
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return {n: _local(p.detach()) for n, p in self._named}
+        # The Parameters themselves (written under no_grad), so the engine sees the same tensors
+        # every step and validates their memory once; DTensors (FSDP2) give their local shard.
+        return {n: _local(p) for n, p in self._named}
 
     def _grads(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         grads = {}
@@ -122,25 +142,45 @@ class ModuleTrainer:
             grads[n] = torch.zeros_like(params[n]) if g is None else _local(g)
         return grads
 
+    @property
+    def engine(self) -> Engine:
+        """The :class:`ampfunc.engine.Engine` that runs :meth:`step` (set ``engine.on_check`` to
+        record which leaves overflowed, without a host sync)."""
+        return self._engine
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """0-d bool: whether the last step was applied (True before the first). No host sync."""
+        return self._state.finite
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """0-d int64: the number of steps skipped so far. ``int(trainer.skipped)`` syncs."""
+        return self._state.skipped
+
     def step(self) -> torch.Tensor:
-        """One optimizer step from the current ``.grad`` s; returns the 0-d bool ``finite`` flag."""
-        state = self._state
+        """One optimizer step from the current ``.grad`` s, in place on the module's parameters.
+
+        Returns:
+          The 0-d bool ``finite`` flag (also in ``trainer.state.finite``; the running count of
+          skipped steps is ``trainer.state.skipped``).
+
+        Cost: with a kernel-backed ``tx`` and fp32 params (or fp16/bf16 params with fp32
+        masters) one read-only check pass and one in-place optimizer pass over the parameters
+        (:class:`ampfunc.engine.Engine`); otherwise the generic pure step and one copy back.
+        No host sync.
+        """
+        st = self._state
         params = self._params()
         grads = self._grads(params)
-        grads32, finite = unscale_and_check(grads, state.loss_scale, group=self.group)
-        ref = state.master if state.master is not None else params
-        updates, new_opt = self.tx.update(grads32, state.opt_state, ref)
-        new_ref = apply_updates(ref, updates)
-        new_ref, new_opt = skip_or_apply(finite, (new_ref, new_opt), (ref, state.opt_state))
-        with torch.no_grad():
-            for p, new in zip(tree_leaves(params), tree_leaves(new_ref)):
-                p.copy_(new)
-        self._state = TrainerState(new_ref if state.master is not None else None, new_opt,
-                                   update_scale(state.loss_scale, finite))
+        mp = MixedPrecisionState(st.master, st.opt_state, st.loss_scale, st.finite, st.skipped)
+        # autograd gives every .grad its param's shape: no per-leaf shape check needed.
+        _, mp = self._engine.step_(params, grads, mp, trust_grads=True)
+        self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         if self.set_grads_to_none:
             for _, p in self._named:
                 p.grad = None
-        return finite
+        return mp.finite.clone()  # the state's flag is overwritten by the next step
 
     def state_dict(self) -> dict:
         """``{"trainer": state}``: pass to :meth:`load_state_dict` (``torch.save``-able)."""

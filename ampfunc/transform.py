@@ -13,7 +13,8 @@ a whole step can be skipped on the device with :func:`ampfunc.skip_or_apply`, sa
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+import weakref
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -30,6 +31,10 @@ from ampfunc.tree import (
 
 __all__ = [
     "GradientTransformation",
+    "FusedSpec",
+    "ChainSpec",
+    "register_kernel",
+    "kernel_spec",
     "EmptyState",
     "identity",
     "chain",
@@ -40,17 +45,83 @@ __all__ = [
 ]
 
 
-class GradientTransformation(NamedTuple):
-    """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
+class FusedSpec(NamedTuple):
+    """What the fused kernels need to run one registered transform: its ``kind`` and settings.
 
-    ``fused`` is optional metadata a native optimizer attaches (its kind and hyper-parameters)
-    so that :func:`ampfunc.mixed_precision` can run it as one fused kernel pass; transforms
-    without it always run through the generic (pure, per-transform) path.
+    ``kind`` is one of ``"sgd"``, ``"adam"``, ``"adamw"``, ``"clip_by_global_norm"``;
+    ``hparams`` holds *every* argument the transform was built with, defaults filled in (``lr``
+    may be a schedule, a callable of the step count): the fused plan reads them as they are and
+    keeps no defaults of its own.
+    """
+
+    kind: str
+    hparams: dict
+
+
+class ChainSpec(NamedTuple):
+    """The registered spec of ``chain(...)`` / ``named_chain(...)`` of registered transforms:
+    their specs in order, and the state's keys for ``named_chain`` (``None`` for ``chain``,
+    whose state is a tuple)."""
+
+    specs: tuple
+    names: Optional[tuple] = None
+
+
+KernelSpec = Union[FusedSpec, ChainSpec]
+
+# update function -> spec. Keyed by the function (not the pair) so that ``init, update = tx``
+# followed by ``GradientTransformation(init, update)`` still finds it; weak, so transforms built
+# in a loop do not pile up.
+_KERNEL_SPECS: "weakref.WeakKeyDictionary[Callable, KernelSpec]" = weakref.WeakKeyDictionary()
+
+
+class GradientTransformation(NamedTuple):
+    """optax's pair of pure functions: ``init(params) -> state`` and ``update(updates, state,
+    params=None) -> (updates, state)``.
+
+    Exactly two fields, so ``init, update = af.adamw(1e-3)`` works. Whether the fused kernels
+    can run a transform is not stored in the pair: native optimizers register their update
+    function with :func:`register_kernel`, and :func:`kernel_spec` (or the ``fused`` property)
+    reads the registry.
+
+    Example::
+
+        init, update = af.adamw(1e-3)
+        state = init(params)
+        updates, state = update(grads, state, params)
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple[PyTree, PyTree]]
-    fused: Any = None
+
+    @property
+    def fused(self) -> Optional[KernelSpec]:
+        """The registered :class:`FusedSpec` / :class:`ChainSpec` of this transform, or None."""
+        return kernel_spec(self)
+
+
+def register_kernel(tx: GradientTransformation, spec: KernelSpec) -> GradientTransformation:
+    """Records that the fused kernels can run ``tx`` as ``spec``; returns ``tx``.
+
+    Keyed by ``tx.update`` (the function), so any pair sharing that update function is
+    recognised. Called by the native optimizers and by :func:`chain` / :func:`named_chain`.
+    Cost: one dictionary insert at construction.
+    """
+    if not isinstance(spec, (FusedSpec, ChainSpec)):
+        raise TypeError(f"register_kernel: spec must be a FusedSpec or ChainSpec, got {type(spec).__name__}")
+    _KERNEL_SPECS[tx.update] = spec
+    return tx
+
+
+def kernel_spec(tx: Any) -> Optional[KernelSpec]:
+    """The spec registered for ``tx`` (a ``GradientTransformation``), or None."""
+    update = getattr(tx, "update", None)
+    if update is None:
+        return None
+    try:
+        return _KERNEL_SPECS.get(update)
+    except TypeError:  # an unhashable or non-weakrefable callable: never registered
+        return None
 
 
 class EmptyState(NamedTuple):
@@ -73,7 +144,23 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Applies ``transforms`` in order; the state is the tuple of their states."""
+    """Applies ``transforms`` in order; the state is the tuple of their states.
+
+    Args:
+      *transforms: ``GradientTransformation`` s, applied first to last.
+
+    Returns:
+      A ``GradientTransformation``. When every transform is registered with the kernels, the
+      chain is registered too (as a :class:`ChainSpec`), so ``chain(clip_by_global_norm(c),
+      adamw(lr))`` runs fused inside ``mixed_precision``, ``make_train_step`` and
+      ``ModuleTrainer``.
+
+    Example::
+
+      tx = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))
+
+    Cost: the sum of the transforms' costs.
+    """
     transforms = tuple(transforms)
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
@@ -91,12 +178,29 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    fused = transforms[0].fused if len(transforms) == 1 else ("chain", tuple(t.fused for t in transforms))
-    return GradientTransformation(init, update, fused)
+    out = GradientTransformation(init, update)
+    specs = tuple(kernel_spec(t) for t in transforms)
+    if specs and all(isinstance(sp, FusedSpec) for sp in specs):
+        register_kernel(out, ChainSpec(specs))
+    return out
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
-    """Like :func:`chain`, with a dict state keyed by the given names (handy for inspection)."""
+    """Like :func:`chain`, with a dict state keyed by the given names (handy for inspection).
+
+    Args:
+      *named: ``(name, transform)`` pairs, applied in order; names must be unique.
+
+    Returns:
+      A ``GradientTransformation`` whose state is ``{name: state}``; registered with the kernels
+      (a :class:`ChainSpec` with the names) when every transform is.
+
+    Example::
+
+      tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.adamw(1e-3)))
+
+    Cost: the sum of the transforms' costs.
+    """
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
@@ -112,7 +216,11 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         updates, new = inner.update(updates, tuple(state[n] for n in names), params)
         return updates, dict(zip(names, new))
 
-    return GradientTransformation(init, update)
+    out = GradientTransformation(init, update)
+    spec = kernel_spec(inner)
+    if spec is not None:
+        register_kernel(out, ChainSpec(spec.specs, tuple(names)))
+    return out
 
 
 def _resolve(tree_or_fn, params):

@@ -8,16 +8,17 @@ import torch
 import ampfunc as af
 from ampfunc.transform import EmptyState
 from ampfunc.tree import select_tree, tree_leaves
+from conftest import random_like
 
 
 def make_params():
+    """A nested tree (a dict holding a list), not the flat dict of conftest.make_params."""
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(8, 3, generator=g), "b": torch.randn(8, generator=g), "v": [torch.randn(5, generator=g)]}
 
 
 def grads_at(params, k, scale=1.0):
-    g = torch.Generator().manual_seed(50 + k)
-    return af.tree_map(lambda p: scale * torch.randn(p.shape, generator=g), params)
+    return random_like(params, 50 + k, scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import ampfunc as af
+from conftest import clone_tree
 
 
 def mlp(seed=0, dropout=0.0, batchnorm=True):
@@ -29,8 +30,7 @@ def mlp(seed=0, dropout=0.0, batchnorm=True):
     return torch.nn.Sequential(*layers)
 
 
-def clone(tree):
-    return af.tree_map(lambda t: t.detach().clone(), tree)
+clone = clone_tree
 
 
 def batches(n, size=8, seed=1):

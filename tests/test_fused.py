@@ -7,26 +7,11 @@ import ampfunc as af
 from ampfunc import ops
 from ampfunc.flat import flatten
 from ampfunc.fused import FusedPlan, plan_for
+from conftest import OVERFLOW_STEPS, SHAPES, grads_at, make_params, unregistered
 
-SHAPES = {"enc.w": (33, 17), "enc.b": (33,), "head.w": (5, 33), "tiny": (1,)}
-OVERFLOW_STEPS = {3, 11, 12}
-
-
-def _params(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in SHAPES.items()}
-
-
-def _scaled_grads(step, scale, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(1000 + step)
-    g = {k: (torch.randn(s, generator=gen) * float(scale)).to(dtype) for k, s in SHAPES.items()}
-    if step in OVERFLOW_STEPS:
-        g["enc.b"][-1] = float("inf") if step % 2 else float("nan")
-    return g
-
-
-def _generic(tx):
-    return tx._replace(fused=None)
+_params = make_params
+_scaled_grads = grads_at
+_generic = unregistered
 
 
 def test_plan_for_recognises_the_fusable_optimizers_and_nothing_else():
@@ -127,14 +112,30 @@ def test_pure_step_gives_the_in_place_numbers_bit_for_bit_and_leaves_its_inputs_
         assert torch.equal(a, b)
 
 
-def test_supports_refuses_states_it_cannot_run():
-    plan = plan_for(af.adamw(1e-3))
+def test_the_engine_takes_the_generic_path_for_states_and_dtypes_the_kernels_cannot_run(monkeypatch):
+    calls = []
+    real = ops.adam_step
+    monkeypatch.setattr(ops, "adam_step", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     params = _params()
-    good = af.mixed_precision(af.adamw(1e-3)).init(params)
-    assert plan.supports(params, good)
-    assert not plan.supports(params, af.mixed_precision(af.sgd(0.1)).init(params))  # wrong layout
+    tx = af.mixed_precision(af.adamw(1e-3))
+    tx.step(params, _scaled_grads(0, 2.0**16), tx.init(params))
+    assert len(calls) == 1
+    # a state of another optimizer's layout is refused by the inner update, not run by the kernel
+    with pytest.raises(TypeError, match="AdamState"):
+        tx.step(params, _scaled_grads(0, 2.0**16), af.mixed_precision(af.sgd(0.1)).init(params))
+    # fp64 params keep fp64 (no narrower master) and take the generic path
     f64 = {k: v.double() for k, v in params.items()}
-    assert not plan.supports(f64, af.mixed_precision(af.adamw(1e-3), master_dtype=torch.float64).init(f64))
+    state = tx.init(f64)
+    assert state.master is None
+    calls.clear()
+    new, _ = tx.step(f64, _scaled_grads(0, 2.0**16), state)
+    assert not calls and new["enc.w"].dtype == torch.float64
+    # fp64 gradients of fp32 params: the generic path too, the same numbers as an unregistered adamw
+    g64 = {k: v.double() for k, v in _scaled_grads(0, 2.0**16).items()}
+    a, _ = tx.step(params, g64, tx.init(params))
+    g = af.mixed_precision(_generic(af.adamw(1e-3)))
+    b, _ = g.step(params, g64, g.init(params))
+    assert not calls and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_fused_path_on_flat_buffers_equals_the_per_leaf_path():

@@ -78,3 +78,22 @@ def test_apply_updates_keeps_each_param_dtype_and_rounds_low_precision_once():
 def test_apply_updates_names_structure_mismatch():
     with pytest.raises(ValueError, match="'b'"):
         af.apply_updates({"w": torch.ones(1), "b": torch.ones(1)}, {"w": torch.ones(1)})
+
+
+def test_chains_of_registered_transforms_are_registered_as_typed_specs():
+    from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
+
+    clip, opt = af.clip_by_global_norm(1.0), af.adamw(1e-3)
+    spec = kernel_spec(af.chain(clip, opt))
+    assert isinstance(spec, ChainSpec) and spec.specs == (clip.fused, opt.fused) and spec.names is None
+    assert isinstance(spec.specs[1], FusedSpec) and spec.specs[1].hparams["weight_decay"] == 1e-2
+    named = kernel_spec(af.named_chain(("clip", clip), ("opt", opt)))
+    assert named.names == ("clip", "opt") and named.specs == spec.specs
+    # one unregistered member: the chain is not registered (the generic path runs it)
+    assert kernel_spec(af.chain(af.scale(0.5), opt)) is None
+    assert kernel_spec(af.from_torch(torch.optim.SGD, lr=0.1)) is None
+    # the registry is keyed by the update function: rebuilding the pair keeps it
+    init, update = opt
+    assert kernel_spec(af.GradientTransformation(init, update)) == opt.fused
+    with pytest.raises(TypeError, match="FusedSpec or ChainSpec"):
+        af.transform.register_kernel(af.identity(), ("chain", ()))

@@ -16,7 +16,6 @@ import torch
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
-    FusedSpec,
     ScalarOrSchedule,
     check_lr,
     check_nonneg,
@@ -25,7 +24,7 @@ from ampfunc.optim.base import (
     on,
     step_device,
 )
-from ampfunc.transform import GradientTransformation
+from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
@@ -134,7 +133,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
                               unflat(state.max_exp_avg_sq, new_vmax) if amsgrad else None)
         return tree_unflatten(spec, deltas), new_state
 
-    return GradientTransformation(init, update, FusedSpec(kind, hparams))
+    return register_kernel(GradientTransformation(init, update), FusedSpec(kind, hparams))
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

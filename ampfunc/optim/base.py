@@ -1,17 +1,17 @@
-"""Shared pieces of the optimizer family: the fused-kernel spec and input checks.
+"""Shared pieces of the optimizer family: learning-rate handling and input checks.
 
-:class:`FusedSpec` is the metadata a native optimizer (or clipping) attaches to its
-:class:`~ampfunc.transform.GradientTransformation` as ``fused``; :func:`ampfunc.mixed_precision`
-reads it to run the whole step as one fused kernel pass. Transforms without it run through the
-generic pure path.
+(:class:`~ampfunc.transform.FusedSpec`, the spec a native optimizer registers so that the
+engine runs it with the fused kernels, lives in :mod:`ampfunc.transform` beside the registry;
+it is re-exported here for the optimizer modules.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, Union
 
 import torch
 
+from ampfunc.transform import FusedSpec
 from ampfunc.tree import (
     PyTree,
     check_same_structure,
@@ -25,18 +25,6 @@ __all__ = ["FusedSpec", "Schedule", "ScalarOrSchedule"]
 
 Schedule = Callable[[torch.Tensor], Union[torch.Tensor, float]]
 ScalarOrSchedule = Union[float, Schedule]
-
-
-class FusedSpec(NamedTuple):
-    """What a fused kernel needs to run a transform: its ``kind`` and constructor arguments.
-
-    ``kind`` is one of ``"sgd"``, ``"adam"``, ``"adamw"``, ``"clip_by_global_norm"``;
-    ``hparams`` holds the arguments the transform was built with (``lr`` may be a schedule,
-    a callable of the step count).
-    """
-
-    kind: str
-    hparams: dict
 
 
 def check_lr(lr: Any, where: str) -> None:

@@ -1,4 +1,8 @@
-"""Gradient clipping by global norm, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+"""Gradient clipping by global norm, as ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+One name per concept: :func:`global_norm` and :func:`clip_by_global_norm` serve single-process,
+DDP and sharded (FSDP2 DTensor, or local shards with ``group``) training alike.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,38 @@ import math
 
 import torch
 
-from ampfunc import ops
-from ampfunc.optim.base import FusedSpec, device_groups
-from ampfunc.transform import EmptyState, GradientTransformation
+from ampfunc import dist, ops
+from ampfunc.optim.base import device_groups
+from ampfunc.transform import EmptyState, FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import float_leaves_with_paths, tree_structure, tree_unflatten
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
 
-def global_norm(tree) -> torch.Tensor:
-    """0-d fp32 L2 norm of all leaves of ``tree`` together (accumulated in fp32 whatever the leaf
-    dtype, so fp16 grads do not overflow it). One read pass; no host sync."""
+def global_norm(tree, group=None) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` together, accumulated in fp32.
+
+    Args:
+      tree: a pytree of floating tensors (fp16/bf16 leaves do not overflow the fp32 sum).
+        DTensor leaves count as whole tensors (their shards' sums are all-reduced over the mesh
+        dimensions they are sharded on).
+      group: a ``torch.distributed`` process group over which plain leaves are *local shards*
+        of tensors sharded over it (their sums of squares are all-reduced); None for a
+        single process or replicated (DDP) gradients.
+
+    Returns:
+      A 0-d fp32 tensor on the leaves' device.
+
+    Example::
+
+      norm = af.global_norm(grads)
+
+    Cost: one read pass (plus one all-reduce of one float with ``group`` or DTensors); no host
+    sync.
+    """
     _, leaves = float_leaves_with_paths(tree, "tree")
+    if group is not None or dist.any_dtensor(leaves):
+        return dist.sharded_global_norm(tree, group)
     _, sumsq = ops.check(leaves)
     return sumsq.sqrt()
 
@@ -25,24 +49,32 @@ def global_norm(tree) -> torch.Tensor:
 def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformation:
     """Scales all updates by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` their global L2 norm.
 
-    With ``group`` (a ``torch.distributed`` process group) the updates are taken to be shards
-    (FSDP2 DTensors, or local shards of tensors sharded over ``group``) and the norm is the
-    all-reduced norm of the whole tensors: this is :func:`ampfunc.dist.clip_by_global_norm`,
-    which runs on the generic path (its norm needs a collective between the two kernel passes).
-
     The coefficient is ``clip_grad_norm_``'s (norm over every leaf, ``1e-6`` added, clamped at
-    1), computed and applied on the device: no host sync. A non-finite gradient makes the norm
-    non-finite and the result NaN, as in torch; ``mixed_precision`` skips such a step.
-    Updates keep their dtype. Stateless (:class:`EmptyState`). Cost: one read pass for the norm,
-    one read and one write for the scaling (the fused path folds both into the optimizer pass).
+    1), computed and applied on the device. A non-finite gradient makes the norm non-finite and
+    the result NaN, as in torch; ``mixed_precision`` skips such a step. Updates keep their dtype.
+
+    Args:
+      max_norm: the threshold, a positive number.
+      group: with a ``torch.distributed`` process group the updates are taken to be local
+        shards of tensors sharded over ``group`` and the norm is all-reduced over it (see
+        :func:`global_norm`); DTensor leaves are handled with or without it. A transform with
+        ``group`` runs on the generic path (a collective sits between the norm and the update).
+
+    Returns:
+      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; without ``group``
+      it is registered with the fused kernels, which fold the scaling into the optimizer pass
+      when it precedes ``sgd``/``adam``/``adamw`` in a ``chain``.
+
+    Example::
+
+      tx = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))
+
+    Cost: one read pass for the norm, one read and one write for the scaling (the fused path
+    folds both into the optimizer pass); no host sync.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm <= 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive number, got {max_norm!r}")
     max_norm = float(max_norm)
-    if group is not None:
-        from ampfunc import dist  # late: dist builds on the optimizer package
-
-        return dist.clip_by_global_norm(max_norm, group)
 
     def init(params):
         return EmptyState()
@@ -51,6 +83,9 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         _, leaves = float_leaves_with_paths(updates, "updates")
         if not leaves:
             return updates, state
+        if group is not None or dist.any_dtensor(leaves):
+            norm = dist.sharded_global_norm(updates, group)
+            return dist.scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
         _, sumsq = ops.check(leaves)
         coef = (max_norm / (sumsq.sqrt() + 1e-6)).clamp(max=1.0)
         out: list = [None] * len(leaves)
@@ -61,4 +96,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
                 out[i] = u
         return tree_unflatten(tree_structure(updates), out), state
 
-    return GradientTransformation(init, update, FusedSpec("clip_by_global_norm", {"max_norm": max_norm}))
+    tx = GradientTransformation(init, update)
+    if group is None:
+        register_kernel(tx, FusedSpec("clip_by_global_norm", {"max_norm": max_norm}))
+    return tx

@@ -13,7 +13,6 @@ import torch
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
-    FusedSpec,
     ScalarOrSchedule,
     check_lr,
     check_nonneg,
@@ -22,7 +21,7 @@ from ampfunc.optim.base import (
     on,
     step_device,
 )
-from ampfunc.transform import GradientTransformation
+from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["SgdState", "sgd"]
@@ -117,4 +116,4 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         new_buf = tree_unflatten(tree_structure(state.momentum_buffer), new_bufs) if momentum != 0 else None
         return tree_unflatten(spec, deltas), SgdState(state.step + 1, new_buf)
 
-    return GradientTransformation(init, update, FusedSpec("sgd", hparams))
+    return register_kernel(GradientTransformation(init, update), FusedSpec("sgd", hparams))

@@ -1,0 +1,600 @@
+"""ONE mixed-precision step, behind every front-end.
+
+``mixed_precision(...).update/.step/.step_``, ``make_train_step`` (eager and compiled),
+``ModuleTrainer.step()`` and the facades' master weights all run :class:`Engine`:
+
+1. check: one read-only pass over the gradients of the scaled loss gives the 0-d ``finite``
+   flag (all ranks agree with ``group``);
+2. inner update: the optimizer transform on fp32 gradients, against the fp32 master params
+   (kept in the state when a param is fp16/bf16) or the params themselves;
+3. apply: params + updates, the low-precision params re-cast from the master;
+4. skip on the device: when ``finite`` is False nothing changes (no host sync);
+5. scale update: the loss scale for the next loss, and the step's ``finite`` flag and the
+   running count of skipped steps, both 0-d tensors in the state.
+
+Two plans give the same numbers through the same API. The *fused* plan
+(:class:`ampfunc.fused.FusedPlan`) serves an inner transform registered with the kernels
+(``sgd``/``adam``/``adamw``, optionally after ``clip_by_global_norm``) when the trees allow it
+(fp32 master or params, one device, kernel dtypes): one check pass and one optimizer pass,
+in place for ``step_`` or into new tensors for ``step``. The *generic* plan runs any transform
+through the pure primitives. Validation happens in :func:`validate_step` (and
+:func:`check_no_overlap` for the in-place paths), always before the first write.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from ampfunc import ops
+from ampfunc.dist import agree_finite, any_dtensor
+from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for
+from ampfunc.loss_scale import DynamicLossScale, LossScale
+from ampfunc.transform import GradientTransformation, apply_updates
+from ampfunc.tree import (
+    PyTree,
+    aligned_leaves,
+    check_same_structure,
+    float_leaves_with_paths,
+    leaves_with_paths,
+    register_state_classes,
+    select_tree,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+
+__all__ = ["MixedPrecisionState", "Engine", "validate_step", "check_no_overlap", "skip_stats"]
+
+# Whether the ops validate every call before writing (shapes across lists, overlapping or
+# aliased written tensors, meta/foreign devices, dtypes) and name the list and index at fault
+# (``ops.error_items`` parses their messages). Then the fused path leaves those checks to them
+# and names the leaf paths on the error path only.
+KERNELS_VALIDATE = hasattr(ops, "error_items")
+_MODEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_shape_of = operator.attrgetter("shape")
+
+
+class MixedPrecisionState(NamedTuple):
+    """The state of a mixed-precision step (a pytree of tensors; ``torch.save``-able).
+
+    ``master``: a copy of the params in the master dtype when some param is narrower (fp16 /
+    bf16 params with fp32 masters), else ``None``; ``inner``: the inner optimizer's state;
+    ``loss_scale``: the scale for the next loss; ``finite``: 0-d bool, whether the last step's
+    gradients were finite (so the step was applied; True before the first step); ``skipped``:
+    0-d int64, how many steps were skipped so far. Read the last two without a host sync as
+    tensors (``af.record``), or with ``bool(state.finite)`` / ``int(state.skipped)`` when a sync
+    is fine (logging every N steps).
+    """
+
+    master: Any
+    inner: Any
+    loss_scale: LossScale
+    finite: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None
+
+
+register_state_classes(MixedPrecisionState)
+
+
+def skip_stats(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The initial ``(finite, skipped)`` pair: 0-d ``True`` and 0-d int64 ``0`` on ``device``."""
+    return torch.ones((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _next_stats(finite: torch.Tensor, prev_finite, prev_skipped, device):
+    """``(finite, skipped + (not finite))`` as new tensors on ``device``."""
+    f = finite.to(device)
+    skipped = prev_skipped if prev_skipped is not None else torch.zeros((), dtype=torch.int64, device=device)
+    return f, skipped + (~f).to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: one place, before the first write
+# ----------------------------------------------------------------------------------------------
+
+
+def _compiling() -> bool:
+    return ops._is_compiling()
+
+
+_GETTERS = {"dtype": _dtype_of, "device": _device_of, "shape": _shape_of, "floating": torch.is_floating_point}
+
+
+def _attrs(name: str, leaves: list) -> list:
+    # map(attrgetter) runs at C speed on 10,000 leaves; dynamo cannot trace attrgetter, so a
+    # torch.compile trace takes plain attribute reads.
+    if _compiling():
+        if name == "floating":
+            return [t.dtype.is_floating_point for t in leaves]
+        return [getattr(t, name) for t in leaves]
+    return list(map(_GETTERS[name], leaves))
+
+
+def _path(tree: PyTree, index: int) -> str:
+    """The path of leaf ``index`` of ``tree`` (in the order the engine lined the leaves up)."""
+    if type(tree) is dict and aligned_leaves([tree]) is not None:
+        return str(list(tree)[index])
+    return leaves_with_paths(tree)[index][0]
+
+
+def validate_step(where: str, named: list, *, shapes: bool = True, param_shapes: Optional[list] = None,
+                  dtypes: Optional[list] = None) -> list:
+    """Raises a clear error when the leaf lists of one step cannot go together.
+
+    ``named`` is ``[(tree_name, tree, leaves), ...]`` with the params first; every list must
+    have the params' length (the structures were compared when they were flattened). Checks:
+    every leaf is a floating tensor not on the ``meta`` device, and (``shapes``) every leaf has
+    its param's shape. ``param_shapes`` / ``dtypes`` (one set per list) may be passed when the
+    caller already has them. Errors name the tree and the leaf path. Returns the params' shapes.
+    Cost: a dtype/device/shape look per leaf at C speed (``map``); no host sync.
+    """
+    p_name, p_tree, p_leaves = named[0]
+    p_shapes = param_shapes if param_shapes is not None or not shapes else _attrs("shape", p_leaves)
+    for k, (name, tree, leaves) in enumerate(named):
+        kinds = dtypes[k] if dtypes is not None and dtypes[k] is not None else None
+        if kinds is None:
+            if not all(issubclass(t, torch.Tensor) for t in (set(map(type, leaves)) if not _compiling() else ())):
+                float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf
+            kinds = set(_attrs("dtype", leaves))
+        if not all(d.is_floating_point for d in kinds):
+            float_leaves_with_paths(tree, f"{where}: {name}")  # raises, naming the leaf and its dtype
+        devices = set(_attrs("device", leaves))
+        if any(d.type == "meta" for d in devices):
+            i = next(i for i, t in enumerate(leaves) if t.device.type == "meta")
+            raise ValueError(f"{where}: {name} leaf {_path(tree, i)!r} is on the meta device (no data); "
+                             "materialize it first (e.g. module.to_empty(device=...) and initialize)")
+        if shapes and leaves is not p_leaves:
+            s = _attrs("shape", leaves)
+            if s != p_shapes:
+                i = next(i for i, (a, b) in enumerate(zip(s, p_shapes)) if a != b)
+                raise ValueError(f"{where}: leaf {_path(p_tree, i)!r} has shape {tuple(s[i])} in {name} but "
+                                 f"{tuple(p_shapes[i])} in {p_name}")
+    return p_shapes
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte, one past the last byte)`` of the memory ``t`` can address."""
+    size = t.element_size()
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * size
+    if t.is_contiguous():
+        return start, start + t.numel() * size
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * size
+
+
+def check_no_overlap(where: str, named: list) -> None:
+    """Refuses written tensors that share memory, before anything is written.
+
+    ``named`` is ``[(tree_name, tree, leaves), ...]``: every tensor an in-place step writes.
+    A leaf that overlaps itself (``expand()``, stride 0) or two leaves whose memory overlaps
+    (the same tensor twice, overlapping views) raise ``ValueError`` naming the leaf path(s):
+    the kernels would write that memory twice. Cost: a few attribute reads per leaf and one
+    sort; the engine runs it once per set of tensors (cached by identity), not per step.
+    """
+    spans = []
+    for name, tree, leaves in named:
+        for i, t in enumerate(leaves):
+            if t.numel() == 0:
+                continue
+            if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())) or (
+                    not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1):
+                raise ValueError(f"{where}: {name} leaf {_path(tree, i)!r} overlaps itself (an expand()ed or "
+                                 "stride-0 view); an in-place step would write its memory more than once -- "
+                                 "pass a contiguous copy (.contiguous() / .clone())")
+            start, end = _extent(t)
+            spans.append((start, end, name, tree, i))
+    spans.sort(key=operator.itemgetter(0))
+    for a, b in zip(spans, spans[1:]):
+        if b[0] < a[1]:
+            what = "are the same tensor" if (a[0], a[1]) == (b[0], b[1]) else "share memory (overlapping views)"
+            raise ValueError(f"{where}: {a[2]} leaf {_path(a[3], a[4])!r} and {b[2]} leaf {_path(b[3], b[4])!r} "
+                             f"{what}; an in-place step would update that memory twice -- pass separate tensors")
+
+
+_KERNEL_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
+
+
+def _blame(err: Exception, where: str, lists: dict) -> Exception:
+    """A kernel's error ("ampfunc: grads[2] has shape ...") as the same exception type with the
+    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only."""
+    msg = str(err)
+    if msg.startswith("ampfunc: "):
+        msg = msg[len("ampfunc: "):]
+
+    def name(m):
+        entry = lists.get(m.group(1))
+        if entry is None:
+            return m.group(0)
+        tree_name, tree = entry
+        try:
+            return f"{tree_name} leaf {_path(tree, int(m.group(2)))!r}"
+        except (IndexError, ValueError, TypeError):
+            return m.group(0)
+
+    return type(err)(f"{where}: " + _KERNEL_ITEM.sub(name, msg))
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------
+
+
+class _Lined(NamedTuple):
+    """One step's leaves, lined up across the trees, and how to rebuild trees from new leaves."""
+
+    p: list
+    g: list
+    m: Optional[list]
+    slots: list
+    rebuild: Callable  # (tree index: 0 params, 1 master, 2 + k slot tree k, new leaves) -> tree
+    keys: Optional[list] = None  # the params' keys when the leaves are in dict order, else optree's order
+
+
+def _clone(x):
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _cloned(tree):
+    return None if tree is None else tree_map(_clone, tree)
+
+
+class Engine:
+    """The mixed-precision step, written once: ``init``, ``step`` (pure), ``step_`` (in place).
+
+    Args:
+      inner: the optimizer transform (any ``GradientTransformation``).
+      master_dtype: the dtype of the master copy kept for params narrower than it (fp16/bf16
+        params get fp32 masters; a wider param, e.g. fp64, keeps its own dtype: a master is
+        never narrower than its param). ``None``: never keep a master; the inner transform runs
+        on the params as they are (``make_train_step`` stores params in the policy's dtype).
+      group: a ``torch.distributed`` process group whose ranks must agree on skipping.
+      where: the name errors start with.
+
+    The fused plan is chosen once from the kernel registry (:func:`ampfunc.fused.plan_for`)
+    and used on every step whose trees allow it; the generic plan otherwise. Both give the
+    same numbers (bit for bit on one backend in eager mode).
+
+    ``engine.on_check``, when set, is called on every eager step after the check pass with
+    ``(finite, leaf_nonfinite, leaf_paths)``: this rank's 0-d bool flag, a 1-d bool tensor with
+    one entry per gradient leaf (True where it holds an inf/NaN), and a function returning the
+    leaf paths in that order. The tensors stay on the device (no host sync); on the fused path
+    the per-leaf flags come from the same read-only pass, on the generic path from one extra
+    read of the gradients. Not called inside a ``torch.compile`` trace.
+
+    Example::
+
+        engine = Engine(af.adamw(1e-3))
+        state = engine.init(params, af.DynamicLossScale())
+        params, state = engine.step_(params, grads, state)
+    """
+
+    def __init__(self, inner: GradientTransformation, *, master_dtype: Optional[torch.dtype] = torch.float32,
+                 group=None, where: str = "mixed_precision"):
+        if not isinstance(inner, GradientTransformation):
+            raise TypeError(f"{where}: inner must be a GradientTransformation, got {type(inner).__name__}")
+        if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+            raise ValueError(f"{where}: master_dtype must be a floating dtype, got {master_dtype!r}")
+        self.inner = inner
+        self.master_dtype = master_dtype
+        self.group = group
+        self.where = where
+        self.plan: Optional[FusedPlan] = plan_for(inner)
+        # Monitoring hook: on_check(finite, leaf_nonfinite, leaf_paths), see the class docstring.
+        self.on_check: Optional[Callable] = None
+        # (ids of the params/master/state leaves, fused-ok, the lists): what was validated last,
+        # so an in-place step, which gets the same tensors back, validates them once.
+        self._seen: Optional[tuple] = None
+
+    # -- init --------------------------------------------------------------------------------
+
+    def master_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
+        """The master dtype of a param of ``dtype``: never narrower than the param."""
+        if self.master_dtype is None or dtype.itemsize > self.master_dtype.itemsize:
+            return dtype
+        return self.master_dtype
+
+    def init(self, params: PyTree, loss_scale: LossScale) -> MixedPrecisionState:
+        """The initial :class:`MixedPrecisionState` for ``params`` (any float dtypes).
+
+        Cost: one copy of the params when a master is needed, plus the inner state.
+        """
+        paths, leaves = float_leaves_with_paths(params, f"{self.where}.init: params")
+        for path, leaf in zip(paths, leaves):
+            if leaf.device.type == "meta":
+                raise ValueError(f"{self.where}.init: params leaf {path!r} is on the meta device (no data)")
+        master = None
+        if any(t.dtype != self.master_dtype_for(t.dtype) for t in leaves):
+            master = tree_map(lambda p: p.detach().to(self.master_dtype_for(p.dtype), copy=True), params)
+        device = leaves[0].device if leaves else torch.device("cpu")
+        inner_state = self.inner.init(master if master is not None else params)
+        return MixedPrecisionState(master, inner_state, loss_scale.to(device), *skip_stats(device))
+
+    # -- lining the leaves up ----------------------------------------------------------------
+
+    def _check_state(self, state, where):
+        if not isinstance(state, MixedPrecisionState):
+            raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
+        if not isinstance(state.loss_scale, LossScale):
+            raise TypeError(f"{where}: state.loss_scale must be a loss scale, got {type(state.loss_scale).__name__}")
+
+    def _line_up(self, params, grads, master, slot_trees, slot_names, where) -> _Lined:
+        """Leaves of every tree in one order: the cheap dict-values order when every tree is a
+        plain dict with the params' keys, else optree's; structures compared on the way."""
+        masters = [master] if master is not None else []
+        trees = [params, grads] + masters + slot_trees
+        leaves = aligned_leaves(trees)
+        if leaves is not None:
+            keys = list(params)
+
+            def rebuild(_i, new):  # every tree has the keys of params, in that order
+                return dict(zip(keys, new))
+
+            p, g = leaves[0], leaves[1]
+            m = leaves[2] if masters else None
+            return _Lined(p, g, m, leaves[2 + len(masters):], rebuild, keys)
+        names = ["grads"] + (["state.master"] if masters else []) + list(slot_names)
+        p, p_spec = tree_flatten(params)
+        flat = []
+        for name, tree in zip(names, trees[1:]):
+            leaves_t, spec = tree_flatten(tree)
+            if spec != p_spec:
+                try:
+                    check_same_structure(tree, params, name, "params")
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            flat.append(leaves_t)
+        m = flat[1] if masters else None
+        slots = flat[1 + len(masters):]
+        specs = [p_spec, p_spec] + [p_spec] * len(slots)
+
+        def rebuild(i, new):
+            return tree_unflatten(specs[i], new)
+
+        return _Lined(p, flat[0], m, slots, rebuild)
+
+    def _state_fusable(self, lined: _Lined, opt) -> bool:
+        """Whether the kernels can run the params/master/state leaves: an fp32 reference (the
+        master, or the params without one), model dtypes, one device, no DTensor. Looks at
+        dtypes and devices, never at values. (The gradients must also be in the kernels'
+        dtypes -- fp64 takes the generic path, so both paths give it the same numbers -- and
+        on the optimizer's device: first leaf; the kernels refuse a stray one, naming it.)"""
+        ref = lined.m if lined.m is not None else lined.p
+        if not ref:
+            return False
+        dev = opt.step.device
+        if set(_attrs("dtype", ref)) != {torch.float32}:
+            return False
+        if lined.m is not None and not set(_attrs("dtype", lined.p)) <= _MODEL_DTYPES:
+            return False
+        lists = [ref] + lined.slots + ([lined.p] if lined.m is not None else [])
+        if any(set(_attrs("device", lst)) != {dev} for lst in lists):
+            return False
+        return _compiling() or not any_dtensor(ref)
+
+    def _prepare(self, params, grads, state, where, *, trust_grads=False, inplace=False):
+        """``(lined, opt, named)``: the leaves lined up, the fused plan's optimizer state (None:
+        take the generic plan) and the named leaf lists (for validation and blame).
+
+        What depends only on the params/master/state tensors (their shapes, dtypes, devices, and
+        for in-place steps that no two of them share memory) is checked once per set of tensors
+        (by identity: an in-place step gets the same tensors back every step) unless the kernels
+        validate every call themselves (:data:`KERNELS_VALIDATE`); the gradients are new every
+        step and checked every step, unless ``trust_grads`` (autograd already guarantees their
+        shapes) or the kernels do it.
+        """
+        self._check_state(state, where)
+        opt = self.plan.opt_state(state.inner) if self.plan is not None else None
+        slot_trees = self.plan.slot_trees(opt) if opt is not None else []
+        slot_names = [f"state.inner.{n}" for n in self.plan.slot_names()] if opt is not None else []
+        lined = self._line_up(params, grads, state.master, slot_trees, slot_names, where)
+        stable = [("params", params, lined.p)]
+        if lined.m is not None:
+            stable.append(("state.master", state.master, lined.m))
+        stable += [(n, t, lst) for n, t, lst in zip(slot_names, slot_trees, lined.slots)]
+        named = stable[:1] + [("grads", grads, lined.g)] + stable[1:]
+        compiling = _compiling()
+        key = None
+        if inplace and not compiling:
+            extra = [state.finite, state.skipped, opt.step if opt is not None else None, state.loss_scale]
+            if opt is None:  # the generic in-place step writes every tensor of the inner state
+                extra += tree_leaves(state.inner)
+            key = [list(map(id, lst)) for _, _, lst in stable] + [list(map(id, extra))]
+        cached = self._seen if (key is not None and self._seen is not None and self._seen[0] == key) else None
+        if cached is None:
+            state_ok = opt is not None and self._state_fusable(lined, opt)
+            p_shapes = None
+            if not (state_ok and KERNELS_VALIDATE):
+                p_shapes = validate_step(where, stable)
+            elif lined.m is not None:
+                # The kernels compare every list with the master (their reference list): a master
+                # from another model would be reported against the gradients. Blame it here.
+                p_shapes = validate_step(where, stable[:2])
+            if key is not None:
+                self._check_written(state, opt, stable, where)
+                # Strong references keep the ids meaningful (an id is reused only after its
+                # object is gone); the in-place caller holds these tensors anyway.
+                self._seen = (key, state_ok, p_shapes, [lst for _, _, lst in stable], extra)
+        else:
+            state_ok, p_shapes = cached[1], cached[2]
+        if not all(issubclass(t, torch.Tensor) for t in (set(map(type, lined.g)) if not compiling else ())):
+            float_leaves_with_paths(grads, f"{where}: grads")  # raises, naming the leaf
+        g_dtypes = set(_attrs("dtype", lined.g))
+        fused = state_ok and g_dtypes <= KERNEL_GRAD_DTYPES and (not lined.g or lined.g[0].device == opt.step.device)
+        if not (fused and KERNELS_VALIDATE):
+            p_shapes = validate_step(where, [named[0], named[1]], shapes=not trust_grads, param_shapes=p_shapes,
+                                     dtypes=[set(), g_dtypes])
+            if key is not None and cached is not None and cached[2] is None:
+                self._seen = cached[:2] + (p_shapes,) + cached[3:]
+        return lined, (opt if fused else None), named
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def step(self, params: PyTree, grads: PyTree, state: MixedPrecisionState, *, where: Optional[str] = None,
+             trust_grads: bool = False):
+        """One pure step: ``(new_params, new_state)``; nothing given is written.
+
+        ``grads`` are the gradients of the scaled loss. Fused: one check pass and one
+        out-of-place optimizer pass (new tensors; the tensors the kernel does not write are
+        cloned: 0-d or empty in practice). Generic: the pure primitives. No host sync.
+        """
+        where = where or f"{self.where}.step"
+        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads)
+        if opt is None:
+            self._generic_hook(params, grads, lined)
+            return self._generic(params, grads, state, where)
+        return self._fused(params, grads, state, lined, opt, named, where)
+
+    def _hook(self, params, lined):
+        """``on_check`` bound to this step's leaf order, or None."""
+        if self.on_check is None or _compiling():
+            return None
+        on_check = self.on_check
+
+        def leaf_paths():
+            if lined.keys is not None:
+                return [str(k) for k in lined.keys]
+            return [p for p, _ in leaves_with_paths(params)]
+
+        return lambda finite, leaf_nonfinite: on_check(finite, leaf_nonfinite, leaf_paths)
+
+    def _generic_hook(self, params, grads, lined):
+        hook = self._hook(params, lined)
+        if hook is not None and lined.g:
+            finite, _, leaf_nonfinite = ops.check(lined.g, per_leaf=True)
+            hook(finite, leaf_nonfinite)
+
+    def _fused(self, params, grads, state, lined, opt, named, where):
+        ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
+        try:
+            new_ref, new_model, new_slots, new_step, finite = self.plan.run(
+                ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
+                on_check=self._hook(params, lined))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
+        if lined.m is not None:
+            new_params, new_master = lined.rebuild(0, new_model), lined.rebuild(1, new_ref)
+        else:
+            new_params, new_master = lined.rebuild(0, new_ref), None
+        written = dict(zip(self.plan.slot_names(), [lined.rebuild(2 + k, s) for k, s in enumerate(new_slots)]),
+                       step=new_step)
+        new_opt = opt._replace(**{f: written[f] if f in written else _cloned(getattr(opt, f)) for f in opt._fields})
+        new_inner = self.plan.replace_opt_state(state.inner, new_opt, _cloned)
+        ls = state.loss_scale
+        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        if new_ls is ls:  # static and no-op scales return themselves; the result owns its tensors
+            new_ls = _cloned(ls)
+        dev = opt.step.device
+        f, skipped = _next_stats(finite, state.finite, state.skipped, dev)
+        return new_params, MixedPrecisionState(new_master, new_inner, new_ls, f, skipped)
+
+    def _generic(self, params, grads, state, where):
+        ls = state.loss_scale
+        grads32, finite = ls.unscale_and_check(grads, f"{where}: grads")
+        if self.group is not None:
+            finite = agree_finite(finite, self.group)
+        ref = state.master if state.master is not None else params
+        updates, new_inner = self.inner.update(grads32, state.inner, ref)
+        new_ref = apply_updates(ref, updates)
+        new_ref, new_inner = select_tree(finite, (new_ref, new_inner), (ref, state.inner))
+        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        device = state.finite.device if state.finite is not None else finite.device
+        f, skipped = _next_stats(finite, state.finite, state.skipped, device)
+        if state.master is None:
+            return new_ref, MixedPrecisionState(None, new_inner, new_ls, f, skipped)
+        new_params = tree_map(lambda m, p: m.to(p.dtype), new_ref, params)
+        return new_params, MixedPrecisionState(new_ref, new_inner, new_ls, f, skipped)
+
+    def _kernel_lists(self, params, grads, state, named) -> dict:
+        """Kernel argument names -> (tree name, tree), to name leaves in kernel errors."""
+        by_name = {n: t for n, t, _ in named}
+        has_master = state.master is not None
+        out = {"grads": ("grads", grads), "tensors": ("grads", grads),
+               "params": ("state.master", state.master) if has_master else ("params", params)}
+        if has_master:
+            out["model_params"] = ("params", params)
+        for kernel_name, slot in (("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"),
+                                  ("max_exp_avg_sqs", "max_exp_avg_sq"), ("momentum_buffers", "momentum_buffer")):
+            key = f"state.inner.{slot}"
+            if key in by_name:
+                out[kernel_name] = (key, by_name[key])
+        return out
+
+    def step_(self, params: PyTree, grads: PyTree, state: MixedPrecisionState, *, where: Optional[str] = None,
+              trust_grads: bool = False):
+        """One in-place step: ``params`` and ``state`` are donated (their tensors overwritten);
+        returns ``(params, state)`` (the same objects, or a new state object when the given one
+        lacked the ``finite``/``skipped`` tensors). Same numbers as :meth:`step`.
+
+        Everything is validated before the first write: shapes, dtypes, the meta device, and
+        that no two written tensors share memory (checked once per set of tensors). Fused: one
+        check pass and one in-place optimizer pass. Generic: the pure step, then one copy into
+        the given tensors. ``trust_grads``: the caller guarantees each gradient has its
+        param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
+        """
+        where = where or f"{self.where}.step_"
+        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
+        if opt is None:
+            self._generic_hook(params, grads, lined)
+            new_params, new_state = self._generic(params, grads, state, where)
+            with torch.no_grad():
+                _copy_into(params, new_params)
+                _copy_into((state.master, state.inner, state.loss_scale),
+                           (new_state.master, new_state.inner, new_state.loss_scale))
+            return params, self._commit_stats(state, new_state.finite)
+        ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
+        try:
+            finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
+                                    on_check=self._hook(params, lined))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
+        ls = state.loss_scale
+        with torch.no_grad():
+            if isinstance(ls, DynamicLossScale):
+                ls.adjust_(finite.to(ls.loss_scale.device))
+        return params, self._commit_stats(state, finite)
+
+    def _check_written(self, state, opt, written, where):
+        """No two tensors an in-place step writes may share memory (nor one overlap itself)."""
+        extra = [t for t in (state.finite, state.skipped) if isinstance(t, torch.Tensor)]
+        extra += [t for t in tree_leaves(state.loss_scale) if isinstance(t, torch.Tensor)]
+        named = list(written)
+        if opt is None:  # generic: every tensor of the inner state is written
+            inner_leaves = [t for t in tree_leaves(state.inner) if isinstance(t, torch.Tensor)]
+            named.append(("state.inner", state.inner, inner_leaves))
+        else:
+            named.append(("state.inner.step", [opt.step], [opt.step]))
+        named.append(("state.loss_scale/finite/skipped", extra, extra))
+        check_no_overlap(where, named)
+
+    def _commit_stats(self, state, finite):
+        if state.finite is None or state.skipped is None:
+            dev = finite.device
+            f, skipped = _next_stats(finite, None, None, dev)
+            return state._replace(finite=f, skipped=skipped)
+        with torch.no_grad():
+            f = finite.to(state.finite.device)
+            state.skipped.add_((~f).to(torch.int64))
+            state.finite.copy_(f)
+        return state
+
+    def update(self, grads: PyTree, state: MixedPrecisionState, params: PyTree):
+        """optax's ``update``: ``(updates, new_state)`` with ``apply_updates(params, updates)``
+        the new params (deltas in fp32: added in fp32 and rounded once per param)."""
+        if params is None:
+            raise ValueError(f"{self.where}.update needs params (the master copy and the skip depend on them)")
+        new_params, new_state = self.step(params, grads, state, where=f"{self.where}.update")
+        updates = tree_map(lambda n, p: n.to(torch.float32) - p.to(torch.float32), new_params, params)
+        return updates, new_state
+
+
+def _copy_into(dst: PyTree, src: PyTree) -> None:
+    for d, s in zip(tree_leaves(dst), tree_leaves(src)):
+        if isinstance(d, torch.Tensor) and d is not s:
+            d.copy_(s)

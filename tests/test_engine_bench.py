@@ -1,0 +1,13 @@
+"""benchmarks/bench_transformer.py keeps running (a smoke run on a tiny model; no timing is asserted)."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_bench_transformer_quick_prints_both_loops():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transformer.py"), "--quick", "--no-compile",
+                          "--iters", "2"], capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "torch autocast+GradScaler eager" in out and "ampfunc make_train_step eager" in out
