@@ -37,7 +37,8 @@ from torch.func import functional_call, grad
 
 import ampfunc as af
 from ampfunc.examples.common import CONFIGS, LiveLog, count_zeros, format_table, parse_configs, plot_runs
-from ampfunc.monitor import leaf_nonfinite
+from ampfunc.monitor import LeafFlagsHook
+
 
 class MLP(torch.nn.Module):
     def __init__(self, d_in=64, width=256, classes=10):
@@ -94,6 +95,8 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     per_epoch = len(range(0, len(x_tr) - batch + 1, batch))
     log = LiveLog(name, epochs * per_epoch, params=params, metrics=metrics if rank == 0 else None,
                   log_every=log_every, progress=progress if rank == 0 else False, device=device)
+    hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
+    tx.engine.on_check = hook
     steps = 0
     zero_grads = torch.zeros((), dtype=torch.int64, device=device)  # flushed-to-zero gradient elements
     grad_elems = 0
@@ -109,9 +112,8 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
                 grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
             zero_grads = zero_grads + count_zeros(grads)
             grad_elems += sum(g.numel() for g in grads.values())
-            flags = leaf_nonfinite(grads)  # which leaves overflowed: counted on the device, no sync
             params, state = tx.step(params, grads, state)
-            log.monitor = log.monitor.record(~flags.any(), af.loss_scale_of(state), loss=loss, leaf_nonfinite=flags)
+            log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
             log.step()
             steps += 1
     elapsed = time.perf_counter() - start

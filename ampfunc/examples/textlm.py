@@ -33,7 +33,7 @@ from torch.func import functional_call, grad
 
 import ampfunc as af
 from ampfunc.examples.common import CONFIGS, LiveLog, count_zeros, format_table, parse_configs, plot_runs, state_bytes
-from ampfunc.monitor import leaf_nonfinite
+from ampfunc.monitor import LeafFlagsHook
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +158,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
 
     grad_fn = grad(scaled_loss, has_aux=True)
     log = LiveLog(name, steps, params=params, metrics=metrics, log_every=log_every, progress=progress, device=device)
+    hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
+    tx.engine.on_check = hook
     stream = batches(train_bytes, batch, context, torch.Generator().manual_seed(seed + 1))
     zeros = torch.zeros((), dtype=torch.int64, device=device)  # gradient elements flushed to exactly 0
     late_zeros = zeros.clone()  # the same over the last tenth of the run: flushing grows as the model sharpens
@@ -174,9 +176,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         zeros = zeros + step_zeros
         if step >= late_from:
             late_zeros = late_zeros + step_zeros
-        flags = leaf_nonfinite(grads)  # which leaves overflowed: counted on the device, no sync
         params, state = tx.step(params, grads, state)
-        log.monitor = log.monitor.record(~flags.any(), af.loss_scale_of(state), loss=loss, leaf_nonfinite=flags)
+        log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
         log.step()
     elapsed = time.perf_counter() - start
     summary = log.close()
