@@ -53,7 +53,11 @@ from ampfunc.policy import (  # noqa: F401
     norm_layers,
     params_of,
 )
-from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate  # noqa: F401
+from ampfunc.monitor import (  # noqa: F401
+    MonitorConfig, StepStats, TrainingMonitor, health, init_stats, leaf_nonfinite, nonfinite_leaves, record, skip_rate,
+)
+from ampfunc import advisor  # noqa: F401,E402
+from ampfunc.advisor import Recommendation, recommend_policy  # noqa: F401,E402
 # -- optimizers (ampfunc/optim/)
 from ampfunc import optim  # noqa: F401
 from ampfunc.optim import (  # noqa: F401
@@ -125,6 +129,9 @@ __all__ = [
     "BATCH_NORM_TYPES", "NORM_LAYER_TYPES",
     # monitoring
     "monitor", "StepStats", "init_stats", "record", "skip_rate", "health", "nonfinite_leaves",
+    "TrainingMonitor", "MonitorConfig", "leaf_nonfinite",
+    # the precision advisor
+    "advisor", "recommend_policy", "Recommendation",
     # optimizers and schedules
     "optim", "sgd", "SgdState", "adam", "adamw", "AdamState", "scale_by_adam", "from_torch", "TorchOptimizerState",
     "clip_by_global_norm", "global_norm", "accumulate", "AccumulateState", "add_decayed_weights", "scale",

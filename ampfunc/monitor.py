@@ -17,19 +17,32 @@ so it can run every step, inside ``torch.compile`` or a CUDA graph, next to
 :func:`summary`, :func:`health` and :func:`nonfinite_leaves` read values back to the host. They
 are diagnostics, meant for logging intervals and for the step that overflowed, not for every
 step.
+
+:class:`TrainingMonitor` is the fuller picture, an immutable pytree updated the same way: a
+window of loss, scale and skip history kept on the device, per-leaf overflow counts (which
+parameters produce the infs), the scaler statistics, and health alerts returned as a dict::
+
+    mon = af.TrainingMonitor(params, window=100)
+    ...
+    mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.leaf_nonfinite(grads))
+    if step % 100 == 0:
+        print(mon.check_health())   # {"status": "healthy", "alerts": [], ...}; one sync
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
+import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import PyTree, leaves_with_paths
+from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths
 
-__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_leaves"]
+__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_leaves",
+           "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
 
 
 class StepStats(NamedTuple):
@@ -158,6 +171,384 @@ def nonfinite_leaves(grads: PyTree) -> list[str]:
     return [path for (path, _), is_bad in zip(pairs, bad.tolist()) if is_bad]
 
 
+# ----------------------------------------------------------------------------------------------
+# TrainingMonitor: windowed history on the device, health alerts, per-leaf overflow counts
+# ----------------------------------------------------------------------------------------------
+
+
+class MonitorConfig(NamedTuple):
+    """The static half of a :class:`TrainingMonitor` (pytree metadata, never a tensor).
+
+    ``leaf_paths``: the floating leaves whose overflows are counted, in flattening order.
+    ``window``: steps of loss/scale/skip history kept on the device. The health thresholds:
+    ``explode_factor`` (recent loss over the window's median), ``max_skip_rate`` (over the
+    window, checked once ``min_steps`` steps are in it), ``scale_drop_factor`` within
+    ``scale_drop_steps`` steps.
+    """
+
+    leaf_paths: tuple = ()
+    window: int = 100
+    explode_factor: float = 3.0
+    max_skip_rate: float = 0.3
+    min_steps: int = 10
+    scale_drop_factor: float = 10.0
+    scale_drop_steps: int = 10
+
+    def validate(self) -> "MonitorConfig":
+        if not isinstance(self.window, int) or self.window < 2:
+            raise ValueError(f"TrainingMonitor: window must be an int >= 2, got {self.window!r}")
+        for name in ("explode_factor", "scale_drop_factor"):
+            if not getattr(self, name) > 1:
+                raise ValueError(f"TrainingMonitor: {name} must be > 1, got {getattr(self, name)!r}")
+        if not 0 <= self.max_skip_rate <= 1:
+            raise ValueError(f"TrainingMonitor: max_skip_rate must be in [0, 1], got {self.max_skip_rate!r}")
+        if not 1 <= self.scale_drop_steps or not 1 <= self.min_steps:
+            raise ValueError("TrainingMonitor: scale_drop_steps and min_steps must be >= 1, "
+                             f"got {self.scale_drop_steps!r} and {self.min_steps!r}")
+        if not all(isinstance(p, str) for p in self.leaf_paths):
+            raise TypeError("TrainingMonitor: leaf_paths must be strings")
+        return self
+
+
+def _floating_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
+    return [(p, x) for p, x in leaves_with_paths(tree) if isinstance(x, torch.Tensor) and torch.is_floating_point(x)]
+
+
+def leaf_nonfinite(grads: PyTree) -> torch.Tensor:
+    """Bool vector, one entry per floating leaf of ``grads`` (flattening order): holds an inf/NaN.
+
+    The per-leaf flags :meth:`TrainingMonitor.record` counts. Cost: one read pass over the
+    gradients (``ops.check(..., per_leaf=True)``); no host sync. Inside a mixed-precision step
+    the check pass that decides the skip can produce the same flags at no extra cost.
+    """
+    tensors = [x for _, x in _floating_leaves(grads)]
+    if not tensors:
+        return torch.zeros(0, dtype=torch.bool)
+    return ops.check(tensors, per_leaf=True)[2]
+
+
+class LeafFlagsHook:
+    """Catches a step's per-leaf overflow flags for :meth:`TrainingMonitor.record`, in its leaf order.
+
+    Set it as a mixed-precision step's check hook (``tx.engine.on_check = hook``, also
+    ``ModuleTrainer.engine``): the step's own check pass then hands over one flag per gradient
+    leaf, on the device; :meth:`take` returns them ordered as ``monitor.leaf_paths`` (one gather,
+    no host sync) and clears them. Eager steps only: inside ``torch.compile`` the hook is not
+    called and :meth:`take` returns ``None`` (record without per-leaf counts, or call
+    :func:`leaf_nonfinite` on the gradients).
+
+    Example:
+      >>> hook = LeafFlagsHook(mon)
+      >>> tx.engine.on_check = hook
+      >>> params, state = tx.step(params, grads, state)
+      >>> mon = mon.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+    """
+
+    def __init__(self, monitor: "TrainingMonitor"):
+        self.leaf_paths = tuple(monitor.leaf_paths)
+        self._flags: Optional[torch.Tensor] = None
+        self._order: dict = {}  # the step's leaf paths -> gather index into the monitor's order
+
+    def __call__(self, finite: torch.Tensor, leaf_nonfinite: torch.Tensor, leaf_paths) -> None:
+        paths = tuple(leaf_paths() if callable(leaf_paths) else leaf_paths)
+        index = self._order.get(paths)
+        if index is None:
+            position = {p: i for i, p in enumerate(paths)}
+            missing = [p for p in self.leaf_paths if p not in position]
+            if missing:
+                raise ValueError(f"LeafFlagsHook: the step's gradients have no leaf {missing[0]!r} of the monitor "
+                                 f"(build the monitor from the params the step updates)")
+            index = torch.tensor([position[p] for p in self.leaf_paths], dtype=torch.int64)
+            self._order[paths] = index
+        if index.device != leaf_nonfinite.device:
+            index = self._order[paths] = index.to(leaf_nonfinite.device)
+        self._flags = leaf_nonfinite.detach().index_select(0, index)
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The last step's flags in the monitor's leaf order (then cleared), or ``None``."""
+        flags, self._flags = self._flags, None
+        return flags
+
+
+_MON_FIELDS = ("steps", "skipped", "consecutive_skips", "scale", "growth_tracker", "loss_window",
+               "scale_window", "finite_window", "leaf_overflows")
+
+
+class TrainingMonitor:
+    """The health of a mixed-precision run, kept on the device and read when you log.
+
+    An immutable pytree, like the loss scales: tensors are children, the settings
+    (:class:`MonitorConfig`) are metadata. :meth:`record` returns the monitor after one more
+    step without reading anything back, so it runs every step (inside ``torch.compile``, a
+    CUDA graph, next to ``skip_or_apply``). It keeps the totals (steps, skipped steps,
+    consecutive skips, the scale and growth tracker), the last ``window`` steps' loss, scale and
+    finite flag in ring buffers, and per floating leaf of the params the number of steps whose
+    gradient for that leaf held an inf or a NaN.
+
+    The readers -- :meth:`check_health`, :meth:`scaler_stats`, :meth:`overflows`,
+    :meth:`history`, :meth:`as_dict` -- copy the tensors to the host once each: call them at
+    logging intervals.
+
+    Args:
+      params: a pytree whose floating leaves name the counted leaves (paths as in
+        ``af.leaves_with_paths``), or ``None`` to count none.
+      window: steps of history kept. Further keyword arguments: the thresholds of
+        :class:`MonitorConfig`.
+      device: where the tensors live (default: the first floating leaf's device, else CPU).
+
+    Example:
+      >>> mon = af.TrainingMonitor(params, window=50)
+      >>> mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.leaf_nonfinite(grads))
+      >>> mon.check_health()["status"]
+      'healthy'
+
+    Cost: ``record`` is about ten small kernels over ``window`` + #leaves elements; no host sync.
+    """
+
+    __slots__ = ("_tensors", "_config")
+
+    def __init__(self, params: PyTree = None, *, window: int = 100, device=None, **thresholds):
+        pairs = _floating_leaves(params) if params is not None else []
+        config = MonitorConfig(tuple(p for p, _ in pairs), window, **thresholds).validate()
+        if device is None:
+            device = pairs[0][1].device if pairs else "cpu"
+        i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        tensors = (
+            torch.zeros((), **i64), torch.zeros((), **i64), torch.zeros((), **i64),
+            torch.full((), math.nan, **f32), torch.zeros((), **i64),
+            torch.full((window,), math.nan, **f32), torch.full((window,), math.nan, **f32),
+            torch.ones(window, dtype=torch.bool, device=device),
+            torch.zeros(len(config.leaf_paths), **i64),
+        )
+        self._tensors, self._config = tensors, config
+
+    @classmethod
+    def from_tensors(cls, tensors, config: MonitorConfig) -> "TrainingMonitor":
+        obj = cls.__new__(cls)
+        obj._tensors, obj._config = tuple(tensors), config
+        return obj
+
+    config = property(lambda self: self._config)
+    leaf_paths = property(lambda self: self._config.leaf_paths)
+    steps = property(lambda self: self._tensors[0])
+    skipped = property(lambda self: self._tensors[1])
+    consecutive_skips = property(lambda self: self._tensors[2])
+    scale = property(lambda self: self._tensors[3])
+    growth_tracker = property(lambda self: self._tensors[4])
+    leaf_overflows = property(lambda self: self._tensors[8])
+
+    def to(self, device) -> "TrainingMonitor":
+        return TrainingMonitor.from_tensors([t.to(device) for t in self._tensors], self._config)
+
+    # -- the hot path ----------------------------------------------------------------------
+
+    def record(self, finite: Union[torch.Tensor, bool], loss_scale: Any = 1.0, *, loss: Any = None,
+               leaf_nonfinite: Optional[torch.Tensor] = None) -> "TrainingMonitor":
+        """The monitor after one more step. Pure; no host sync.
+
+        Args:
+          finite: 0-d bool tensor (or a bool), ``False`` when the step was skipped.
+          loss_scale: the loss scale after the step's update (a loss scale, a 0-d tensor or a
+            number; ``1.0`` without scaling). A :class:`DynamicLossScale`'s growth tracker is
+            kept too.
+          loss: the step's (unscaled) loss, a 0-d tensor or a number; ``None`` records NaN,
+            which the loss checks ignore.
+          leaf_nonfinite: bool vector over ``leaf_paths`` (from :func:`leaf_nonfinite` or the
+            step's check pass); ``None`` counts nothing for this step.
+
+        Returns:
+          A new :class:`TrainingMonitor`.
+        """
+        steps, skipped, consec, _, _, loss_w, scale_w, finite_w, leaf_counts = self._tensors
+        device = steps.device
+        if isinstance(finite, bool):
+            finite = torch.tensor(finite, device=device)
+        if not isinstance(finite, torch.Tensor) or finite.numel() != 1:
+            raise ValueError(f"TrainingMonitor.record: finite must be a 0-d bool tensor, got {finite!r}")
+        finite = finite.detach().reshape(()).to(device=device, dtype=torch.bool)
+        scale = _scale_tensor(loss_scale, device)
+        tracker = getattr(loss_scale, "growth_tracker", None)
+        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64) if isinstance(tracker, torch.Tensor)
+                   else torch.zeros((), dtype=torch.int64, device=device))
+        if loss is None:
+            loss_t = torch.full((), math.nan, dtype=torch.float32, device=device)
+        elif isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"TrainingMonitor.record: loss must be a scalar, got shape {tuple(loss.shape)}")
+            loss_t = loss.detach().reshape(()).to(device=device, dtype=torch.float32)
+        else:
+            loss_t = torch.tensor(float(loss), dtype=torch.float32, device=device)
+        if leaf_nonfinite is None:
+            new_counts = leaf_counts
+        else:
+            if not isinstance(leaf_nonfinite, torch.Tensor) or leaf_nonfinite.shape != leaf_counts.shape:
+                shape = tuple(leaf_nonfinite.shape) if isinstance(leaf_nonfinite, torch.Tensor) else leaf_nonfinite
+                raise ValueError(f"TrainingMonitor.record: leaf_nonfinite must be a bool vector of "
+                                 f"{leaf_counts.numel()} flags (one per leaf path), got {shape}")
+            new_counts = leaf_counts + leaf_nonfinite.detach().to(device=device, dtype=torch.int64)
+        overflow = (~finite).to(torch.int64)
+        # ring buffers: slot steps % window, chosen on the device (no index read back)
+        here = torch.arange(loss_w.numel(), device=device) == torch.remainder(steps, loss_w.numel())
+        return TrainingMonitor.from_tensors((
+            steps + 1, skipped + overflow, (consec + 1) * overflow, scale, tracker,
+            torch.where(here, loss_t, loss_w), torch.where(here, scale, scale_w), torch.where(here, finite, finite_w),
+            new_counts,
+        ), self._config)
+
+    def record_state(self, state: Any, *, loss: Any = None,
+                     leaf_nonfinite: Optional[torch.Tensor] = None) -> "TrainingMonitor":
+        """:meth:`record` from the state a mixed-precision step returned.
+
+        ``state``: anything with the step's ``finite`` flag and the next ``loss_scale`` (the
+        states of ``mixed_precision``, ``make_train_step`` and ``ModuleTrainer``). Pure; no host
+        sync.
+        """
+        finite, ls = getattr(state, "finite", None), getattr(state, "loss_scale", None)
+        if not isinstance(finite, torch.Tensor) or ls is None:
+            raise TypeError(f"TrainingMonitor.record_state: {type(state).__name__} carries no finite flag and "
+                            "loss scale (pass the state a mixed-precision step returned, or use record())")
+        return self.record(finite, ls, loss=loss, leaf_nonfinite=leaf_nonfinite)
+
+    # -- readers (one host sync each) ------------------------------------------------------
+
+    def _host(self) -> dict:
+        t = [x.detach().cpu() for x in self._tensors]
+        steps, window = int(t[0]), self._config.window
+        n = min(steps, window)
+        order = [(steps - n + i) % window for i in range(n)]  # oldest first
+        return {
+            "steps": steps, "skipped": int(t[1]), "consecutive_skips": int(t[2]), "scale": float(t[3]),
+            "growth_tracker": int(t[4]), "loss": t[5][order].tolist(), "scale_hist": t[6][order].tolist(),
+            "finite": t[7][order].tolist(), "first_step": steps - n, "leaf_counts": t[8].tolist(),
+        }
+
+    def history(self) -> dict:
+        """The window, oldest first: ``{"step": [...], "loss": [...], "loss_scale": [...], "finite": [...]}``.
+
+        ``step`` counts from 0 over the whole run. Reads the monitor back (one sync).
+        """
+        h = self._host()
+        return {"step": list(range(h["first_step"], h["steps"])), "loss": h["loss"],
+                "loss_scale": h["scale_hist"], "finite": h["finite"]}
+
+    def scaler_stats(self) -> dict:
+        """``{"current_scale", "growth_tracker", "total_steps", "skipped_steps", "skip_rate"}`` over the run.
+
+        The scaler statistics of the practice guide; ``growth_tracker`` is the dynamic scale's
+        count of clean steps since its last change (0 for other scales). One sync.
+        """
+        return self._stats(self._host())
+
+    @staticmethod
+    def _stats(h) -> dict:
+        return {"current_scale": h["scale"], "growth_tracker": h["growth_tracker"], "total_steps": h["steps"],
+                "skipped_steps": h["skipped"], "skip_rate": h["skipped"] / h["steps"] if h["steps"] else 0.0}
+
+    def overflows(self) -> dict:
+        """``{leaf path: steps whose gradient for it held an inf/NaN}``, leaves that ever did, most first.
+
+        One sync.
+        """
+        return self._overflows(self._host())
+
+    def _overflows(self, h) -> dict:
+        pairs = [(p, c) for p, c in zip(self._config.leaf_paths, h["leaf_counts"]) if c]
+        return dict(sorted(pairs, key=lambda pc: -pc[1]))
+
+    def check_health(self) -> dict:
+        """The run's health over the window, in the practice guide's shape.
+
+        Returns ``{"status": "healthy" | "unhealthy" | "no_data", "current_loss",
+        "current_scale", "skip_rate" (over the window), "alerts": [sentences], "checks":
+        {"loss_exploding", "skip_rate_high", "scale_falling": bool}, "overflowing_leaves":
+        {path: count}}``. The alerts:
+
+        * loss exploding: a non-finite loss in the window, or the mean of the last few losses
+          above ``explode_factor`` times the median of the earlier ones;
+        * skip rate high: more than ``max_skip_rate`` of the window's steps skipped (once it
+          holds ``min_steps``);
+        * scale falling: the scale now is ``scale_drop_factor`` (10x) below its highest value of
+          the last ``scale_drop_steps`` steps.
+
+        One sync.
+        """
+        return self._health(self._host())
+
+    def _health(self, h) -> dict:
+        c = self._config
+        if h["steps"] == 0:
+            return {"status": "no_data", "alerts": [], "checks": {}}
+        losses = [x for x in h["loss"] if not math.isnan(x)]
+        window_skip_rate = 1.0 - sum(h["finite"]) / len(h["finite"])
+        checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False}
+        alerts = []
+        if any(math.isinf(x) for x in losses):
+            checks["loss_exploding"] = True
+            alerts.append("loss is not finite: the run diverged (learning rate too high, or a layer "
+                          "overflowing in the forward pass)")
+        elif len(losses) >= 4:
+            k = max(1, min(5, len(losses) // 4))
+            recent, earlier = sum(losses[-k:]) / k, sorted(losses[:-k])
+            median = earlier[len(earlier) // 2]
+            if median > 0 and recent > c.explode_factor * median:
+                checks["loss_exploding"] = True
+                alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
+                              f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
+        if len(h["finite"]) >= c.min_steps and window_skip_rate > c.max_skip_rate:
+            checks["skip_rate_high"] = True
+            alerts.append(f"{window_skip_rate:.1%} of the last {len(h['finite'])} steps skipped (above "
+                          f"{c.max_skip_rate:.0%}): gradients overflow often; see overflowing_leaves")
+        scales = [s for s in h["scale_hist"][-c.scale_drop_steps:] if not math.isnan(s)]
+        if scales and scales[-1] > 0 and max(scales) >= c.scale_drop_factor * scales[-1]:
+            checks["scale_falling"] = True
+            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.0f}x within {len(scales)} steps "
+                          f"(to {scales[-1]:g}): inf/NaN gradients step after step")
+        return {
+            "status": "unhealthy" if alerts else "healthy",
+            "current_loss": losses[-1] if losses else math.nan,
+            "current_scale": h["scale"],
+            "skip_rate": round(window_skip_rate, 4),
+            "alerts": alerts,
+            "checks": checks,
+            "overflowing_leaves": self._overflows(h),
+        }
+
+    def as_dict(self) -> dict:
+        """One flat dict of Python values for a logger (one sync).
+
+        Keys: ``steps``, ``skipped``, ``skip_rate``, ``consecutive_skips``, ``loss``,
+        ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``.
+        """
+        h = self._host()
+        health_ = self._health(h)
+        stats = self._stats(h)
+        return {
+            "steps": h["steps"], "skipped": h["skipped"], "skip_rate": stats["skip_rate"],
+            "consecutive_skips": h["consecutive_skips"], "loss": h["loss"][-1] if h["loss"] else math.nan,
+            "loss_scale": h["scale"], "growth_tracker": h["growth_tracker"], "status": health_["status"],
+            "alerts": health_["alerts"], "overflows": self._overflows(h),
+        }
+
+    def __repr__(self) -> str:
+        return (f"TrainingMonitor(steps={self.steps!r}, skipped={self.skipped!r}, window={self._config.window}, "
+                f"leaves={len(self._config.leaf_paths)})")
+
+    def __getstate__(self):
+        return {"tensors": self._tensors, "config": tuple(self._config)}
+
+    def __setstate__(self, state):
+        self._tensors, self._config = tuple(state["tensors"]), MonitorConfig(*state["config"])
+
+
+optree.register_pytree_node(TrainingMonitor, lambda m: (m._tensors, m._config, _MON_FIELDS),
+                            lambda config, children: TrainingMonitor.from_tensors(children, config),
+                            namespace=NAMESPACE)
+torch_pytree.register_pytree_node(TrainingMonitor, lambda m: (list(m._tensors), m._config),
+                                  lambda children, config: TrainingMonitor.from_tensors(children, config),
+                                  serialized_type_name="ampfunc.TrainingMonitor")
+
+
 # torch.load(weights_only=True) (the default) accepts stats saved with the training state.
 if hasattr(torch.serialization, "add_safe_globals"):
-    torch.serialization.add_safe_globals([StepStats])
+    torch.serialization.add_safe_globals([StepStats, TrainingMonitor, MonitorConfig])

@@ -143,3 +143,172 @@ def test_nonfinite_leaves_of_finite_or_empty_trees_is_empty():
     assert nonfinite_leaves({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
     assert nonfinite_leaves({}) == []
     assert nonfinite_leaves({"n": torch.arange(3)}) == []
+
+
+# -- TrainingMonitor: history, health alerts, scaler statistics, per-leaf overflow counts ------
+
+from ampfunc.monitor import MonitorConfig, TrainingMonitor, leaf_nonfinite  # noqa: E402
+
+
+def healthy_run(steps=60, window=20):
+    """Loss decaying with noise, dynamic scale growing every 10 clean steps, no overflow."""
+    ls = af.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=10)
+    mon = TrainingMonitor(window=window)
+    g = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        loss = 2.0 * 0.97 ** i * (1 + 0.2 * torch.rand((), generator=g).item())
+        ls = af.update_scale(ls, torch.tensor(True))
+        mon = mon.record(torch.tensor(True), ls, loss=torch.tensor(loss))
+    return mon, ls
+
+
+def test_a_healthy_run_is_healthy_with_scaler_statistics():
+    mon, ls = healthy_run()
+    h = mon.check_health()
+    assert h["status"] == "healthy" and h["alerts"] == [] and not any(h["checks"].values())
+    assert h["skip_rate"] == 0.0 and h["current_scale"] == ls.loss_scale.item() == 2.0 ** 16
+    assert mon.scaler_stats() == {"current_scale": 2.0 ** 16, "growth_tracker": 0, "total_steps": 60,
+                                  "skipped_steps": 0, "skip_rate": 0.0}
+    assert TrainingMonitor().check_health()["status"] == "no_data"
+
+
+def test_history_is_the_last_window_oldest_first():
+    mon = TrainingMonitor(window=4)
+    for i in range(6):
+        mon = mon.record(torch.tensor(i != 4), 2.0 ** i, loss=float(i))
+    h = mon.history()
+    assert h == {"step": [2, 3, 4, 5], "loss": [2.0, 3.0, 4.0, 5.0], "loss_scale": [4.0, 8.0, 16.0, 32.0],
+                 "finite": [True, True, False, True]}
+
+
+def test_exploding_loss_alert_trips_on_a_blow_up_and_on_an_inf_loss():
+    mon, _ = healthy_run(steps=30)
+    for loss in (5.0, 20.0, 80.0, 320.0, 1280.0):
+        mon = mon.record(torch.tensor(True), 1024.0, loss=loss)
+    h = mon.check_health()
+    assert h["status"] == "unhealthy" and h["checks"]["loss_exploding"]
+    assert not h["checks"]["skip_rate_high"] and not h["checks"]["scale_falling"]
+    assert len(h["alerts"]) == 1 and h["alerts"][0].startswith("loss exploding")
+    mon, _ = healthy_run(steps=30)
+    h = mon.record(torch.tensor(True), 1024.0, loss=float("inf")).check_health()
+    assert h["checks"]["loss_exploding"] and "not finite" in h["alerts"][0]
+
+
+def test_skip_rate_alert_trips_over_the_window_not_over_the_run():
+    mon, _ = healthy_run(steps=200, window=20)
+    for i in range(8):  # 8 skips of the last 20 steps (40%), 4% of the run
+        mon = mon.record(torch.tensor(i % 2 == 0), 2.0 ** 16, loss=0.01)
+        mon = mon.record(torch.tensor(False), 2.0 ** 16, loss=0.01) if i % 2 == 0 else mon
+    h = mon.check_health()
+    assert h["checks"]["skip_rate_high"] and not h["checks"]["scale_falling"], h
+    assert h["skip_rate"] == 0.4 and mon.scaler_stats()["skip_rate"] < 0.05
+    assert "of the last 20 steps skipped" in h["alerts"][0]
+    # a couple of start-up skips in a short window is not an alert
+    mon = TrainingMonitor(window=20)
+    for ok in [False, False] + [True] * 3:
+        mon = mon.record(torch.tensor(ok), 1.0, loss=1.0)
+    assert mon.check_health()["status"] == "healthy"
+
+
+def test_scale_falling_tenfold_within_ten_steps_trips_and_a_slow_fall_does_not():
+    ls = af.DynamicLossScale(init_scale=2.0 ** 16, growth_interval=1000)
+    mon = TrainingMonitor(window=100, max_skip_rate=1.0)
+    for ok in [True] * 20 + [False] * 4:  # 2^16 -> 2^12: 16x within 4 steps
+        ls = af.update_scale(ls, torch.tensor(ok))
+        mon = mon.record(torch.tensor(ok), ls, loss=1.0)
+    h = mon.check_health()
+    assert h["checks"]["scale_falling"] and "fell 16x" in h["alerts"][0], h
+    slow = TrainingMonitor(window=100, max_skip_rate=1.0)
+    ls = af.DynamicLossScale(init_scale=2.0 ** 16, growth_interval=1000)
+    for ok in ([True] * 4 + [False]) * 5:  # one halving per 5 steps: 4x in any 10 steps
+        ls = af.update_scale(ls, torch.tensor(ok))
+        slow = slow.record(torch.tensor(ok), ls, loss=1.0)
+    assert slow.check_health()["status"] == "healthy"
+
+
+def test_the_monitor_names_and_counts_the_leaf_that_overflowed():
+    params = {"encoder": {"w": torch.ones(3), "b": torch.zeros(3)}, "head": {"w": torch.ones(2)},
+              "steps": torch.tensor(3)}
+    mon = TrainingMonitor(params, window=8)
+    assert mon.leaf_paths == ("encoder.b", "encoder.w", "head.w")
+    for step in range(5):
+        grads = {"encoder": {"w": torch.ones(3), "b": torch.zeros(3)}, "head": {"w": torch.ones(2)},
+                 "steps": torch.tensor(3)}
+        if step in (1, 3):
+            grads["head"]["w"] = torch.tensor([1.0, float("inf")])
+        if step == 3:
+            grads["encoder"]["b"] = torch.tensor([float("nan"), 0.0, 0.0])
+        flags = leaf_nonfinite(grads)
+        finite = ~flags.any()
+        mon = mon.record(finite, 1.0, loss=1.0, leaf_nonfinite=flags)
+    assert mon.overflows() == {"head.w": 2, "encoder.b": 1}
+    d = mon.as_dict()
+    assert d["overflows"] == {"head.w": 2, "encoder.b": 1} and d["skipped"] == 2 and d["steps"] == 5
+    assert set(d) >= {"steps", "skipped", "skip_rate", "loss", "loss_scale", "growth_tracker", "status", "alerts"}
+    assert mon.check_health()["overflowing_leaves"] == {"head.w": 2, "encoder.b": 1}
+
+
+def test_record_is_pure_sync_free_and_compiles_fullgraph():
+    mon = TrainingMonitor({"a": torch.ones(2), "b": torch.ones(2)}, window=4)
+    before = [t.clone() for t in mon._tensors]
+    compiled = torch.compile(lambda m, f, s, l, fl: m.record(f, s, loss=l, leaf_nonfinite=fl),
+                             fullgraph=True, backend="eager")
+    new = compiled(mon, torch.tensor(False), torch.tensor(8.0), torch.tensor(2.5), torch.tensor([True, False]))
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(mon._tensors, before))
+    assert new.overflows() == {"a": 1} and new.history()["loss"] == [2.5]
+
+
+def test_the_monitor_is_a_pytree_that_round_trips_through_torch_save():
+    mon, _ = healthy_run(steps=7, window=5)
+    leaves = af.tree.tree_leaves(mon)
+    assert len(leaves) == 9 and all(isinstance(t, torch.Tensor) for t in leaves)
+    buf = io.BytesIO()
+    torch.save(mon, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded.config == mon.config and loaded.as_dict() == mon.as_dict()
+
+
+def test_monitor_rejects_bad_settings_and_inputs():
+    with pytest.raises(ValueError, match="window"):
+        TrainingMonitor(window=1)
+    with pytest.raises(ValueError, match="max_skip_rate"):
+        TrainingMonitor(max_skip_rate=2.0)
+    mon = TrainingMonitor({"a": torch.ones(2)})
+    with pytest.raises(ValueError, match="1 flags"):
+        mon.record(torch.tensor(True), leaf_nonfinite=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="finite"):
+        mon.record(torch.tensor([True, True]))
+
+
+def test_record_state_reads_the_finite_flag_and_scale_of_a_step_state():
+    tx = af.mixed_precision(af.sgd(0.1), loss_scale=af.DynamicLossScale(init_scale=4.0))
+    params = {"w": torch.ones(2)}
+    state = tx.init(params)
+    mon = TrainingMonitor(params)
+    for g in (torch.ones(2), torch.tensor([1.0, float("inf")]), torch.ones(2)):
+        params, state = tx.step(params, {"w": g}, state)
+        mon = mon.record_state(state, loss=1.0)
+    assert mon.history()["finite"] == [True, False, True]
+    assert mon.scaler_stats()["skipped_steps"] == int(state.skipped) == 1
+    assert mon.scaler_stats()["current_scale"] == float(af.loss_scale_of(state).loss_scale) == 2.0
+    with pytest.raises(TypeError, match="finite flag"):
+        mon.record_state({"w": 1})
+
+
+def test_the_steps_own_check_pass_feeds_the_per_leaf_counts():
+    from ampfunc.monitor import LeafFlagsHook
+
+    # b, a: dict order differs from the monitor's (sorted) path order; the hook maps between them
+    params = {"b": torch.ones(3), "a": torch.ones(2)}
+    for inner in (af.adamw(0.1), af.from_torch(torch.optim.SGD, lr=0.1)):  # fused plan, generic plan
+        tx = af.mixed_precision(inner, loss_scale=af.DynamicLossScale(init_scale=4.0))
+        state, p = tx.init(params), params
+        mon = TrainingMonitor(params)
+        hook = LeafFlagsHook(mon)
+        tx.engine.on_check = hook
+        for ga, gb in [(1.0, 1.0), (float("inf"), 1.0), (1.0, float("nan")), (float("inf"), 1.0)]:
+            p, state = tx.step(p, {"b": torch.full((3,), gb), "a": torch.full((2,), ga)}, state)
+            mon = mon.record_state(state, loss=1.0, leaf_nonfinite=hook.take())
+        assert mon.overflows() == {"a": 2, "b": 1} and int(state.skipped) == 3
+        assert hook.take() is None

@@ -20,3 +20,12 @@ def test_notebook_runs_without_errors(path):
                             resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_stored_with_its_outputs(path):
+    # They are read on GitHub as documentation: the stored copy shows what running it prints.
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and any(c.get("outputs") for c in code)
+    assert not [o for c in code for o in c.get("outputs", []) if o.output_type == "error"]

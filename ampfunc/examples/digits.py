@@ -1,6 +1,7 @@
 """The main job: a real mixed-precision training run on scikit-learn's digits.
 
-Trains the same MLP (with LayerNorm, kept in fp32) four ways and prints one table:
+Trains the same MLP (with LayerNorm, kept in fp32) in each configuration of
+``ampfunc.examples.common.CONFIGS`` and prints one table:
 
 * ``fp32``            -- params and compute in fp32, no loss scaling;
 * ``bf16``            -- params stored in bf16 with an fp32 master copy, no loss scaling;
@@ -15,7 +16,10 @@ The loop is the functional one ampfunc is built for: ``torch.func.functional_cal
 params pytree, ``scale_loss``, autograd, and ``mixed_precision(chain(clip, adamw))`` whose state
 holds the master weights, the optimizer moments and the loss scale. Run::
 
-    python -m ampfunc.examples.digits [--epochs 40] [--configs fp32,fp16+dynamic]
+    python -m ampfunc.examples.digits [--epochs 40] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+
+A progress bar per configuration shows the step, loss, loss scale, skipped steps and steps/s;
+it is fed every ``--log-every`` steps from a device-side ``TrainingMonitor`` (no sync per step).
 
 Under ``torchrun --nproc_per_node=N`` each rank trains on its shard of every batch; gradients
 are averaged with an all-reduce and all ranks agree on skipping through ``group=``.
@@ -24,6 +28,7 @@ are averaged with an all-reduce and all ranks agree on skipping through ``group=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -31,14 +36,8 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-
-CONFIGS = {
-    #                 storage dtype     loss scale factory
-    "fp32": (torch.float32, af.NoOpLossScale),
-    "bf16": (torch.bfloat16, af.NoOpLossScale),
-    "fp16+dynamic": (torch.float16, lambda: af.DynamicLossScale(init_scale=2.0**16, growth_interval=200)),
-    "fp16 unscaled": (torch.float16, af.NoOpLossScale),
-}
+from ampfunc.examples.common import CONFIGS, LiveLog, count_zeros, format_table, parse_configs, plot_runs
+from ampfunc.monitor import LeafFlagsHook
 
 
 class MLP(torch.nn.Module):
@@ -66,26 +65,38 @@ def load_digits(device):
     return (x[:n_train].to(device), y[:n_train].to(device)), (x[n_train:].to(device), y[n_train:].to(device))
 
 
-def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0):
-    """Trains one configuration; returns a row of the results table."""
-    storage_dtype, make_scale = CONFIGS[name]
+def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None, log_every=25, progress=None):
+    """Trains one configuration; returns a row of the results table and its history."""
+    cfg = CONFIGS[name]
+    policy = af.get_policy(cfg.policy)
     env = af.dist.init_from_env()  # torchrun's environment; one process when WORLD_SIZE is unset
     group, rank, world = env.group, env.rank, env.world_size
     device = env.device if group is not None else device
     (x_tr, y_tr), (x_te, y_te) = load_digits(device)
     torch.manual_seed(seed)
-    model = MLP().to(device)
+    model = MLP()
+    model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)
-    params = af.cast_params(af.params_of(model), storage_dtype, keep=keep)
-    compute = af.get_policy(f"p={str(storage_dtype)[6:]},c={str(storage_dtype)[6:]},o=f32")
+    params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
     tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=1e-4)),
-                            loss_scale=make_scale(), group=group)
+                            loss_scale=cfg.loss_scale(), group=group)
     state = tx.init(params)
 
     def loss_fn(p, x, y):
-        logits = compute.cast_to_output(functional_call(model, p, (compute.cast_to_compute(x),)))
+        p = af.cast_params(p, policy.compute_dtype, keep=keep)
+        logits = policy.cast_to_output(functional_call(model, p, (policy.cast_to_compute(x),)))
         return F.cross_entropy(logits, y)
 
+    def scaled_loss(p, x, y, ls):
+        loss = loss_fn(p, x, y)
+        return af.scale_loss(loss, ls), loss.detach()
+
+    grad_fn = grad(scaled_loss, has_aux=True)
+    per_epoch = len(range(0, len(x_tr) - batch + 1, batch))
+    log = LiveLog(name, epochs * per_epoch, params=params, metrics=metrics if rank == 0 else None,
+                  log_every=log_every, progress=progress if rank == 0 else False, device=device)
+    hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
+    tx.engine.on_check = hook
     steps = 0
     zero_grads = torch.zeros((), dtype=torch.int64, device=device)  # flushed-to-zero gradient elements
     grad_elems = 0
@@ -96,61 +107,78 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0):
         for i in range(0, len(order) - batch + 1, batch):
             idx = order[i:i + batch][rank::world]
             ls = af.loss_scale_of(state)
-            xb, yb = x_tr[idx], y_tr[idx]
-            grads = grad(lambda p: af.scale_loss(loss_fn(p, xb, yb), ls))(params)
+            grads, loss = grad_fn(params, x_tr[idx], y_tr[idx], ls)
             if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
                 grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
-            zero_grads += sum((g == 0).sum() for g in grads.values())
+            zero_grads = zero_grads + count_zeros(grads)
             grad_elems += sum(g.numel() for g in grads.values())
             params, state = tx.step(params, grads, state)
+            log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+            log.step()
             steps += 1
     elapsed = time.perf_counter() - start
+    summary = log.close()
     with torch.no_grad():
         test_loss = loss_fn(params, x_te, y_te)
         acc = (functional_call(model, af.cast_params(params, torch.float32), (x_te,)).argmax(1) == y_te)
-    ls = af.loss_scale_of(state)
-    applied = int(state.inner[1].step)  # AdamW's step counter only advances on applied steps
-    return {
+    row = {
         "config": name,
         "test loss": float(test_loss),
         "test acc": float(acc.float().mean()),
-        "skipped": steps - applied,
+        "skipped": summary["skipped"],
         "steps": steps,
         "zero grads %": 100.0 * int(zero_grads) / max(grad_elems, 1),
-        "final scale": float(ls.loss_scale),
+        "final scale": float(af.loss_scale_of(state).loss_scale),
         "time s": elapsed,
+        "status": summary["status"],
+        "overflows": summary["overflows"],
     }
+    return row, log.history
 
 
-def format_table(rows) -> str:
-    head = ["config", "test loss", "test acc", "skipped", "steps", "zero grads %", "final scale", "time s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['test loss']:.4f} | {r['test acc']:.3f} | {r['skipped']} | "
-                     f"{r['steps']} | {r['zero grads %']:.2f} | {r['final scale']:g} | {r['time s']:.1f} |")
-    return "\n".join(lines)
+COLUMNS = [("config", "config", "{}"), ("test loss", "test loss", "{:.4f}"), ("test acc", "test acc", "{:.3f}"),
+           ("skipped", "skipped", "{}"), ("steps", "steps", "{}"), ("zero grads %", "zero grads %", "{:.2f}"),
+           ("final scale", "final scale", "{:g}"), ("time s", "time s", "{:.1f}")]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="configs: " + "; ".join(f"{k}: {v.about}" for k, v in CONFIGS.items()))
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--metrics", metavar="PATH", help="write one JSON line per step per configuration")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves and the loss scale")
+    ap.add_argument("--log-every", type=int, default=25, help="steps between reads of the device (bar, metrics)")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bars (default: on a terminal)")
     args = ap.parse_args(argv)
+    try:
+        names = parse_configs(args.configs)
+    except ValueError as e:
+        ap.error(str(e))
     af.ops.load()  # build the kernels (first run only) before any timing starts
-    rows = []
-    for name in args.configs.split(","):
-        if name not in CONFIGS:
-            ap.error(f"unknown config {name!r}; choose from {list(CONFIGS)}")
-        rows.append(train(name, args.epochs, args.batch, args.lr, args.device))
     env = af.dist.init_from_env()
     rank, world = env.rank, env.world_size
+    rows, histories = [], {}
+    with (open(args.metrics, "w") if args.metrics and rank == 0 else contextlib.nullcontext()) as metrics:
+        for name in names:
+            row, histories[name] = train(name, args.epochs, args.batch, args.lr, args.device, metrics=metrics,
+                                         log_every=args.log_every, progress=args.progress)
+            rows.append(row)
     if rank == 0:
         print(f"ampfunc {af.__version__} on {args.device} (kernels: {af.ops.backend()}, world size {world}), "
               f"digits: {args.epochs} epochs, batch {args.batch}")
-        print(format_table(rows))
+        print(format_table(rows, COLUMNS))
+        for r in rows:
+            if r["status"] != "healthy" or r["overflows"]:
+                worst = ", ".join(f"{p} ({c})" for p, c in list(r["overflows"].items())[:3])
+                print(f"{r['config']}: monitor says {r['status']}" + (f"; overflowing leaves: {worst}" if worst else ""))
+        if args.plot:
+            plot_runs(histories, args.plot, title=f"digits: {args.epochs} epochs, batch {args.batch}")
+            print(f"plot: {args.plot}")
     return rows
 
 

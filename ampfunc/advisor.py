@@ -1,0 +1,187 @@
+"""Which precision to train in, from the hardware: a policy, a loss scale, a reason, requirements.
+
+    rec = af.recommend_policy()                          # this machine
+    rec = af.recommend_policy("cuda", capability=(7, 0)) # plan for a V100 you do not have
+    print(rec.reason)
+    tx = af.mixed_precision(af.adamw(1e-3), loss_scale=rec.loss_scale)
+
+The rules (the practice guide's, made concrete):
+
+* CUDA from sm80 (Ampere, Ada, Hopper, Blackwell): bf16 compute, fp32 params, no loss scaling
+  (bf16 has fp32's exponent range).
+* CUDA before sm80 (Volta, Turing; Pascal runs fp16 but without tensor cores): fp16 compute
+  with ``DynamicLossScale`` (fp16 tops out at 65504 and flushes gradients below ~6e-8 to zero).
+* fp8 (sm89 / sm90+ only) is offered only when this ampfunc ships ``ampfunc.fp8``.
+* CPU: bf16 where the CPU has native bf16 instructions (AVX512-BF16, AMX-BF16, Arm BF16),
+  else fp32: elsewhere bf16 is emulated and slower than fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from ampfunc.policy import Policy, get_policy
+
+__all__ = ["Recommendation", "recommend_policy", "cpu_bf16_flags"]
+
+# Instruction-set flags (Linux /proc/cpuinfo names) that execute bf16 arithmetic natively.
+_CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX, Arm FEAT_BF16
+# Below this many parameters fp8's per-tensor scaling bookkeeping costs more than its matmuls save.
+_FP8_MIN_PARAMS = 100_000_000
+
+
+class Recommendation(NamedTuple):
+    """The advice of :func:`recommend_policy`.
+
+    ``policy``: the :class:`Policy` to train with. ``loss_scale``: a fresh loss scale instance
+    (``DynamicLossScale`` for fp16, ``NoOpLossScale`` otherwise). ``reason``: one sentence.
+    ``requirements``: what must hold for the advice to work (strings). ``precision``: the
+    compute format's short name (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``). ``device``:
+    the device type planned for. ``capability``: the CUDA capability planned for, or ``None``.
+    """
+
+    policy: Policy
+    loss_scale: LossScale
+    reason: str
+    requirements: list
+    precision: str
+    device: str
+    capability: Optional[tuple] = None
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The native-bf16 instruction flags this CPU reports (``[]`` when none, or off Linux).
+
+    Reads ``cpuinfo``'s ``flags`` (x86) or ``Features`` (Arm) line once; no torch involved.
+    """
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    return [flag for flag in _CPU_BF16_FLAGS if flag in flags]
+    except OSError:
+        pass
+    return []
+
+
+def _fp8_available() -> bool:
+    # Look for the module without importing it: a half-built ampfunc.fp8 must not break advice.
+    return importlib.util.find_spec("ampfunc.fp8") is not None
+
+
+def recommend_policy(device: Union[str, torch.device, None] = None, *,
+                     capability: Optional[Sequence[int]] = None,
+                     cpu_flags: Optional[Sequence[str]] = None,
+                     n_params: Optional[int] = None,
+                     stability: str = "normal") -> Recommendation:
+    """The precision to train in on ``device``, with the reason and the requirements.
+
+    Args:
+      device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` (CUDA when
+        available, else CPU).
+      capability: ``(major, minor)`` CUDA compute capability to plan for a GPU you do not have
+        (``device`` then defaults to ``"cuda"``); by default the device's own.
+      cpu_flags: instruction flags to plan for a CPU you do not have (e.g. ``["avx512_bf16"]``);
+        by default this machine's (:func:`cpu_bf16_flags`).
+      n_params: the model's parameter count, when known. It sizes the master-weight
+        requirement, and fp8 is only advised from 100M parameters.
+      stability: ``"normal"`` or ``"high"``. ``"high"`` never advises fp8, and before sm80
+        advises a dynamic scale that tolerates one overflow before backing off (hysteresis 2).
+
+    Returns:
+      A :class:`Recommendation` (``policy``, ``loss_scale``, ``reason``, ``requirements``, ...).
+
+    Example:
+      >>> rec = af.recommend_policy("cuda", capability=(8, 0))
+      >>> str(rec.policy), type(rec.loss_scale).__name__
+      ('p=f32,c=bf16,o=f32', 'NoOpLossScale')
+
+    Cost: no tensor work; reads /proc/cpuinfo or queries the CUDA device once.
+    """
+    if stability not in ("normal", "high"):
+        raise ValueError(f"recommend_policy: stability must be 'normal' or 'high', got {stability!r}")
+    if n_params is not None and (not isinstance(n_params, int) or n_params < 0):
+        raise ValueError(f"recommend_policy: n_params must be a non-negative int, got {n_params!r}")
+    if device is None:
+        device = "cuda" if capability is not None or torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    requirements = []
+    if n_params is not None:
+        requirements.append(f"fp32 master weights: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
+                            "(keep them: updates smaller than half a low-precision ulp would be lost)")
+    if dev.type == "cpu":
+        return _recommend_cpu(cpu_flags, requirements)
+    if dev.type != "cuda":
+        raise ValueError(f"recommend_policy: device type {dev.type!r} is not planned for; use 'cpu' or 'cuda' "
+                         "(with capability=(major, minor) for a GPU you do not have)")
+    if capability is None:
+        if not torch.cuda.is_available():
+            raise ValueError("recommend_policy: no CUDA device here; pass capability=(major, minor) to plan "
+                             "for a GPU you do not have, e.g. capability=(8, 0) for an A100")
+        capability = torch.cuda.get_device_capability(dev)
+    if (len(capability) != 2 or not all(isinstance(c, int) and c >= 0 for c in capability)):
+        raise ValueError(f"recommend_policy: capability must be (major, minor) ints, got {capability!r}")
+    return _recommend_cuda(tuple(capability), n_params, stability, requirements)
+
+
+def _recommend_cpu(cpu_flags, requirements) -> Recommendation:
+    flags = cpu_bf16_flags() if cpu_flags is None else [f for f in _CPU_BF16_FLAGS if f in set(cpu_flags)]
+    cpu = f"this CPU ({platform.machine() or 'unknown'})"
+    if flags:
+        return Recommendation(
+            get_policy("p=f32,c=bf16,o=f32"), NoOpLossScale(),
+            f"{cpu[0].upper()}{cpu[1:]} executes bf16 natively ({', '.join(flags)}): bf16 compute halves activation memory "
+            "and bandwidth, and bf16 keeps fp32's exponent range, so no loss scaling is needed.",
+            requirements + ["norm layers' params in fp32 (cast_params(..., keep=af.norm_layers(model)))",
+                            "torch CPU build with oneDNN (torch.backends.mkldnn.is_available())"],
+            "bf16", "cpu")
+    return Recommendation(
+        get_policy("full"), NoOpLossScale(),
+        f"{cpu[0].upper()}{cpu[1:]} has no native bf16 instructions (avx512_bf16, amx_bf16 or Arm bf16): bf16 and fp16 would "
+        "be emulated and slower than fp32, so train in fp32.",
+        requirements + ["for bf16 on CPU: a CPU with AVX512-BF16 (Cooper Lake, Zen 4+), AMX (Sapphire Rapids+) "
+                        "or Arm BF16 (Neoverse V1+, Apple M2+)"],
+        "fp32", "cpu")
+
+
+def _recommend_cuda(capability, n_params, stability, requirements) -> Recommendation:
+    major, minor = capability
+    sm = f"sm{major}{minor}"
+    fp8_hardware = capability >= (8, 9)
+    # fp8 is advised only where the hardware runs it and this ampfunc trains in it: the fp8 branch
+    # (ampfunc.fp8's policy and scaling recipe) returns here, before bf16, when fp8_candidate.
+    fp8_candidate = (fp8_hardware and _fp8_available() and stability != "high"
+                     and (n_params is None or n_params >= _FP8_MIN_PARAMS))
+    if capability >= (8, 0):
+        reqs = requirements + [f"CUDA capability >= 8.0 (this plan: {sm})",
+                               "torch.cuda.is_bf16_supported() is True",
+                               "norm layers in fp32 under torch.autocast (policy.autocast('cuda'))"]
+        if fp8_hardware and not fp8_candidate:
+            reqs.append(f"{sm} also runs fp8 matmuls; fp8 is not advised here ("
+                        + ("this ampfunc has no ampfunc.fp8" if not _fp8_available() else
+                           "stability='high'" if stability == "high" else
+                           f"models under {_FP8_MIN_PARAMS // 10**6}M parameters gain little") + ")")
+        return Recommendation(
+            get_policy("p=f32,c=bf16,o=f32"), NoOpLossScale(),
+            f"{sm} has bf16 tensor cores: bf16 compute runs at fp16 speed with fp32's exponent range, "
+            "so gradients neither overflow nor flush to zero and no loss scaling is needed.",
+            reqs, "bf16", "cuda", capability)
+    hysteresis = 2 if stability == "high" else 1
+    tensor_cores = capability >= (7, 0)
+    return Recommendation(
+        get_policy("p=f32,c=f16,o=f32"), DynamicLossScale(init_scale=2.0**16, hysteresis=hysteresis),
+        f"{sm} has no bf16 {'tensor cores' if tensor_cores else 'arithmetic'}: fp16 compute "
+        f"{'runs on its tensor cores' if tensor_cores else 'halves memory traffic'}, and dynamic loss "
+        "scaling keeps small gradients from flushing to zero (fp16's smallest value is ~6e-8) while "
+        "skipping the steps that overflow its 65504 ceiling.",
+        requirements + [f"CUDA capability >= 6.0 for fast fp16 (this plan: {sm}; tensor cores from 7.0)",
+                        "dynamic loss scaling (DynamicLossScale) and fp32 master weights",
+                        "watch the skip rate (af.TrainingMonitor): a few skipped steps are normal, many are not"],
+        "fp16", "cuda", capability)

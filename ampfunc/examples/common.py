@@ -1,0 +1,184 @@
+"""What the main jobs share: the configuration table, live progress, metrics files and plots.
+
+A configuration is one row of a table (name -> :class:`ExampleConfig`): the precision policy,
+a loss-scale factory and an optional setup that rewrites the model (how an fp8 run swaps its
+layers). Adding a precision to both main jobs is one entry in :data:`CONFIGS`.
+
+Progress is fed without a host sync per step: every step is recorded into an
+``af.TrainingMonitor`` whose window is the logging interval, and every ``log_every`` steps the
+window is read back once, written to the metrics file and shown on the progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+import ampfunc as af
+from ampfunc.monitor import TrainingMonitor
+
+__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "LiveLog", "plot_runs", "format_table",
+           "count_zeros", "state_bytes"]
+
+
+class ExampleConfig(NamedTuple):
+    """One configuration of a main job.
+
+    ``policy``: jmp shorthand; ``p=`` is the dtype the params are stored and differentiated in
+    (an fp32 master copy is kept by ``mixed_precision`` when it is not fp32), ``c=`` the
+    compute dtype, ``o=`` the logits' dtype. ``loss_scale``: a factory of a fresh loss scale.
+    ``setup``: ``model -> model`` run once before the params are taken (``None``: none).
+    ``about``: one line for ``--help``.
+    """
+
+    policy: str
+    loss_scale: Callable[[], af.LossScale]
+    setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+    about: str = ""
+
+
+CONFIGS = {
+    "fp32": ExampleConfig("p=f32,c=f32,o=f32", af.NoOpLossScale, about="fp32 throughout"),
+    "bf16": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale,
+                          about="bf16 params and compute, fp32 master, no scaling"),
+    "fp16+dynamic": ExampleConfig("p=f16,c=f16,o=f32",
+                                  lambda: af.DynamicLossScale(init_scale=2.0**16, growth_interval=200),
+                                  about="fp16 params and compute, fp32 master, dynamic loss scaling"),
+    "fp16 unscaled": ExampleConfig("p=f16,c=f16,o=f32", af.NoOpLossScale,
+                                   about="fp16 params and compute, fp32 master, no scaling"),
+}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", " ").replace("_", " ")
+
+
+def parse_configs(text: str, table: dict = CONFIGS) -> list[str]:
+    """Names of ``table`` from a comma-separated list; ``-``/``_`` stand for spaces ("fp16-unscaled").
+
+    Raises ``ValueError`` naming the unknown entry and the choices.
+    """
+    by_key = {_key(name): name for name in table}
+    names = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if _key(part) not in by_key:
+            raise ValueError(f"unknown config {part.strip()!r}; choose from {list(table)}")
+        names.append(by_key[_key(part)])
+    if not names:
+        raise ValueError(f"no config given; choose from {list(table)}")
+    return names
+
+
+def count_zeros(grads) -> torch.Tensor:
+    """0-d int64: gradient elements exactly zero (no host sync)."""
+    return sum((g == 0).sum() for g in af.tree.tree_leaves(grads))
+
+
+def state_bytes(*trees) -> int:
+    """Bytes held by the tensors of ``trees`` (params, master copy, optimizer moments)."""
+    return sum(t.numel() * t.element_size() for tree in trees for t in af.tree.tree_leaves(tree)
+               if isinstance(t, torch.Tensor))
+
+
+class LiveLog:
+    """A progress bar, a metrics file and a plot history for one configuration's run.
+
+    Each step the caller records into :attr:`monitor` (pure, on the device) and calls
+    :meth:`step`; every ``log_every`` steps :meth:`step` reads the window back (one sync), writes
+    one JSON line per step, and updates the bar with loss, scale, skipped steps and steps/s.
+    """
+
+    def __init__(self, config: str, total: int, *, params=None, metrics=None, log_every: int = 25,
+                 progress: Optional[bool] = None, device=None):
+        from tqdm.auto import tqdm  # the examples' extra; the library itself does not need it
+
+        self.config, self.metrics, self.log_every = config, metrics, log_every
+        self.monitor = TrainingMonitor(params, window=log_every, device=device)
+        self.history = {"step": [], "loss": [], "loss_scale": [], "finite": []}
+        self.skipped = 0
+        self._pending = 0
+        self._start = time.perf_counter()
+        # progress=None: tqdm shows the bar on a terminal and stays quiet when piped
+        self.bar = tqdm(total=total, desc=f"{config:>14}", unit="step", leave=True,
+                        disable=None if progress is None else not progress, dynamic_ncols=True)
+
+    def step(self) -> None:
+        self._pending += 1
+        if self._pending == self.log_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        h = self.monitor.history()
+        n = self._pending
+        self._pending = 0
+        elapsed = time.perf_counter() - self._start
+        for step, loss, scale, finite in zip(*(h[k][-n:] for k in ("step", "loss", "loss_scale", "finite"))):
+            self.skipped += not finite
+            for k, v in (("step", step), ("loss", loss), ("loss_scale", scale), ("finite", finite)):
+                self.history[k].append(v)
+            if self.metrics is not None:
+                self.metrics.write(json.dumps({"config": self.config, "step": step, "loss": _num(loss),
+                                               "loss_scale": _num(scale), "finite": bool(finite),
+                                               "skipped": self.skipped, "time_s": round(elapsed, 3)}) + "\n")
+        self.bar.set_postfix(loss=f"{h['loss'][-1]:.3f}", scale=f"{h['loss_scale'][-1]:g}", skipped=self.skipped,
+                             refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> dict:
+        """Flushes the rest; returns the monitor's ``as_dict()`` (health, overflowing leaves)."""
+        self.flush()
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.flush()
+        return self.monitor.as_dict()
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else str(x)  # JSON has no inf/nan: write them as strings
+
+
+def plot_runs(histories: dict, path: str, title: str = "") -> None:
+    """A PNG: the training loss by configuration, and the loss scale with skipped steps marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, h in histories.items():
+        ax_loss.plot(h["step"], h["loss"], label=name, lw=1)
+        if any(s != 1.0 for s in h["loss_scale"]):
+            line, = ax_scale.plot(h["step"], h["loss_scale"], label=name, lw=1)
+            skipped = [(s, sc) for s, sc, ok in zip(h["step"], h["loss_scale"], h["finite"]) if not ok]
+            if skipped:
+                ax_scale.scatter(*zip(*skipped), marker="x", color="red", zorder=3,
+                                 label=f"{name}: skipped step ({len(skipped)})")
+    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss by precision")
+    ax_loss.legend(fontsize=8)
+    ax_scale.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale (x: skipped step)")
+    if ax_scale.lines:
+        ax_scale.legend(fontsize=8)
+    else:
+        ax_scale.text(0.5, 0.5, "no configuration scales its loss", ha="center", transform=ax_scale.transAxes)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_table(rows: list, columns: list) -> str:
+    """A Markdown table; ``columns`` are ``(header, key, format)`` triples."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[k]) if not isinstance(r[k], str) else r[k]
+                                       for _, k, fmt in columns) + " |")
+    return "\n".join(lines)
