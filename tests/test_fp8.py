@@ -326,3 +326,46 @@ def test_small_gpt_fp8_tracks_bf16():
     bf16, fp8 = train_lm("bf16", **kw), train_lm("fp8", **kw)
     assert bf16 < 4.0  # it learned something (ln 256 = 5.5 at the start)
     assert abs(fp8 / bf16 - 1) < 0.03, (bf16, fp8)
+
+
+# -- CUDA (run by benchmarks/gpu_check.sh on an sm89+/sm90 GPU) --------------------------------------
+
+needs_cuda_fp8 = pytest.mark.skipif(not (torch.cuda.is_available() and f8.fp8_available("cuda")),
+                                    reason="needs a CUDA GPU with fp8 matmuls (sm89+)")
+
+
+@needs_cuda_fp8
+@pytest.mark.parametrize("shape", [(4, 64, 128, 96), (3, 7, 40, 24)])  # the second needs padding to 16
+def test_cuda_fp8_linear_matches_emulation(shape):
+    b, t, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(b, t, k, generator=g) * 3).cuda().bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).cuda().bfloat16()
+    gy = (torch.randn(b, t, n, generator=g) * 1e-3).cuda().bfloat16()
+    state = f8.fp8_policy(torch.nn.Sequential(torch.nn.Linear(k, n))).init("cuda")["0"]
+    outs = {}
+    for backend in ("scaled_mm", "emulate"):
+        y, (dx, dw, _, new) = _linear_vjp(x, w, torch.zeros_like(w[:, 0]), gy, state, f8.DelayedScaling(), backend)
+        outs[backend] = (y, dx, dw, new)
+    for a, e in zip(outs["scaled_mm"][:3], outs["emulate"][:3]):
+        torch.testing.assert_close(a.float(), e.float(), rtol=2**-7, atol=1e-5)
+    for a, e in zip(af.tree.tree_leaves(outs["scaled_mm"][3]), af.tree.tree_leaves(outs["emulate"][3])):
+        torch.testing.assert_close(a, e)
+
+
+@needs_cuda_fp8
+def test_cuda_compiled_fp8_gpt_step_matches_eager():
+    from bench_fp8 import GPT, make_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(d_model=128, layers=2, heads=4, seq=64).cuda()
+    init, step, _ = make_step(model, "fp8", steps=10)
+    compiled = torch.compile(step, fullgraph=True)
+    eager = comp = init()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = (torch.randint(0, 256, (8, 64), generator=g).cuda() for _ in range(2))
+        eager, comp = step(*eager, x, y), compiled(*comp, x, y)
+    for a, b in zip(af.tree.tree_leaves(eager), af.tree.tree_leaves(comp)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
