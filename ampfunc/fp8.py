@@ -248,7 +248,7 @@ def fp8_available(device: torch.device | str | None = None) -> bool:
     if not hasattr(torch, "_scaled_mm"):
         return False
     device = torch.device("cpu" if device is None else device)
-    key = str(device)
+    key = device.type  # one answer per device type (machines mixing GPU generations are rare)
     if key not in _CAPABLE:
         _CAPABLE[key] = _probe(device)
     return _CAPABLE[key]
@@ -464,8 +464,7 @@ class Fp8Policy:
         (``torch.save``-able; ``torch.load(weights_only=True)`` rebuilds it).
         """
         n = self.recipe.history_len
-        if device is not None:
-            fp8_available(device)  # probe now, outside any compiled region
+        fp8_available(device)  # probe now, outside any compiled region
         return {name: Fp8LinearState(_new_meta(n, device), _new_meta(n, device), _new_meta(n, device))
                 for name in self.layers}
 

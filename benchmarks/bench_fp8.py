@@ -136,8 +136,9 @@ def make_step(model, config, lr=3e-3, steps=300, group=None, backend="auto"):
 
 
 def train_lm(config, seed=0, steps=200, batch=16, seq=64, d_model=64, layers=2, heads=4, device="cpu",
-             compile=False, backend="auto"):
-    """Held-out loss (float) of a GPT trained ``steps`` steps under ``config``."""
+             compile=False, backend="auto", eval_batches=8):
+    """Held-out loss (float, over ``eval_batches`` batches of 32 sequences) of a GPT trained
+    ``steps`` steps under ``config``."""
     torch.manual_seed(seed)
     model = GPT(d_model=d_model, layers=layers, heads=heads, seq=seq).to(device)
     init, step, evaluate = make_step(model, config, steps=steps, backend=backend)
@@ -149,7 +150,7 @@ def train_lm(config, seed=0, steps=200, batch=16, seq=64, d_model=64, layers=2, 
     for _ in range(steps):
         x, y = batches(train_ids, batch, seq, gen)
         params, opt_state, state8 = step(params, opt_state, state8, x, y)
-    return float(evaluate(params, state8, held, seq))
+    return float(evaluate(params, state8, held, seq, max_batches=eval_batches))
 
 
 def fidelity(args):

@@ -286,6 +286,7 @@ def test_stateful_autocast_matches_functional():
 # -- one graph under torch.compile ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_fp8_step_is_one_graph_with_eager_numbers():
     import torch._dynamo.testing
 
@@ -319,13 +320,84 @@ def test_compiled_fp8_step_is_one_graph_with_eager_numbers():
 # -- training fidelity (short; benchmarks/bench_fp8.py --fidelity runs the full three seeds) -------
 
 
+@pytest.mark.slow
 def test_small_gpt_fp8_tracks_bf16():
     from bench_fp8 import train_lm
 
-    kw = dict(seed=0, steps=60, batch=8, seq=32, d_model=64, layers=1, heads=2)
+    kw = dict(seed=0, steps=30, batch=8, seq=32, d_model=64, layers=1, heads=2, eval_batches=2)
     bf16, fp8 = train_lm("bf16", **kw), train_lm("fp8", **kw)
     assert bf16 < 4.0  # it learned something (ln 256 = 5.5 at the start)
     assert abs(fp8 / bf16 - 1) < 0.03, (bf16, fp8)
+
+
+# -- two processes over gloo: amaxes all-reduced, the same scales on every rank --------------------
+
+
+def _dist_worker(outdir):
+    """One rank (run as ``python tests/test_fp8.py OUTDIR`` with torchrun's environment)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",), group=group)
+    tx = af.mixed_precision(af.adamw(1e-2), loss_scale=af.NoOpLossScale())
+    params = {k: v.clone() for k, v in af.params_of(model).items()}
+    opt_state, state8 = tx.init(params), pol.init()
+
+    def loss_fn(params, state8, x, y):
+        return F.cross_entropy(pol.apply(model, params, state8, x), y)
+
+    first_amax = []
+    for step, (x, y) in enumerate(data(4, batch=24)):
+        # Rank 1's rows are scaled up: the ranks' local amaxes differ.
+        x = x * torch.linspace(1, 4, x.shape[0])[:, None]
+        if step == 0:
+            first_amax = [x.abs().amax().item(), x[:12].abs().amax().item(), x[12:].abs().amax().item()]
+        xs, ys = x[rank * 12:(rank + 1) * 12], y[rank * 12:(rank + 1) * 12]
+        grads, state8 = grad(loss_fn, argnums=(0, 1))(params, state8, xs, ys)
+        grads = af.dist.all_reduce_mean(grads, group)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = af.apply_updates(params, updates)
+    torch.save({"params": params, "state8": state8, "first_amax": first_amax},
+               os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_two_ranks_reduce_amaxes_and_stay_identical(tmp_path):
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log[-3000:]}"
+    out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for a, b in zip(af.tree.tree_leaves((out[0]["params"], out[0]["state8"])),
+                    af.tree.tree_leaves((out[1]["params"], out[1]["state8"]))):
+        assert torch.equal(a, b)
+    # The first step's input amax of layer 0 is the global one, not either rank's local one.
+    global_amax, amax0, amax1 = out[0]["first_amax"]
+    assert amax0 != amax1
+    recorded = out[0]["state8"]["0"].input.amax_history[3].item()  # four steps: slot 3 is step 0
+    assert recorded == global_amax
 
 
 # -- CUDA (run by benchmarks/gpu_check.sh on an sm89+/sm90 GPU) --------------------------------------
@@ -334,6 +406,7 @@ needs_cuda_fp8 = pytest.mark.skipif(not (torch.cuda.is_available() and f8.fp8_av
                                     reason="needs a CUDA GPU with fp8 matmuls (sm89+)")
 
 
+@pytest.mark.cuda
 @needs_cuda_fp8
 @pytest.mark.parametrize("shape", [(4, 64, 128, 96), (3, 7, 40, 24)])  # the second needs padding to 16
 def test_cuda_fp8_linear_matches_emulation(shape):
@@ -353,6 +426,7 @@ def test_cuda_fp8_linear_matches_emulation(shape):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.cuda
 @needs_cuda_fp8
 def test_cuda_compiled_fp8_gpt_step_matches_eager():
     from bench_fp8 import GPT, make_step
@@ -369,3 +443,7 @@ def test_cuda_compiled_fp8_gpt_step_matches_eager():
         eager, comp = step(*eager, x, y), compiled(*comp, x, y)
     for a, b in zip(af.tree.tree_leaves(eager), af.tree.tree_leaves(comp)):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+if __name__ == "__main__":
+    _dist_worker(sys.argv[1])
