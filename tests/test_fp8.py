@@ -283,6 +283,28 @@ def test_stateful_autocast_matches_functional():
     assert torch.equal(model(x), functional_call(model, af.params_of(model), (x,)))
 
 
+def test_module_trainer_loop_with_fp8_autocast():
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",))
+    trainer = af.ModuleTrainer(model, af.adamw(1e-2), loss_scale=af.DynamicLossScale(2.0**8))
+    state8 = pol.init()
+    x, y = data(1)[0]
+    losses, flags = [], []
+    for i in range(5):
+        live = pol.track(state8)
+        with pol.autocast(model, live):
+            loss = F.cross_entropy(model(x), y) * (math.inf if i == 2 else 1.0)
+        trainer.scale(loss).backward()
+        flags.append(bool(trainer.step()))
+        state8 = pol.from_grads(live)
+        losses.append(float(loss.detach()))
+    assert flags == [True, True, False, True, True]
+    assert losses[-1] < losses[0]
+    for st in state8.values():
+        assert (st.input.amax_history > 0).sum() == 5 and (st.grad_output.amax_history > 0).sum() == 4
+        assert not any(t.requires_grad for t in af.tree.tree_leaves(st))
+
+
 # -- one graph under torch.compile ------------------------------------------------------------------
 
 
