@@ -278,8 +278,10 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     if not extra:
         return t
     shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim)
+    shape[dim] += extra
+    out = t.new_zeros(shape)  # fp8 zeros, then a copy: no fp8 arithmetic or cat kernel needed
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
