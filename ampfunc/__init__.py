@@ -98,6 +98,8 @@ from ampfunc.functional import (  # noqa: F401,E402
     value_and_grad,
 )
 from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402
+# -- FP8 linear layers (ampfunc/fp8.py): af.fp8.fp8_policy, af.fp8.DelayedScaling, ...
+from ampfunc import fp8  # noqa: F401,E402
 # -- migration facades (ampfunc/compat/): torch.amp.GradScaler now, apex on first use
 from ampfunc import compat  # noqa: F401,E402
 # -- flat buffers and the fused step (ampfunc/flat.py, ampfunc/fused.py)

@@ -181,11 +181,29 @@ elif [ "$BUILD_OK" = 1 ]; then
   row "compute-sanitizer" skipped 0 "$([ -n "$SAN" ] && echo 'no time left or disabled' || echo 'not installed')"
 fi
 
-# 6b. fp8 ------------------------------------------------------------------------------------
-# >>> FP8 SECTION: reserved for the fp8 helper. Append its checks here, between these markers,
-#     using the helpers above: banner "title"; t=$(date +%s); timeout "$(left N)" ...;
-#     row "name" ok|FAILED|skipped "$(since "$t")" "detail". Guard on "$BUILD_OK" = 1. <<<
-# <<< END OF FP8 SECTION >>>
+# fp8 (ampfunc/fp8.py; the fp8 helper's section) ---------------------------------------------
+# FP8 linear layers on the GPU: tests/test_fp8.py's CUDA cases (_scaled_mm against the emulation,
+# padding to multiples of 16, a compiled GPT step equal to eager) and tokens/s of fp8 against bf16 on
+# the scaled-up GPT (benchmarks/bench_fp8.py --speed; FP8_BENCH_ARGS adds flags, e.g.
+# "--d-model 4096 --layers 4"). Needs sm89+ for fp8 matmuls, not the extension. Skip: GPU_CHECK_NO_FP8=1.
+if [ -f benchmarks/bench_fp8.py ] && [ -z "${GPU_CHECK_NO_FP8:-}" ] && [ "$(left 60)" -ge 60 ]; then
+  banner "fp8: tests/test_fp8.py -k cuda"
+  t=$(date +%s)
+  log=/tmp/gpu_check_fp8_test.log
+  timeout "$(left 150)" "$PY" -m pytest tests/test_fp8.py -q -rfEs -p no:cacheprovider -k cuda 2>&1 | tee "$log"
+  st=${PIPESTATUS[0]}
+  pytest_row "pytest tests/test_fp8.py -k cuda" "$log" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+  banner "fp8: benchmarks/bench_fp8.py --speed ${FP8_BENCH_ARGS:-}"
+  t=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$(left 300)" "$PY" benchmarks/bench_fp8.py --speed ${FP8_BENCH_ARGS:-} 2>&1 | tee /tmp/gpu_check_fp8_bench.log
+  st=${PIPESTATUS[0]}
+  [ -n "${OUT:-}" ] && cp /tmp/gpu_check_fp8_bench.log "$OUT/bench_fp8_cuda.log"
+  row "bench_fp8.py --speed" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")" \
+    "$(grep -E '^fp8 / bf16' /tmp/gpu_check_fp8_bench.log | tail -1)"
+elif [ -f benchmarks/bench_fp8.py ]; then
+  row "fp8 tests + bench_fp8.py" skipped 0 "$([ -n "${GPU_CHECK_NO_FP8:-}" ] && echo disabled || echo 'no time left')"
+fi
 
 # 7. table ----------------------------------------------------------------------------------
 echo

@@ -1,0 +1,569 @@
+"""FP8 linear layers as a policy: scaled e4m3/e5m2 matmuls whose scaling state is a pytree.
+
+An :class:`Fp8Policy` names the ``nn.Linear`` layers of a model that run as scaled FP8
+matmuls (by default every Linear except those excluded, e.g. the output head). Inputs and
+weights are quantised to ``float8_e4m3fn``, output gradients to ``float8_e5m2``, each with a
+per-tensor scale; the products accumulate in fp32 and come out in the input's dtype (the
+policy's compute dtype: bf16 or fp32). Everything else runs as before.
+
+The scaling state -- per layer and per operand (input, weight, output gradient) an amax history
+and the current scale -- is a pytree of tensors (:class:`Fp8LinearState` of :class:`Fp8Meta`)
+that goes in and out of the step like the loss scale does. The new state comes back as the
+*gradient* of the state (flax's "overwrite with gradient"): the backward of each FP8 matmul
+returns the advanced input, weight and output-gradient metadata as the gradient of the state it
+was given. So the loop differentiates one more argument and keeps what comes back::
+
+    fp8 = af.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
+    state8 = fp8.init()
+
+    def loss_fn(params, state8, x, y):
+        p = af.cast_params(params, torch.bfloat16, keep=af.norm_layers(model))
+        return F.cross_entropy(fp8.apply(model, p, state8, x).float(), y)
+
+    (grads, state8), loss = grad_and_value(loss_fn, argnums=(0, 1))(params, state8, x, y)
+
+The gradient of the state is never scaled by the loss scale nor summed with anything, so
+unscale/check/clip must see only the parameter gradients (pass the state as its own argument).
+Every layer the policy names must run exactly once per differentiated forward (as with
+Transformer Engine): a layer that did not run gets a zero "gradient", which the next step treats
+as an empty history (it falls back to the current amax, see :class:`DelayedScaling`).
+
+How layers are found: :meth:`Fp8Policy.apply` runs ``torch.func.functional_call`` under a
+``TorchFunctionMode`` that intercepts ``F.linear`` calls whose weight *is* (by identity) the
+weight of a named layer; the model is never modified. :meth:`Fp8Policy.autocast` does the same
+around a stateful forward. Both trace as one graph under ``torch.compile(fullgraph=True)``.
+
+Matmuls: ``torch._scaled_mm`` (CUDA sm89+/sm90 and CPU in recent torch) with the dequant scales
+``1/scale``; its second operand is made column-major and dims padded to multiples of 16 where
+needed; ``backend="emulate"`` quantises with the same scales, dequantises and multiplies in
+fp32: the plain-torch reference and the fallback where ``_scaled_mm`` is unavailable. On CPU
+FP8 is for correctness (emulated or oneDNN), not speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterable, NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+
+from ampfunc.tree import register_state_classes
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "DelayedScaling",
+    "CurrentScaling",
+    "Fp8Meta",
+    "Fp8LinearState",
+    "Fp8Policy",
+    "fp8_policy",
+    "fp8_linear",
+    "quantize",
+    "scaled_matmul",
+    "advance_meta",
+    "fp8_available",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}  # 448, 57344
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_BACKENDS = ("auto", "scaled_mm", "emulate")
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipes (static configuration) and state (tensors)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Delayed scaling (Transformer Engine's recipe): the scale comes from past amaxes.
+
+    Step ``t`` quantises a tensor with the scale computed after step ``t-1``: ``fp8_max /
+    amax * 2**-margin``, where ``amax`` is the max of the last ``history_len`` recorded amaxes
+    (``amax_compute="max"``) or the latest one (``"most_recent"``). Then the tensor's own amax
+    is pushed into the history (slot 0 newest) and the next scale computed. An amax that is 0,
+    inf or NaN is not recorded and leaves the scale as it was (the layer did not run, or the
+    step overflowed and will be skipped). Departure from TE, on purpose: while the history is
+    still empty (the first step) the tensor is quantised with its *current* amax instead of
+    scale 1, so the first step neither saturates activations nor flushes gradients to zero.
+    ``power_of_2`` rounds scales down to a power of two (exact rescaling).
+    """
+
+    history_len: int = 16
+    margin: int = 0
+    amax_compute: str = "max"
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.history_len, int) and self.history_len >= 1):
+            raise ValueError(f"DelayedScaling: history_len must be an int >= 1, got {self.history_len!r}")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"DelayedScaling: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+        if not isinstance(self.margin, int):
+            raise ValueError(f"DelayedScaling: margin must be an int, got {self.margin!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Current (dynamic) scaling, torchao's default: each tensor is quantised with
+    ``fp8_max / amax(tensor) * 2**-margin`` of its own amax (all-reduced under a group); an amax
+    of 0, inf or NaN gives scale 1. The state still records an amax history (``history_len``)
+    and the scale used, for monitoring."""
+
+    history_len: int = 1
+    margin: int = 0
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.history_len, int) and self.history_len >= 1):
+            raise ValueError(f"CurrentScaling: history_len must be an int >= 1, got {self.history_len!r}")
+        if not isinstance(self.margin, int):
+            raise ValueError(f"CurrentScaling: margin must be an int, got {self.margin!r}")
+
+
+Recipe = Union[DelayedScaling, CurrentScaling]
+
+
+class Fp8Meta(NamedTuple):
+    """Scaling state of one operand: ``amax_history`` (fp32, ``(history_len,)``, slot 0 the
+    newest) and ``scale`` (0-d fp32; quantised = ``x * scale``, dequantised = ``q / scale``)."""
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+
+
+class Fp8LinearState(NamedTuple):
+    """Scaling state of one FP8 linear layer: one :class:`Fp8Meta` per operand."""
+
+    input: Fp8Meta
+    weight: Fp8Meta
+    grad_output: Fp8Meta
+
+
+register_state_classes(Fp8Meta, Fp8LinearState, DelayedScaling, CurrentScaling)
+
+
+def _new_meta(history_len: int, device) -> Fp8Meta:
+    return Fp8Meta(torch.zeros(history_len, dtype=torch.float32, device=device),
+                   torch.ones((), dtype=torch.float32, device=device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Scales, quantisation and the scaled matmul
+# ----------------------------------------------------------------------------------------------
+
+
+def _amax(t: torch.Tensor, group) -> torch.Tensor:
+    amax = t.abs().amax().to(torch.float32) if t.numel() else torch.zeros((), dtype=torch.float32, device=t.device)
+    if group is not None:
+        import torch.distributed as dist
+
+        # MAX over the ranks (NaN/inf included), so every rank quantises with the same scale.
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _scale_from_amax(amax: torch.Tensor, fallback: torch.Tensor, fp8_max: float, recipe: Recipe) -> torch.Tensor:
+    """``fp8_max * 2**-margin / amax``, or ``fallback`` where amax is 0, inf or NaN."""
+    valid = torch.isfinite(amax) & (amax > 0)
+    scale = (fp8_max * 2.0 ** -recipe.margin) / torch.where(valid, amax, torch.ones_like(amax))
+    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, _F32_MAX))  # amax subnormal
+    if recipe.power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return torch.where(valid, scale, fallback)
+
+
+def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Recipe) -> tuple[torch.Tensor, Fp8Meta]:
+    """``(scale to quantise with now, next meta)`` for a tensor whose amax is ``amax``.
+
+    Implements :class:`DelayedScaling` / :class:`CurrentScaling` (see there). Pure; a few
+    0-d and ``(history_len,)`` ops on the device; no host sync.
+
+    Args:
+      meta: the operand's :class:`Fp8Meta`.
+      amax: 0-d fp32, the tensor's max absolute value (already reduced across ranks).
+      fp8_max: the format's largest finite value (448 for e4m3, 57344 for e5m2).
+      recipe: a :class:`DelayedScaling` or :class:`CurrentScaling`.
+
+    Returns:
+      The 0-d fp32 scale for this use and the advanced :class:`Fp8Meta`.
+
+    Example:
+      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, af.fp8.DelayedScaling())
+    """
+    history, old_scale = meta.amax_history.to(torch.float32), meta.scale.to(torch.float32)
+    current = _scale_from_amax(amax, torch.ones_like(old_scale), fp8_max, recipe)
+    recorded = torch.isfinite(amax) & (amax > 0)
+    new_history = torch.where(recorded, torch.cat([amax.reshape(1), history[:-1]]), history)
+    if isinstance(recipe, DelayedScaling):
+        used = torch.where(history.amax() > 0, old_scale, current)
+        basis = new_history.amax() if recipe.amax_compute == "max" else new_history[0]
+        new_scale = _scale_from_amax(basis, old_scale, fp8_max, recipe)
+    else:
+        used = current
+        new_scale = current
+    return used, Fp8Meta(new_history, new_scale)
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t * scale`` cast to the fp8 ``dtype``, saturating finite values at the format's max.
+
+    e4m3 (forward operands): everything, inf included, saturates at +-448. e5m2 (output
+    gradients): finite values saturate at +-57344 but inf and NaN pass through, so an overflowed
+    backward (a loss scale too high) still reaches the gradients and the finite check sees it.
+    Cost: one read of ``t`` and one fp8 write (plus an fp32 temporary).
+
+    Args:
+      t: a floating tensor.
+      scale: 0-d fp32 scale (quantised = ``t * scale``).
+      dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Returns:
+      The quantised tensor in ``dtype``.
+
+    Example:
+      >>> q = af.fp8.quantize(torch.tensor([1000.0]), torch.tensor(1.0), af.fp8.E4M3)   # 448
+    """
+    if dtype not in _FP8_MAX:
+        raise ValueError(f"quantize: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    fp8_max = _FP8_MAX[dtype]
+    y = t.to(torch.float32) * scale
+    clamped = y.clamp(-fp8_max, fp8_max)
+    if dtype == E5M2:
+        clamped = torch.where(torch.isinf(y), y, clamped)
+    return clamped.to(dtype)
+
+
+def fp8_available(device: torch.device | str | None = None) -> bool:
+    """Whether ``torch._scaled_mm`` takes fp8 operands on ``device``: CUDA compute capability
+    8.9+ (Ada, Hopper, Blackwell; or ROCm), or a CPU on a torch that has the CPU kernel."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    device = torch.device("cpu" if device is None else device)
+    key = device.type  # one answer per device type (machines mixing GPU generations are rare)
+    if key not in _CAPABLE:
+        _CAPABLE[key] = _probe(device)
+    return _CAPABLE[key]
+
+
+_CAPABLE: dict[str, bool] = {}
+
+
+def _probe(device: torch.device) -> bool:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        if torch.version.hip is not None:
+            return True
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    try:
+        one = torch.ones((), device=device)
+        a = torch.zeros(16, 16, dtype=E4M3, device=device)
+        torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -t.shape[dim] % multiple
+    if not extra:
+        return t
+    shape = list(t.shape)
+    shape[dim] += extra
+    out = t.new_zeros(shape)  # fp8 zeros, then a copy: no fp8 arithmetic or cat kernel needed
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+                  out_dtype: torch.dtype, backend: str = "scaled_mm", fast_accum: bool = False) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` for fp8 ``a`` ``(M, K)`` and ``b`` ``(K, N)``, in ``out_dtype``.
+
+    ``backend="scaled_mm"`` calls ``torch._scaled_mm`` with ``a`` row-major, ``b``
+    column-major and K, N padded with zeros to multiples of 16 (cuBLAS's rule; the padding
+    contributes nothing); ``"emulate"`` dequantises both operands to fp32 and multiplies in
+    fp32 (the reference). Cost: one GEMM (plus a transposed copy of ``b`` when it is row-major).
+
+    Args:
+      a, b: fp8 operands (not both e5m2).
+      a_inv, b_inv: 0-d fp32 dequant factors (``1 / scale``).
+      out_dtype: ``torch.float32`` or ``torch.bfloat16`` (or ``float16``).
+      backend: ``"scaled_mm"`` or ``"emulate"``.
+      fast_accum: cuBLAS fast accumulation (the forward GEMM only, as TE and torchao do).
+
+    Returns:
+      The ``(M, N)`` product in ``out_dtype``.
+
+    Example:
+      >>> y = af.fp8.scaled_matmul(xq, wq.t(), 1 / sx, 1 / sw, torch.bfloat16)
+    """
+    if backend == "emulate":
+        return ((a.to(torch.float32) * a_inv) @ (b.to(torch.float32) * b_inv)).to(out_dtype)
+    m, n = a.shape[0], b.shape[1]
+    a = _pad_to(a.contiguous(), 1, 16)
+    b = _pad_to(_pad_to(b, 0, 16), 1, 16)
+    b = b.t().contiguous().t()  # column-major (a no-op copy when it already is)
+    out = torch._scaled_mm(a, b, a_inv, b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return out[:m, :n] if out.shape[1] != n else out
+
+
+# ----------------------------------------------------------------------------------------------
+# The FP8 linear: an autograd.Function whose state gradient is the new state
+# ----------------------------------------------------------------------------------------------
+
+
+class _Config(NamedTuple):
+    recipe: Any
+    backend: str
+    group: Any
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x @ w.T`` in fp8; the gradient of the six state tensors is their advanced value."""
+
+    @staticmethod
+    def forward(x, w, xh, xs, wh, ws, gh, gs, cfg: _Config):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        x_scale, (xh1, xs1) = advance_meta(Fp8Meta(xh, xs), _amax(x2, cfg.group), _FP8_MAX[E4M3], cfg.recipe)
+        w_scale, (wh1, ws1) = advance_meta(Fp8Meta(wh, ws), _amax(w, cfg.group), _FP8_MAX[E4M3], cfg.recipe)
+        xq, wq = quantize(x2, x_scale, E4M3), quantize(w, w_scale, E4M3)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        y = scaled_matmul(xq, wq.t(), x_inv, w_inv, x.dtype, cfg.backend, fast_accum=True)
+        return y.reshape(*x.shape[:-1], w.shape[0]), xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, _, _, _, _, gh, gs, cfg = inputs
+        _, xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1 = output
+        ctx.save_for_backward(xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1, gh, gs)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.cfg = cfg
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+
+    @staticmethod
+    def backward(ctx, gy, *_):
+        xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1, gh, gs = ctx.saved_tensors
+        cfg = ctx.cfg
+        g2 = gy.reshape(-1, wq.shape[0])
+        g_scale, (gh1, gs1) = advance_meta(Fp8Meta(gh, gs), _amax(g2, cfg.group), _FP8_MAX[E5M2], cfg.recipe)
+        gq = quantize(g2, g_scale, E5M2)
+        g_inv = g_scale.reciprocal()
+        dx = scaled_matmul(gq, wq, g_inv, w_inv, ctx.x_dtype, cfg.backend).reshape(ctx.x_shape)
+        dw = scaled_matmul(gq.t(), xq, g_inv, x_inv, ctx.w_dtype, cfg.backend)
+        return dx, dw, xh1, xs1, wh1, ws1, gh1, gs1, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: Fp8LinearState,
+               recipe: Recipe | None = None, *, backend: str = "auto", group=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as a scaled FP8 matmul; differentiable in ``x``, ``weight``,
+    ``bias`` and -- overwrite-with-gradient -- ``state``.
+
+    Forward: ``x`` and ``weight`` quantised to e4m3 with the scales :func:`advance_meta` gives
+    (from ``state`` and their amaxes), multiplied with fp32 accumulation, output in ``x.dtype``,
+    ``bias`` added in that dtype. Backward: the output gradient quantised to e5m2, ``dx`` and
+    ``dweight`` as fp8 GEMMs against the saved fp8 operands (in ``x``'s and ``weight``'s dtypes),
+    ``dbias`` the sum of the unquantised gradient, and as the "gradient" of ``state`` the advanced
+    :class:`Fp8LinearState` (input and weight metadata from the forward, output-gradient metadata
+    from this backward). Cost: amax and cast of ``x`` and ``weight`` (2 reads each), one fp8 GEMM
+    forward and two backward; with ``group`` one 4-byte all-reduce per operand; no host sync.
+
+    Args:
+      x: ``(..., in_features)`` input in the compute dtype.
+      weight: ``(out_features, in_features)``.
+      bias: ``(out_features,)`` or ``None``.
+      state: this layer's :class:`Fp8LinearState`.
+      recipe: :class:`DelayedScaling` (default) or :class:`CurrentScaling`.
+      backend: ``"auto"`` (``_scaled_mm`` where :func:`fp8_available`, else emulation),
+        ``"scaled_mm"`` or ``"emulate"``.
+      group: a process group: amaxes are MAX all-reduced so every rank uses the same scales.
+
+    Returns:
+      ``(..., out_features)`` in ``x.dtype``.
+
+    Example:
+      >>> y = af.fp8.fp8_linear(x, w, b, state8["fc1"])
+    """
+    recipe = DelayedScaling() if recipe is None else recipe
+    if not isinstance(state, Fp8LinearState):
+        raise TypeError(f"fp8_linear: state must be an Fp8LinearState, got {type(state).__name__}")
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
+    backend = _resolve_backend(backend, x.device)
+    (xh, xs), (wh, ws), (gh, gs) = state
+    y = _Fp8Linear.apply(x, weight, xh, xs, wh, ws, gh, gs, _Config(recipe, backend, group))[0]
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"fp8: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "scaled_mm" if fp8_available(device) else "emulate"
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------
+# The policy: which layers, which recipe; running a model with it
+# ----------------------------------------------------------------------------------------------
+
+
+class _Fp8Mode(TorchFunctionMode):
+    """Routes ``F.linear`` calls whose weight is one of ``weights`` to :func:`fp8_linear`."""
+
+    def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], policy: "Fp8Policy"):
+        super().__init__()
+        self.weights, self.states, self.policy = weights, states, policy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            for weight, state in zip(self.weights, self.states):
+                if w is weight:
+                    p = self.policy
+                    return fp8_linear(x, w, b, state, p.recipe, backend=p.backend, group=p.group)
+        return func(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fp8Policy:
+    """Which ``nn.Linear`` layers run in FP8 (``layers``: module paths) and how they are scaled.
+
+    Immutable configuration; the scaling state is separate (:meth:`init`). Build one with
+    :func:`fp8_policy`. ``recipe``: :class:`DelayedScaling` or :class:`CurrentScaling`;
+    ``backend``: ``"auto"``, ``"scaled_mm"`` or ``"emulate"``; ``group``: a process group for
+    the amax all-reduce (``None``: single process).
+    """
+
+    layers: tuple[str, ...]
+    recipe: Recipe = DelayedScaling()
+    backend: str = "auto"
+    group: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(f"Fp8Policy: recipe must be DelayedScaling or CurrentScaling, got {self.recipe!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"Fp8Policy: backend must be one of {_BACKENDS}, got {self.backend!r}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    def init(self, device: torch.device | str | None = None) -> dict[str, Fp8LinearState]:
+        """``{layer path: Fp8LinearState}`` with empty histories and scales of 1, on ``device``.
+
+        Cost: three small allocations per layer. The result is the state the loop carries
+        (``torch.save``-able; ``torch.load(weights_only=True)`` rebuilds it).
+        """
+        n = self.recipe.history_len
+        fp8_available(device)  # probe now, outside any compiled region
+        return {name: Fp8LinearState(_new_meta(n, device), _new_meta(n, device), _new_meta(n, device))
+                for name in self.layers}
+
+    def _mode(self, model: torch.nn.Module, params, state) -> _Fp8Mode:
+        if not isinstance(state, dict) or set(state) != set(self.layers):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"Fp8Policy: state must hold one Fp8LinearState per layer {list(self.layers)}, got {got}")
+        weights = []
+        for name in self.layers:
+            key = f"{name}.weight" if name else "weight"
+            if params is not None and key in params:
+                weights.append(params[key])
+            else:
+                weights.append(model.get_submodule(name).weight)
+        return _Fp8Mode(weights, [state[name] for name in self.layers], self)
+
+    def apply(self, model: torch.nn.Module, params, state: dict[str, Fp8LinearState], *args, **kwargs):
+        """``functional_call(model, params, args, kwargs)`` with the policy's layers in FP8.
+
+        ``params`` is what ``functional_call`` takes (a dict path -> tensor, or a tuple of
+        dicts, e.g. ``(params, buffers)``); the weight of each named layer is looked up in it by
+        ``"<layer>.weight"`` (else the module's own). Differentiate with respect to ``state``
+        to get the next state (see the module docstring). Pure; no host sync.
+        """
+        lookup = params
+        if isinstance(params, (tuple, list)):
+            lookup = {k: v for d in params for k, v in d.items()}
+        with self._mode(model, lookup, state):
+            return functional_call(model, params, args, kwargs)
+
+    @contextlib.contextmanager
+    def autocast(self, model: torch.nn.Module, state: dict[str, Fp8LinearState], params=None):
+        """Context in which ``model``'s named layers run in FP8 (stateful forwards, ``.backward()``).
+
+        For a loop that calls ``model(x)`` and ``loss.backward()`` (e.g. with
+        :class:`ampfunc.ModuleTrainer`): pass ``track(state)`` as ``state`` and read the next
+        state after the backward with :meth:`from_grads`.
+        """
+        with self._mode(model, params, state):
+            yield
+
+    @staticmethod
+    def track(state: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
+        """Detached copies of ``state``'s tensors with ``requires_grad=True``: after
+        ``loss.backward()`` their ``.grad`` holds the next state (:meth:`from_grads`)."""
+        return {k: _map_meta(v, lambda t: t.detach().clone().requires_grad_(True)) for k, v in state.items()}
+
+    @staticmethod
+    def from_grads(tracked: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
+        """The next state from a :meth:`track` ed state after ``backward()``: each tensor's
+        ``.grad`` (the tensor itself where the backward did not reach it)."""
+        return {k: _map_meta(v, lambda t: (t.grad if t.grad is not None else t).detach()) for k, v in tracked.items()}
+
+
+def _map_meta(state: Fp8LinearState, fn) -> Fp8LinearState:
+    return Fp8LinearState(*(Fp8Meta(fn(m.amax_history), fn(m.scale)) for m in state))
+
+
+def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), include: Iterable[str] | None = None,
+               recipe: Recipe | None = None, backend: str = "auto", group=None) -> Fp8Policy:
+    """An :class:`Fp8Policy` for ``model``: every ``nn.Linear`` (or those ``include`` names),
+    minus those ``exclude`` names.
+
+    A name selects the module at that path and every module below it (``"head"``,
+    ``"blocks.0.attn"``). Names that match no module raise ``ValueError``. Walks the module
+    tree once; no tensor work.
+
+    Args:
+      model: the module.
+      exclude: paths to keep in high precision (typically the output head).
+      include: paths to consider (default: the whole model).
+      recipe: :class:`DelayedScaling` (default, ``history_len=16``) or :class:`CurrentScaling`.
+      backend: ``"auto"``, ``"scaled_mm"`` or ``"emulate"``.
+      group: process group for the amax all-reduce.
+
+    Returns:
+      The :class:`Fp8Policy`.
+
+    Example:
+      >>> fp8 = af.fp8_policy(model, exclude=("head",))
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fp8_policy: model must be a torch.nn.Module, got {type(model).__name__}")
+    exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    include = None if include is None else ((include,) if isinstance(include, str) else tuple(include))
+    modules = dict(model.named_modules())
+    for name in exclude + (include or ()):
+        if not any(m == name or m.startswith(name + ".") for m in modules):
+            raise ValueError(f"fp8_policy: {name!r} names no module of the model")
+
+    def under(path, names):
+        return any(path == n or path.startswith(n + ".") or n == "" for n in names)
+
+    layers = tuple(path for path, m in modules.items()
+                   if type(m) is torch.nn.Linear and (include is None or under(path, include))
+                   and not under(path, exclude))
+    if not layers:
+        raise ValueError("fp8_policy: no nn.Linear layer left to run in FP8 "
+                         f"(exclude={list(exclude)}, include={include})")
+    return Fp8Policy(layers, DelayedScaling() if recipe is None else recipe, backend, group)
