@@ -143,7 +143,7 @@ __all__ = [
     "apply_module", "value_and_grad", "ValueAndGrad", "clip_per_example", "make_train_step", "TrainState",
     "StepOutput", "TrainStep", "copy_to_module", "ModuleTrainer", "TrainerState",
     # kernels, flat buffers, facades, distributed
-    "ops", "flat", "fused", "FlatTree", "flatten", "compat", "dist",
+    "ops", "flat", "fused", "FlatTree", "flatten", "compat", "dist", "fp8",
 ]
 
 

@@ -159,6 +159,18 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
     # (ampfunc.fp8's policy and scaling recipe) returns here, before bf16, when fp8_candidate.
     fp8_candidate = (fp8_hardware and _fp8_available() and stability != "high"
                      and (n_params is None or n_params >= _FP8_MIN_PARAMS))
+    if fp8_candidate:
+        return Recommendation(
+            get_policy("p=f32,c=bf16,o=f32"), NoOpLossScale(),
+            f"{sm} runs fp8 matmuls at twice the bf16 rate: run the Linear layers as scaled fp8 matmuls "
+            "(e4m3 forward, e5m2 gradients, delayed scaling; ampfunc.fp8) and everything else in bf16; "
+            "no loss scaling is needed.",
+            requirements + [f"CUDA capability >= 8.9 (this plan: {sm})",
+                            "fp8 = af.fp8.fp8_policy(model, exclude=(<output head>,)); state8 = fp8.init('cuda'); "
+                            "differentiate the state too (grad(loss_fn, argnums=(0, 1))) or make_train_step(..., fp8=fp8)",
+                            "Linear in/out features multiples of 16 (other shapes are padded)",
+                            "compile the step (torch.compile): eager fp8 adds quantisation passes"],
+            "fp8", "cuda", capability)
     if capability >= (8, 0):
         reqs = requirements + [f"CUDA capability >= 8.0 (this plan: {sm})",
                                "torch.cuda.is_bf16_supported() is True",

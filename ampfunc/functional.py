@@ -22,6 +22,8 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -29,6 +31,7 @@ from torch.func import functional_call
 
 from ampfunc.dist import all_reduce_mean
 from ampfunc.engine import Engine, MixedPrecisionState, skip_stats
+from ampfunc.fp8 import Fp8Policy
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
@@ -211,6 +214,7 @@ class TrainState(NamedTuple):
     loss_scale: LossScale
     finite: Optional[torch.Tensor] = None
     skipped: Optional[torch.Tensor] = None
+    fp8: Optional[PyTree] = None  # FP8 scaling state (make_train_step(fp8=...)), else None
 
 
 class StepOutput(NamedTuple):
@@ -235,7 +239,8 @@ class TrainStep(NamedTuple):
 
 def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
                     loss_scale: LossScale | None = None, has_aux: bool = False, keep=None,
-                    group=None, overwrite_with_gradient: Callable[[str], bool] | None = None) -> TrainStep:
+                    group=None, overwrite_with_gradient: Callable[[str], bool] | None = None,
+                    fp8: Fp8Policy | None = None) -> TrainStep:
     """A pure, compilable train step for ``model``: ``train.init()`` and ``train.step(state, *batch)``.
 
     One step: forward and backward of the scaled loss (``torch.func.grad``), then the
@@ -264,6 +269,9 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         those params are not given to ``tx``; their "gradient" (what a custom autograd
         function's backward returned for them, e.g. new FP8 scaling state) becomes their new
         value, kept on a skipped step like every param.
+      fp8: an :class:`ampfunc.fp8.Fp8Policy`: its Linear layers run as scaled FP8 matmuls and
+        ``state.fp8`` carries their scaling state, the "gradient" of itself (never unscaled,
+        averaged or clipped); with ``group`` the amaxes are MAX-reduced over it.
 
     Returns:
       A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
@@ -295,6 +303,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     # The params are stored in the policy's param dtype and are the optimizer's reference:
     # no separate master copy (jmp's model).
     engine = Engine(tx, master_dtype=None, where="make_train_step")
+    if fp8 is not None and not isinstance(fp8, Fp8Policy):
+        raise TypeError(f"make_train_step: fp8 must be an ampfunc.fp8.Fp8Policy, got {type(fp8).__name__}")
+    if fp8 is not None and group is not None and fp8.group is None:
+        fp8 = dataclasses.replace(fp8, group=group)
     overwritten = overwrite_with_gradient if overwrite_with_gradient is not None else (lambda path: False)
 
     def optimized(tree: dict) -> dict:
@@ -305,9 +317,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
         device = next((p.device for p in params.values()), torch.device("cpu"))
-        return TrainState(params, buffers, tx.init(optimized(params)), loss_scale.to(device), *skip_stats(device))
+        return TrainState(params, buffers, tx.init(optimized(params)), loss_scale.to(device), *skip_stats(device),
+                          fp8=fp8.init(device) if fp8 is not None else None)
 
-    def scaled_loss(params, buffers, ls, *batch):
+    def scaled_loss(params, state8, buffers, ls, *batch):
         compute_params = cast_params(params, compute_dtype, keep=keep)
         new_buffers = [buffers]
 
@@ -315,7 +328,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             inputs, kwargs = policy.cast_to_compute((inputs, kwargs))
             # Each forward works on copies of the buffers it is given, so a pure step never
             # touches the state it was handed; the last forward's buffers are the new ones.
-            out, new_buffers[0] = apply_module(model, compute_params, new_buffers[0], *inputs, **kwargs)
+            with fp8.autocast(model, state8, compute_params) if fp8 is not None else contextlib.nullcontext():
+                out, new_buffers[0] = apply_module(model, compute_params, new_buffers[0], *inputs, **kwargs)
             return policy.cast_to_output(out)
 
         out = loss_fn(forward, *batch)
@@ -329,11 +343,12 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             raise TypeError(f"make_train_step: loss_fn must return a tensor loss, got {type(loss).__name__}")
         return ls.scale(loss), (loss.detach(), new_buffers[0], aux)
 
-    grad_fn = torch.func.grad(scaled_loss, argnums=0, has_aux=True)
+    # The FP8 state is differentiated too: its "gradient" is its next value (ampfunc.fp8).
+    grad_fn = torch.func.grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
     def step(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
         ls = state.loss_scale
-        grads, (loss, new_buffers, aux) = grad_fn(state.params, state.buffers, ls, *batch)
+        (grads, new8), (loss, new_buffers, aux) = grad_fn(state.params, state.fp8 or {}, state.buffers, ls, *batch)
         if group is not None:
             # Averaged while still scaled: with the power-of-two scales this equals averaging the
             # unscaled gradients, and every rank then sees the same values and the same flag.
@@ -345,7 +360,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         if overwrite_with_gradient is not None:
             params = {k: params[k] if k in params else torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v)
                       for k, v in state.params.items()}
-        new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
+        new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped,
+                               new8 if fp8 is not None else None)
         return new_state, StepOutput(loss, mp.finite, ls.loss_scale, aux if has_aux else None)
 
     return TrainStep(init, step)

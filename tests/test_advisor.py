@@ -42,17 +42,26 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0)])
 def test_sm80_and_later_bf16_without_scaling(capability):
-    rec = recommend_policy("cuda", capability=capability)
+    rec = recommend_policy("cuda", capability=capability, n_params=10**6)  # too small for fp8
     assert rec.precision == "bf16" and rec.policy.compute_dtype == torch.bfloat16
     assert rec.policy.param_dtype == torch.float32 and isinstance(rec.loss_scale, af.NoOpLossScale)
     assert rec.capability == capability and "no loss scaling" in rec.reason
 
 
 def test_fp8_capable_gpu_says_why_fp8_is_not_advised():
-    rec = recommend_policy(capability=(9, 0))  # device defaults to cuda when planning a capability
+    rec = recommend_policy(capability=(9, 0), n_params=10**6)  # device defaults to cuda when planning a capability
     assert rec.device == "cuda" and rec.precision == "bf16"
     assert any("fp8" in r for r in rec.requirements)
     assert not any("fp8" in r for r in recommend_policy("cuda", capability=(8, 0)).requirements)
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_fp8_advised_on_fp8_hardware_for_large_models(capability):
+    rec = recommend_policy("cuda", capability=capability, n_params=10**9)
+    assert rec.precision == "fp8" and rec.policy.compute_dtype == torch.bfloat16
+    assert isinstance(rec.loss_scale, af.NoOpLossScale) and any("fp8_policy" in r for r in rec.requirements)
+    assert recommend_policy("cuda", capability=capability, n_params=10**9, stability="high").precision == "bf16"
+    assert recommend_policy("cuda", capability=(8, 6), n_params=10**9).precision == "bf16"
 
 
 @pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])

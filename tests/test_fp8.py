@@ -305,6 +305,35 @@ def test_module_trainer_loop_with_fp8_autocast():
         assert not any(t.requires_grad for t in af.tree.tree_leaves(st))
 
 
+def test_make_train_step_carries_the_fp8_state():
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",))
+    train = af.make_train_step(model, lambda fwd, x, y, m: F.cross_entropy(fwd(x), y) * m, af.adamw(1e-2),
+                               "p=f32,c=bf16,o=f32", loss_scale=af.DynamicLossScale(2.0**8), fp8=pol)
+    state = train.init()
+    assert set(state.fp8) == set(pol.layers)
+    x, y = data(1)[0]
+    flags, losses = [], []
+    for i in range(5):
+        state, out = train.step(state, x, y, torch.tensor(math.inf if i == 2 else 1.0))
+        flags.append(bool(out.finite))
+        losses.append(float(out.loss))
+    assert flags == [True, True, False, True, True] and losses[-1] < losses[0]
+    for st in state.fp8.values():
+        assert (st.input.amax_history > 0).sum() == 5 and (st.grad_output.amax_history > 0).sum() == 4
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert isinstance(loaded.fp8["0"], f8.Fp8LinearState)
+    a, _ = train.step(state, x, y, torch.tensor(1.0))
+    b, _ = train.step(loaded, x, y, torch.tensor(1.0))
+    for u, v in zip(af.tree.tree_leaves(a), af.tree.tree_leaves(b)):
+        assert torch.equal(u, v)
+    with pytest.raises(TypeError, match="Fp8Policy"):
+        af.make_train_step(model, lambda fwd, x: fwd(x).sum(), af.adamw(1e-2), fp8="fp8")
+
+
 # -- one graph under torch.compile ------------------------------------------------------------------
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 import ampfunc as af
+import ampfunc.fp8  # noqa: F401  (af.fp8)
 from ampfunc.monitor import TrainingMonitor
 
 __all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "LiveLog", "plot_runs", "format_table",
@@ -39,6 +40,20 @@ class ExampleConfig(NamedTuple):
     loss_scale: Callable[[], af.LossScale]
     setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     about: str = ""
+    fp8: Optional[Callable[..., Any]] = None  # (model, group=None) -> af.fp8.Fp8Policy; None: no fp8
+
+
+def _plain_linears(model: torch.nn.Module) -> torch.nn.Module:
+    # FP8 routes F.linear calls: Linear subclasses with their own matmul run as torch's Linear.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.__class__ = torch.nn.Linear
+    return model
+
+
+def _fp8_policy(model: torch.nn.Module, group=None):
+    # Every Linear but the output head (a model names it in fp8_exclude) as scaled FP8 matmuls.
+    return af.fp8.fp8_policy(model, exclude=getattr(model, "fp8_exclude", ()), group=group)
 
 
 CONFIGS = {
@@ -50,6 +65,9 @@ CONFIGS = {
                                   about="fp16 params and compute, fp32 master, dynamic loss scaling"),
     "fp16 unscaled": ExampleConfig("p=f16,c=f16,o=f32", af.NoOpLossScale,
                                    about="fp16 params and compute, fp32 master, no scaling"),
+    "fp8": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, setup=_plain_linears, fp8=_fp8_policy,
+                         about="bf16 with every Linear but the head as FP8 matmuls (e4m3/e5m2, delayed "
+                               "scaling); on CPU for correctness, not speed"),
 }
 
 

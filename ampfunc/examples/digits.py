@@ -41,6 +41,8 @@ from ampfunc.monitor import LeafFlagsHook
 
 
 class MLP(torch.nn.Module):
+    fp8_exclude = ("net.6",)  # the output head stays in the compute dtype under the fp8 config
+
     def __init__(self, d_in=64, width=256, classes=10):
         super().__init__()
         self.net = torch.nn.Sequential(
@@ -81,17 +83,20 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=1e-4)),
                             loss_scale=cfg.loss_scale(), group=group)
     state = tx.init(params)
+    fp8 = cfg.fp8(model, group=group) if cfg.fp8 else None
+    state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
 
-    def loss_fn(p, x, y):
+    def loss_fn(p, x, y, state8):
         p = af.cast_params(p, policy.compute_dtype, keep=keep)
-        logits = policy.cast_to_output(functional_call(model, p, (policy.cast_to_compute(x),)))
+        x = policy.cast_to_compute(x)
+        logits = policy.cast_to_output(fp8.apply(model, p, state8, x) if fp8 else functional_call(model, p, (x,)))
         return F.cross_entropy(logits, y)
 
-    def scaled_loss(p, x, y, ls):
-        loss = loss_fn(p, x, y)
+    def scaled_loss(p, state8, x, y, ls):
+        loss = loss_fn(p, x, y, state8)
         return af.scale_loss(loss, ls), loss.detach()
 
-    grad_fn = grad(scaled_loss, has_aux=True)
+    grad_fn = grad(scaled_loss, argnums=(0, 1), has_aux=True)
     per_epoch = len(range(0, len(x_tr) - batch + 1, batch))
     log = LiveLog(name, epochs * per_epoch, params=params, metrics=metrics if rank == 0 else None,
                   log_every=log_every, progress=progress if rank == 0 else False, device=device)
@@ -107,7 +112,7 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
         for i in range(0, len(order) - batch + 1, batch):
             idx = order[i:i + batch][rank::world]
             ls = af.loss_scale_of(state)
-            grads, loss = grad_fn(params, x_tr[idx], y_tr[idx], ls)
+            (grads, state8), loss = grad_fn(params, state8, x_tr[idx], y_tr[idx], ls)
             if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
                 grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
             zero_grads = zero_grads + count_zeros(grads)
@@ -119,7 +124,7 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     elapsed = time.perf_counter() - start
     summary = log.close()
     with torch.no_grad():
-        test_loss = loss_fn(params, x_te, y_te)
+        test_loss = loss_fn(params, x_te, y_te, state8)
         acc = (functional_call(model, af.cast_params(params, torch.float32), (x_te,)).argmax(1) == y_te)
     row = {
         "config": name,

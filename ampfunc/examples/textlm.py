@@ -147,16 +147,19 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)),
                             loss_scale=cfg.loss_scale())
     state = tx.init(params)
+    fp8 = cfg.fp8(model) if cfg.fp8 else None
+    state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
 
-    def loss_fn(p, x, y):
-        logits = policy.cast_to_output(functional_call(model, af.cast_params(p, policy.compute_dtype, keep=keep), (x,)))
+    def loss_fn(p, x, y, state8):
+        p = af.cast_params(p, policy.compute_dtype, keep=keep)
+        logits = policy.cast_to_output(fp8.apply(model, p, state8, x) if fp8 else functional_call(model, p, (x,)))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    def scaled_loss(p, x, y, ls):
-        loss = loss_fn(p, x, y)
+    def scaled_loss(p, state8, x, y, ls):
+        loss = loss_fn(p, x, y, state8)
         return af.scale_loss(loss, ls), loss.detach()
 
-    grad_fn = grad(scaled_loss, has_aux=True)
+    grad_fn = grad(scaled_loss, argnums=(0, 1), has_aux=True)
     log = LiveLog(name, steps, params=params, metrics=metrics, log_every=log_every, progress=progress, device=device)
     hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
     tx.engine.on_check = hook
@@ -171,7 +174,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     for step in range(steps):
         x, y = (t.to(device, non_blocking=True) for t in next(stream))
         ls = af.loss_scale_of(state)
-        grads, loss = grad_fn(params, x, y, ls)
+        (grads, state8), loss = grad_fn(params, state8, x, y, ls)
         step_zeros = count_zeros(grads)
         zeros = zeros + step_zeros
         if step >= late_from:
@@ -184,7 +187,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 2)
         held = batches(heldout_bytes, batch, context, gen)
-        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)))) for _ in range(eval_batches))
+        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)), state8)) for _ in range(eval_batches))
     peak = (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}" if str(device).startswith("cuda") else "n/a")
     row = {
         "config": name,
