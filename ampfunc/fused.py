@@ -121,20 +121,22 @@ class FusedPlan:
         ``on_check(finite, leaf_nonfinite)`` gets this rank's flag and the per-leaf flags of the
         same pass (device tensors). Call under ``torch.no_grad()``."""
         dev = opt.step.device
-        if on_check is None:
-            finite, sumsq = ops.check(grads)
-        else:
-            finite, sumsq, leaf_nonfinite = ops.check(grads, per_leaf=True)
-            on_check(finite, leaf_nonfinite)
+        inv_scale = loss_scale.inv_scale_on(dev)
+        # With clipping, the robust norm of the unscaled products (the generic clip's number:
+        # no fp32 overflow while every element is finite); else the plain check pass.
+        checked = ops.check_norm(grads, inv_scale, per_leaf=on_check is not None) if self.max_norm is not None \
+            else ops.check(grads, per_leaf=on_check is not None)
+        finite, norm_or_sumsq = checked[0], checked[1]
+        if on_check is not None:
+            on_check(finite, checked[2])
         if group is not None:
             finite = agree_finite(finite, group)
-        inv_scale = loss_scale.inv_scale_on(dev)
         # NaN when the scale is outside SCALE_RANGE (set by hand): skip rather than write NaN.
         finite = finite & ~inv_scale.isnan()
         grad_scale = inv_scale
         if self.max_norm is not None:
             # clip_grad_norm_'s coefficient, of the unscaled gradients' norm.
-            norm = sumsq.sqrt() * inv_scale
+            norm = norm_or_sumsq
             grad_scale = inv_scale * (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
         lr = self.hparams["lr"]
         if callable(lr):  # a schedule of the applied-step count, evaluated on the device

@@ -667,16 +667,7 @@ def _():
 
 # Rows the engine/kernels changes of issue 10 are expected to fix; kept here so that a change
 # that regresses a row is visible. Empty once every row passes.
-_COMPAT = ("the torch.amp GradScaler facade (ampfunc/compat/torch_amp.py, rewritten on the compat branch) "
-           "accepts these like torch does; at run time such a scale gives a NaN inv_scale, so every step is "
-           "skipped rather than applied, but it should be refused up front")
-KNOWN_FAILING: dict[str, str] = {
-    "GradScaler-init_scale-zero": _COMPAT,
-    "GradScaler-init_scale-inf": _COMPAT,
-    "GradScaler-init_scale-1e39": _COMPAT,
-    "GradScaler-update-new_scale-zero": _COMPAT,
-    "GradScaler-update-new_scale-nan-tensor": _COMPAT,
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 
 def test_table_is_large_and_ids_unique():

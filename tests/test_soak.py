@@ -111,7 +111,8 @@ def test_soak_with_overflow_bursts(config):
         assert min(scales) == F.SCALE_FLOOR  # the long bursts reached the floor ...
         assert scales[-1] > 1.0              # ... and the scale grew back
         (t0, r0), (t1, r1) = mem.values()
-        assert t1 == t0, f"live tensors grew from {t0} to {t1}"
+        # <=: objects left by earlier tests in the session may be collected in between
+        assert t1 <= t0, f"live tensors grew from {t0} to {t1}"
         if r0 is not None:
             assert r1 - r0 < 32 * 2**20, f"resident memory grew by {(r1 - r0) / 2**20:.1f} MiB"
     assert ext[0] == ref[0]

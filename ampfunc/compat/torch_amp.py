@@ -37,7 +37,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicConfig, DynamicLossScale
+from ampfunc.loss_scale import DynamicConfig, DynamicLossScale, _scale_tensor
 from ampfunc.mixed import scale_loss, update_scale
 from ampfunc.policy import Policy, get_policy
 
@@ -87,7 +87,9 @@ class GradScaler:
                 raise AssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
                 raise AssertionError("The backoff factor must be < 1.0.")
-            self._init_scale = float(init_scale)
+            # Refused at construction unless finite and nonzero in fp32 (torch accepts 0 or inf and
+            # then writes inf/NaN into the run): named, before anything is built.
+            self._init_scale = float(_scale_tensor(init_scale, "cpu", "init_scale"))
             self._init_growth_tracker = 0
             self._init_hysteresis_tracker = int(hysteresis)
             # Validated here so that a bad setting fails at construction, naming the setting.
@@ -369,7 +371,7 @@ class GradScaler:
         ls = self._check_initialized("update")
         if new_scale is not None:
             if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-                value = torch.full((), float(new_scale), dtype=torch.float32, device=ls.loss_scale.device)
+                value = _scale_tensor(float(new_scale), ls.loss_scale.device, "new_scale")
             else:
                 reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                           "torch.FloatTensor with requires_grad=False.")
@@ -377,8 +379,9 @@ class GradScaler:
                     raise AssertionError(reason)
                 if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                     raise AssertionError(reason)
-                value = new_scale.detach().reshape(()).to(device=ls.loss_scale.device, dtype=torch.float32,
-                                                          copy=True)
+                # An explicitly set scale is read once to refuse 0/inf/NaN (unlike torch, which
+                # then fills the run with inf/NaN); the scale stays on its device.
+                value = _scale_tensor(new_scale, ls.loss_scale.device, "new_scale")
             self._ls = DynamicLossScale.from_tensors(value, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
         else:
             found = [t.to(device=ls.loss_scale.device, non_blocking=True).reshape(())

@@ -42,8 +42,8 @@ def global_norm(tree, group=None) -> torch.Tensor:
     _, leaves = float_leaves_with_paths(tree, "tree")
     if group is not None or dist.any_dtensor(leaves):
         return dist.sharded_global_norm(tree, group)
-    _, sumsq = ops.check(leaves)
-    return sumsq.sqrt()
+    # check_norm: squares summed so that the sum cannot overflow while every value is finite.
+    return ops.check_norm(leaves)[1]
 
 
 def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformation:
@@ -86,8 +86,8 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         if group is not None or dist.any_dtensor(leaves):
             norm = dist.sharded_global_norm(updates, group)
             return dist.scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
-        _, sumsq = ops.check(leaves)
-        coef = (max_norm / (sumsq.sqrt() + 1e-6)).clamp(max=1.0)
+        _, norm = ops.check_norm(leaves)  # cannot overflow while every element is finite
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         out: list = [None] * len(leaves)
         for dev, idx in device_groups(leaves).items():
             c = coef if coef.device == dev else coef.to(dev, non_blocking=True)
