@@ -11,6 +11,7 @@ window is read back once, written to the metrics file and shown on the progress 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -22,7 +23,7 @@ import ampfunc as af
 import ampfunc.fp8  # noqa: F401  (af.fp8)
 from ampfunc.monitor import TrainingMonitor
 
-__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "LiveLog", "plot_runs", "format_table",
+__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs", "format_table",
            "count_zeros", "state_bytes"]
 
 
@@ -91,6 +92,25 @@ def parse_configs(text: str, table: dict = CONFIGS) -> list[str]:
     if not names:
         raise ValueError(f"no config given; choose from {list(table)}")
     return names
+
+
+def add_run_args(ap) -> None:
+    """The flags both main jobs share: --configs, --device, --metrics, --plot, --log-every, --progress."""
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--metrics", metavar="PATH", help="write one JSON line per step per configuration")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves and the loss scale")
+    ap.add_argument("--log-every", type=int, default=25, help="steps between reads of the device (bar, metrics)")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bars (default: on a terminal)")
+
+
+def configs_from_args(ap, args) -> list[str]:
+    """The chosen configuration names; an unknown name exits through ``ap.error``."""
+    try:
+        return parse_configs(args.configs)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def count_zeros(grads) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-from ampfunc.examples.common import CONFIGS, LiveLog, count_zeros, format_table, parse_configs, plot_runs, state_bytes
+from ampfunc.examples.common import CONFIGS, LiveLog, add_run_args, configs_from_args, count_zeros, format_table, plot_runs, state_bytes
 from ampfunc.monitor import LeafFlagsHook
 
 
@@ -231,18 +231,9 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--metrics", metavar="PATH", help="write one JSON line per step per configuration")
-    ap.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves and the loss scale")
-    ap.add_argument("--log-every", type=int, default=25, help="steps between reads of the device (bar, metrics)")
-    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                    help="progress bars (default: on a terminal)")
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    try:
-        names = parse_configs(args.configs)
-    except ValueError as e:
-        ap.error(str(e))
+    names = configs_from_args(ap, args)
     af.ops.load()  # build the kernels (first run only) before any timing starts
     data = stdlib_text()
     print(f"ampfunc {af.__version__} on {args.device} (kernels: {af.ops.backend()}): byte-level GPT "
