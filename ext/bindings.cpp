@@ -929,6 +929,16 @@ std::vector<Tensor> clone_list(TensorList ts) {
   return out;
 }
 
+// The pure updates on CUDA run the in-place launcher on a copy of the params (zeros in fp32 when
+// the update needs no params) and subtract the params afterwards.
+std::vector<Tensor> update_start(TensorList params, TensorList grads) {
+  if (!params.empty()) return clone_list(params);
+  std::vector<Tensor> out;
+  out.reserve(grads.size());
+  for (const Tensor& g : grads) out.push_back(at::zeros(g.sizes(), g.options().dtype(at::kFloat)));
+  return out;
+}
+
 SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
                      const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
                      const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum,
@@ -981,11 +991,7 @@ SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList mom
   check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
   lr_value("sgd_update", lr, lr_tensor, dev);  // validates lr_tensor
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_new;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    p_new.push_back(params.empty() ? at::zeros(grads[i].sizes(), grads[i].options().dtype(at::kFloat))
-                                   : params[i].clone(at::MemoryFormat::Contiguous));
-  }
+  std::vector<Tensor> p_new = update_start(params, grads);
   std::vector<Tensor> b_out = clone_list(has_buf ? momentum_buffers : TensorList());
   Tensor step_out = step.clone();
   Tensor finite = at::ones({}, step.options().dtype(at::kBool));
@@ -1007,11 +1013,7 @@ AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList e
   check_update_args("adam_update", params, grads, state, step, grad_scale, weight_decay, dev);
   lr_value("adam_update", lr, lr_tensor, dev);  // validates lr_tensor
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_new;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    p_new.push_back(params.empty() ? at::zeros(grads[i].sizes(), grads[i].options().dtype(at::kFloat))
-                                   : params[i].clone(at::MemoryFormat::Contiguous));
-  }
+  std::vector<Tensor> p_new = update_start(params, grads);
   std::vector<Tensor> m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
                       vmax_out = clone_list(amsgrad ? max_exp_avg_sqs : TensorList());
   Tensor step_out = step.clone();
