@@ -37,6 +37,7 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "source_dir", "cache_dir", "source_digest", "build_record"]
+__all__ = ["load", "direct_module", "source_dir", "cache_dir", "source_digest", "build_record"]
 
 _EXT_NAME = "ampfunc_ext"
 _SOURCE_SUFFIXES = (".cpp", ".h", ".hpp", ".cu", ".cuh")
@@ -245,8 +246,26 @@ def _compile(src: Path, with_cuda: bool, cflags: list[str], build_dir: Path) -> 
     )
 
 
+_LOADED: list = []  # the path of the library this process loaded
+
+
 def _load_library(path: Path) -> None:
     torch.ops.load_library(str(path))
+    _LOADED[:] = [path]
+
+
+def direct_module():
+    """The loaded library's direct door (eager CPU calls that skip the dispatcher; see
+    ext/bindings.cpp, namespace ``direct``), or None when no library is loaded or it has none."""
+    if not _LOADED:
+        return None
+    lib = ctypes.PyDLL(str(_LOADED[0]))  # PyDLL: the call holds the GIL and raises a set error
+    make = getattr(lib, "ampfunc_direct_module", None)
+    if make is None:
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = []
+    return make()
 
 
 def _build(with_cuda: bool) -> str:
@@ -285,6 +304,9 @@ def _build(with_cuda: bool) -> str:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        # cpp_extension loaded the library from tmp; the entry holds the same file (same inode,
+        # so ctypes finds the loaded copy, not a second one)
+        _LOADED[:] = [_library_in(entry)]
     return str(entry)
 
 

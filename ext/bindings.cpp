@@ -9,11 +9,25 @@
 // passed to the CUDA launchers as device pointers. On the CPU they are plain memory.
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <cstdlib>
 #include <functional>
+#include <mutex>
+#include <unordered_map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -31,6 +45,7 @@
 
 namespace {
 
+using ampfunc::Tensors;
 using at::Tensor;
 using at::TensorList;
 
@@ -112,7 +127,7 @@ bool dt_ok(Dt d, at::ScalarType t) {
 // One list of a call: its name in the schema, the dtypes it takes, whether the op writes it.
 struct ListSpec {
   const char* name;
-  TensorList ts;
+  Tensors ts;
   Dt dt;
   bool written;
 };
@@ -267,24 +282,29 @@ void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarT
                     " but the call's tensors are on ", device_str(dev), "; one device per call (", op, ")");
 }
 
-// Contiguous working copies of a list; the ones that had to be copied are written back by
-// write_back() (for the lists a kernel updates in place).
+// Contiguous working copies of a list, borrowed where the tensor is contiguous already; the
+// ones that had to be copied are written back by write_back() (for the lists a kernel updates in
+// place). The copies live in a deque, which never moves its elements, so `tensors` may point at them.
 struct Work {
-  std::vector<Tensor> tensors;
-  std::vector<std::pair<Tensor, Tensor>> copies;  // (original, contiguous copy)
-  explicit Work(TensorList ts) {
+  Tensors tensors;
+  std::deque<Tensor> owned;
+  std::vector<std::pair<const Tensor*, const Tensor*>> copies;  // (original, contiguous copy)
+  explicit Work(const Tensors& ts) {
     tensors.reserve(ts.size());
     for (const Tensor& t : ts) {
       if (t.is_contiguous()) {
-        tensors.push_back(t);
+        tensors.push_back(&t);
       } else {
-        tensors.push_back(t.contiguous());
-        copies.emplace_back(t, tensors.back());
+        owned.push_back(t.contiguous());
+        tensors.push_back(&owned.back());
+        copies.emplace_back(&t, &owned.back());
       }
     }
   }
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
   void write_back() {
-    for (auto& oc : copies) oc.first.copy_(oc.second);
+    for (auto& oc : copies) oc.first->copy_(*oc.second);
   }
 };
 
@@ -293,12 +313,119 @@ at::Device device_of(TensorList ts, const Tensor& fallback) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The CPU output pool
+// ---------------------------------------------------------------------------------------------
+//
+// The out-of-place kernels (the pure step and update, apply_updates, unscale) write every
+// output into a new tensor, and the caller drops the previous step's tensors of the same sizes
+// right after. Through the system allocator that memory often goes back to the kernel (glibc
+// trims its heap top and unmaps large blocks), so each step faults in and zero-fills fresh
+// pages: for 10,000 leaves of 6 KB about 2 us per output tensor, more than the kernel's own
+// work on it. The pool keeps the blocks of dead outputs, by exact size, and hands them to the
+// next step's outputs. It only ever holds memory that our outputs held before; it gives blocks
+// back to the system beyond AMPFUNC_CPU_POOL_MB (default 2048; 0 turns the pool off) and on
+// ampfunc.ops.empty_cache(). Tensors from it are ordinary CPU tensors (resizable; a resize
+// takes a new block from the pool).
+class OutputPool final : public c10::Allocator {
+ public:
+  static constexpr size_t kHeader = 64;  // block size stored in front of the data, alignment kept
+
+  OutputPool() {
+    const char* env = std::getenv("AMPFUNC_CPU_POOL_MB");
+    limit_ = (env && *env ? static_cast<size_t>(std::strtoull(env, nullptr, 10)) : size_t{2048}) << 20;
+  }
+
+  bool enabled() const { return limit_ > 0; }
+
+  c10::DataPtr allocate(size_t n) override {
+    const size_t bytes = (std::max<size_t>(n, 1) + 63) & ~size_t{63};
+    void* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        block = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+    }
+    if (!block) {
+      block = c10::alloc_cpu(bytes + kHeader);
+      *static_cast<size_t*>(block) = bytes;
+    }
+    void* data = static_cast<char*>(block) + kHeader;
+    return {data, data, &OutputPool::release, at::Device(at::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &OutputPool::release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  // Frees every cached block; returns the bytes given back.
+  size_t empty_cache() {
+    std::unordered_map<size_t, std::vector<void*>> drop;
+    size_t bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(free_);
+      bytes = cached_;
+      cached_ = 0;
+    }
+    for (auto& [size, blocks] : drop) {
+      for (void* b : blocks) c10::free_cpu(b);
+    }
+    return bytes;
+  }
+
+  std::tuple<int64_t, int64_t, int64_t, int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {static_cast<int64_t>(cached_), static_cast<int64_t>(limit_), hits_, misses_};
+  }
+
+  static OutputPool& get() {
+    static OutputPool* pool = new OutputPool();  // never destroyed: tensors may die at exit
+    return *pool;
+  }
+
+ private:
+  static void release(void* data) {
+    void* block = static_cast<char*>(data) - kHeader;
+    const size_t bytes = *static_cast<size_t*>(block);
+    OutputPool& pool = get();
+    {
+      std::lock_guard<std::mutex> lock(pool.mu_);
+      if (pool.cached_ + bytes <= pool.limit_) {
+        pool.free_[bytes].push_back(block);
+        pool.cached_ += bytes;
+        return;
+      }
+    }
+    c10::free_cpu(block);
+  }
+
+  std::mutex mu_;
+  std::unordered_map<size_t, std::vector<void*>> free_;
+  size_t cached_ = 0, limit_ = 0;
+  int64_t hits_ = 0, misses_ = 0;
+};
+
+// A new contiguous CPU tensor for a kernel's output, from the pool.
+Tensor pooled_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  OutputPool& pool = OutputPool::get();
+  if (!pool.enabled()) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  return at::detail::empty_generic(sizes, &pool, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------
 // CPU
 // ---------------------------------------------------------------------------------------------
 
 // The read-only pass of check / check_norm: (finite, sum of squares in double, per-leaf flags).
 // With inv_scale the squares are of fp32(x * inv_scale), x judged for finiteness.
-std::tuple<bool, double, Tensor> check_pass(const char* op, TensorList tensors, bool per_leaf,
+std::tuple<bool, double, Tensor> check_pass(const char* op, const Tensors& tensors, bool per_leaf,
                                             const Tensor* inv_scale) {
   const at::Device dev(at::kCPU);
   if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
@@ -306,7 +433,8 @@ std::tuple<bool, double, Tensor> check_pass(const char* op, TensorList tensors, 
   const float s = inv_scale ? inv_scale->item<float>() : 1.f;
   const int64_t n = static_cast<int64_t>(tensors.size());
   Tensor leaf = at::zeros({per_leaf ? n : 0}, at::TensorOptions().dtype(at::kBool));
-  std::vector<Tensor> fast;
+  Tensors fast;
+  std::deque<Tensor> copies;
   std::vector<int64_t> fast_idx;
   fast.reserve(n);
   if (per_leaf) fast_idx.reserve(n);
@@ -315,7 +443,12 @@ std::tuple<bool, double, Tensor> check_pass(const char* op, TensorList tensors, 
   for (int64_t i = 0; i < n; ++i) {
     const Tensor& t = tensors[i];
     if (kernel_dtype(t.scalar_type())) {
-      fast.push_back(t.is_contiguous() ? t : t.contiguous());
+      if (t.is_contiguous()) {
+        fast.push_back(&t);
+      } else {
+        copies.push_back(t.contiguous());
+        fast.push_back(&copies.back());
+      }
       if (per_leaf) fast_idx.push_back(i);
     } else {  // float64: rare; plain ATen in double
       const bool ok = at::isfinite(t).all().item<bool>();
@@ -335,14 +468,14 @@ std::tuple<bool, double, Tensor> check_pass(const char* op, TensorList tensors, 
   return {finite, sumsq, leaf};
 }
 
-std::tuple<Tensor, Tensor, Tensor> check_cpu(TensorList tensors, bool per_leaf) {
+std::tuple<Tensor, Tensor, Tensor> check_cpu(const Tensors& tensors, bool per_leaf) {
   auto [finite, sumsq, leaf] = check_pass("check", tensors, per_leaf, nullptr);
   return {at::scalar_tensor(finite, at::kBool), at::scalar_tensor(static_cast<float>(sumsq), at::kFloat), leaf};
 }
 
 // The norm from the double sum: finite whenever every (unscaled) element is finite and the
 // norm itself fits in fp32 -- the sum of squares may exceed fp32's range without harm.
-std::tuple<Tensor, Tensor, Tensor> check_norm_cpu(TensorList tensors, const std::optional<Tensor>& inv_scale,
+std::tuple<Tensor, Tensor, Tensor> check_norm_cpu(const Tensors& tensors, const std::optional<Tensor>& inv_scale,
                                                   bool per_leaf) {
   const Tensor* inv = inv_scale.has_value() && inv_scale->defined() ? &*inv_scale : nullptr;
   auto [finite, sumsq, leaf] = check_pass("check_norm", tensors, per_leaf, inv);
@@ -352,15 +485,15 @@ std::tuple<Tensor, Tensor, Tensor> check_norm_cpu(TensorList tensors, const std:
 
 // float64 tensors (rare) take plain ATen here, with the reference's arithmetic: in place the
 // product is taken in double; out of place the value is cast to fp32 first, then multiplied.
-Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
+Tensor unscale__cpu(const Tensors& tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
   check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
   validate("unscale_", dev, {{"tensors", tensors, Dt::kAnyOr64, true}});
-  std::vector<Tensor> fast;
+  Tensors fast;
   bool finite = true;
   for (const Tensor& t : tensors) {
     if (kernel_dtype(t.scalar_type())) {
-      fast.push_back(t);
+      fast.push_back(&t);
     } else {
       finite = at::isfinite(t).all().item<bool>() && finite;
       t.mul_(static_cast<double>(inv_scale.item<float>()));
@@ -372,18 +505,25 @@ Tensor unscale__cpu(TensorList tensors, const Tensor& inv_scale) {
   return at::scalar_tensor(finite, at::kBool);
 }
 
-std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(TensorList tensors, const Tensor& inv_scale) {
+std::tuple<std::vector<Tensor>, Tensor> unscale_cpu(const Tensors& tensors, const Tensor& inv_scale) {
   const at::Device dev(at::kCPU);
   check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
   validate("unscale", dev, {{"tensors", tensors, Dt::kAnyOr64, false}});
-  std::vector<Tensor> fast_in, fast_out, outs;
-  outs.reserve(tensors.size());
+  std::vector<Tensor> outs;
+  outs.reserve(tensors.size());  // never reallocates: fast_out points into it
+  Tensors fast_in, fast_out;
+  std::deque<Tensor> copies;
   bool finite = true;
   for (const Tensor& t : tensors) {
     if (kernel_dtype(t.scalar_type())) {
-      outs.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
-      fast_in.push_back(t.is_contiguous() ? t : t.contiguous());
-      fast_out.push_back(outs.back());
+      outs.push_back(pooled_empty(t.sizes(), at::kFloat));
+      if (t.is_contiguous()) {
+        fast_in.push_back(&t);
+      } else {
+        copies.push_back(t.contiguous());
+        fast_in.push_back(&copies.back());
+      }
+      fast_out.push_back(&outs.back());
     } else {
       Tensor o = t.to(at::kFloat);
       finite = at::isfinite(o).all().item<bool>() && finite;
@@ -403,8 +543,8 @@ double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tenso
 }
 
 // `inplace`: the op writes params, the state lists, model_params and step (else it only reads).
-void check_sgd_args(const char* op, TensorList params, TensorList grads, TensorList momentum_buffers,
-                    TensorList model_params, const Tensor& step, const Tensor& grad_scale, const Tensor& finite,
+void check_sgd_args(const char* op, const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
+                    const Tensors& model_params, const Tensor& step, const Tensor& grad_scale, const Tensor& finite,
                     double momentum, const at::Device& dev, bool inplace) {
   check_scalar(op, "step", step, at::kFloat, dev);
   check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
@@ -419,8 +559,8 @@ void check_sgd_args(const char* op, TensorList params, TensorList grads, TensorL
   }
 }
 
-void check_adam_args(const char* op, TensorList params, TensorList grads, TensorList exp_avgs,
-                     TensorList exp_avg_sqs, TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+void check_adam_args(const char* op, const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
+                     const Tensors& exp_avg_sqs, const Tensors& max_exp_avg_sqs, const Tensors& model_params, const Tensor& step,
                      const Tensor& grad_scale, const Tensor& finite, bool amsgrad, const at::Device& dev,
                      bool inplace) {
   check_scalar(op, "step", step, at::kFloat, dev);
@@ -440,14 +580,14 @@ void check_adam_args(const char* op, TensorList params, TensorList grads, Tensor
 }
 
 // New contiguous tensors shaped and typed like `ts` (the outputs of the out-of-place steps).
-std::vector<Tensor> empty_like_list(TensorList ts) {
+std::vector<Tensor> empty_like_list(const Tensors& ts) {
   std::vector<Tensor> out;
   out.reserve(ts.size());
-  for (const Tensor& t : ts) out.push_back(at::empty(t.sizes(), t.options()));
+  for (const Tensor& t : ts) out.push_back(pooled_empty(t.sizes(), t.scalar_type()));
   return out;
 }
 
-void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+void sgd_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
                    bool nesterov, bool maximize) {
@@ -456,7 +596,7 @@ void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buff
                  true);
   lr = lr_value("sgd_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
-  Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
+  Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
   float* step_ptr = step.data_ptr<float>();
   ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
                            static_cast<float>(lr),
@@ -473,8 +613,8 @@ void sgd_step__cpu(TensorList params, TensorList grads, TensorList momentum_buff
   *step_ptr += 1.f;
 }
 
-void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
-                    TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+void adam_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
+                    const Tensors& max_exp_avg_sqs, const Tensors& model_params, const Tensor& step,
                     const Tensor& grad_scale, const Tensor& finite, double lr,
                     const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
                     double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
@@ -483,7 +623,7 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
                   grad_scale, finite, amsgrad, dev, true);
   lr = lr_value("adam_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
-  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
       m(model_params);
   float* step_ptr = step.data_ptr<float>();
   const float next_step = *step_ptr + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
@@ -505,7 +645,7 @@ void adam_step__cpu(TensorList params, TensorList grads, TensorList exp_avgs, Te
 
 using SgdOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor>;
 
-SgdOut sgd_step_cpu(TensorList params, TensorList grads, TensorList momentum_buffers, TensorList model_params,
+SgdOut sgd_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
                     const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
                     const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
                     bool nesterov, bool maximize) {
@@ -513,7 +653,7 @@ SgdOut sgd_step_cpu(TensorList params, TensorList grads, TensorList momentum_buf
   check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
                  false);
   lr = lr_value("sgd_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : TensorList()), m(model_params);
+  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = empty_like_list(b.tensors),
                       m_out = empty_like_list(m.tensors);
   const float old_step = step.item<float>();
@@ -538,8 +678,8 @@ SgdOut sgd_step_cpu(TensorList params, TensorList grads, TensorList momentum_buf
 using AdamOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                            std::vector<Tensor>, Tensor>;
 
-AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
-                      TensorList max_exp_avg_sqs, TensorList model_params, const Tensor& step,
+AdamOut adam_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
+                      const Tensors& max_exp_avg_sqs, const Tensors& model_params, const Tensor& step,
                       const Tensor& grad_scale, const Tensor& finite, double lr,
                       const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
                       double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
@@ -547,7 +687,7 @@ AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, 
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
                   grad_scale, finite, amsgrad, dev, false);
   lr = lr_value("adam_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
       m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = empty_like_list(m1.tensors),
                       m2_out = empty_like_list(m2.tensors), vmax_out = empty_like_list(vmax.tensors),
@@ -572,7 +712,7 @@ AdamOut adam_step_cpu(TensorList params, TensorList grads, TensorList exp_avgs, 
 // inputs are only read. `params` may be empty when weight_decay == 0 (the update does not need
 // them); then grads give the shapes.
 
-void check_update_args(const char* op, TensorList params, TensorList grads, std::vector<ListSpec> state,
+void check_update_args(const char* op, const Tensors& params, const Tensors& grads, std::vector<ListSpec> state,
                        const Tensor& step, const Tensor& grad_scale, double weight_decay, const at::Device& dev) {
   check_scalar(op, "step", step, at::kFloat, dev);
   check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);
@@ -587,7 +727,7 @@ void check_update_args(const char* op, TensorList params, TensorList grads, std:
 
 using SgdUpdateOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor>;
 
-SgdUpdateOut sgd_update_cpu(TensorList params, TensorList grads, TensorList momentum_buffers, const Tensor& step,
+SgdUpdateOut sgd_update_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensor& step,
                             const Tensor& grad_scale, double lr, const std::optional<Tensor>& lr_tensor,
                             double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
   const at::Device dev(at::kCPU);
@@ -597,10 +737,10 @@ SgdUpdateOut sgd_update_cpu(TensorList params, TensorList grads, TensorList mome
   check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
   const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
   lr = lr_value("sgd_update", lr, lr_tensor, dev);
-  const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList());
+  const Work p(params), g(grads), b(has_buf ? momentum_buffers : Tensors());
   std::vector<Tensor> d_out;
   d_out.reserve(grads.size());
-  for (const Tensor& t : grads) d_out.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  for (const Tensor& t : grads) d_out.push_back(pooled_empty(t.sizes(), at::kFloat));
   std::vector<Tensor> b_out = empty_like_list(b.tensors);
   const float old_step = step.item<float>();
   ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
@@ -620,8 +760,8 @@ SgdUpdateOut sgd_update_cpu(TensorList params, TensorList grads, TensorList mome
 using AdamUpdateOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                                  Tensor>;
 
-AdamUpdateOut adam_update_cpu(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
-                              TensorList max_exp_avg_sqs, const Tensor& step, const Tensor& grad_scale, double lr,
+AdamUpdateOut adam_update_cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
+                              const Tensors& max_exp_avg_sqs, const Tensor& step, const Tensor& grad_scale, double lr,
                               const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
                               double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
@@ -630,10 +770,10 @@ AdamUpdateOut adam_update_cpu(TensorList params, TensorList grads, TensorList ex
   check_update_args("adam_update", params, grads, state, step, grad_scale, weight_decay, dev);
   const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
   lr = lr_value("adam_update", lr, lr_tensor, dev);
-  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList());
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors());
   std::vector<Tensor> d_out;
   d_out.reserve(grads.size());
-  for (const Tensor& t : grads) d_out.push_back(at::empty(t.sizes(), t.options().dtype(at::kFloat)));
+  for (const Tensor& t : grads) d_out.push_back(pooled_empty(t.sizes(), at::kFloat));
   std::vector<Tensor> m1_out = empty_like_list(m1.tensors), m2_out = empty_like_list(m2.tensors),
                       vmax_out = empty_like_list(vmax.tensors);
   const float next_step = step.item<float>() + 1.f;
@@ -646,7 +786,7 @@ AdamUpdateOut adam_update_cpu(TensorList params, TensorList grads, TensorList ex
 }
 
 // params + updates, one pass, each result in its param's dtype (the sum in fp32, rounded once).
-std::vector<Tensor> apply_updates_cpu(TensorList params, TensorList updates) {
+std::vector<Tensor> apply_updates_cpu(const Tensors& params, const Tensors& updates) {
   const at::Device dev(at::kCPU);
   validate("apply_updates", dev, {{"params", params, Dt::kAny, false}, {"updates", updates, Dt::kAny, false}});
   const Work p(params), u(updates);
@@ -714,7 +854,7 @@ struct Packed {
   std::vector<int64_t> numels;
 };
 
-Packed pack(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<int64_t>& idx, bool merge) {
+Packed pack(const std::vector<const Tensors*>& lists, const std::vector<int64_t>& idx, bool merge) {
   Packed pk;
   pk.ptrs.resize(lists.size());
   for (int64_t i : idx) {
@@ -824,7 +964,8 @@ std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const T
   Tensor finite = at::ones({}, at::TensorOptions().device(dev).dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(w.tensors.size(), [&](int64_t i) { return w.tensors[i].scalar_type(); });
   for (auto& [dtype, idx] : groups) {
-    Packed pk = pack({&w.tensors, &outs}, idx, false);
+    const Tensors outs_v(outs);
+    Packed pk = pack({&w.tensors, &outs_v}, idx, false);
     if (pk.numels.empty()) continue;
     cuda_ok("unscale", ampfunc_cuda_unscale(static_cast<int>(pk.numels.size()), pk.ptrs[0].data(), pk.ptrs[1].data(),
                                             pk.numels.data(), cuda_dtype(dtype), inv_scale.data_ptr<float>(),
@@ -852,7 +993,7 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
   auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
     return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
   });
-  std::vector<const std::vector<Tensor>*> lists{&p.tensors, &g.tensors};
+  std::vector<const Tensors*> lists{&p.tensors, &g.tensors};
   if (has_buf) lists.push_back(&b.tensors);
   if (has_model) lists.push_back(&m.tensors);
   for (size_t k = 0; k < groups.size(); ++k) {
@@ -894,7 +1035,7 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
     return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
   });
-  std::vector<const std::vector<Tensor>*> lists{&p.tensors, &g.tensors, &m1.tensors, &m2.tensors};
+  std::vector<const Tensors*> lists{&p.tensors, &g.tensors, &m1.tensors, &m2.tensors};
   if (amsgrad) lists.push_back(&vmax.tensors);
   if (has_model) lists.push_back(&m.tensors);
   for (size_t k = 0; k < groups.size(); ++k) {
@@ -1067,21 +1208,429 @@ void update_scale__cuda(const Tensor& scale, const Tensor& growth_tracker, const
 
 #endif  // AMPFUNC_WITH_CUDA
 
+// ---------------------------------------------------------------------------------------------
+// The direct door: eager CPU calls without the dispatcher
+// ---------------------------------------------------------------------------------------------
+//
+// torch.ops.ampfunc.X(...) boxes every tensor of every list into an IValue, unboxes it into a
+// std::vector<Tensor> and runs the autograd and ADInplaceOrView fallbacks over each: about
+// 0.35 us per tensor per list, 1.7 ms per list of 10,000 leaves, several times the kernel's own
+// time on small leaves. The functions of the module below take the same arguments as the ops
+// (lists as Python lists) and run the same CPU implementations, with the same validation and the
+// same errors, borrowing the tensors from the Python objects (no reference counts touched).
+//
+// A call takes this door only when the dispatcher would have sent every tensor straight to the
+// CPU kernel: every tensor a plain dense CPU tensor (no subclass with __torch_dispatch__, no
+// functionalization, functorch or conjugate/negative views), no dispatch or function mode
+// active, no thread-local dispatch keys included, and no tensor requiring grad under grad mode.
+// Otherwise the function returns NotImplemented and ampfunc.ops calls the op. Written tensors
+// get their version counters bumped as the ADInplaceOrView fallback would, and the call is
+// recorded under the op's name for the profiler. The GIL is released during the kernel: each list
+// is first copied into a tuple, which keeps its tensors alive whatever other threads do.
+namespace direct {
+
+namespace py = pybind11;
+
+bool plain_cpu(const Tensor& t) {
+  static const c10::DispatchKeySet blocked({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
+                                            c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(blocked) &&
+         !(t.requires_grad() && at::GradMode::is_enabled());
+}
+
+// The positional arguments of one call, read in order; `ok` turns false at the first argument
+// the direct door cannot take.
+class Args {
+ public:
+  explicit Args(const py::args& a) : a_(a) {}
+
+  Tensors list() {
+    Tensors out;
+    PyObject* seq = next();
+    if (!ok) return out;
+    PyObject* tup = PySequence_Tuple(seq);  // owns the items: valid while the GIL is released
+    if (!tup) {
+      PyErr_Clear();
+      ok = false;
+      return out;
+    }
+    held_.push_back(py::reinterpret_steal<py::object>(tup));
+    const Py_ssize_t n = PyTuple_GET_SIZE(tup);
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* o = PyTuple_GET_ITEM(tup, i);
+      if (!THPVariable_Check(o)) {
+        ok = false;
+        return out;
+      }
+      const Tensor& t = THPVariable_Unpack(o);
+      if (!plain_cpu(t)) {
+        ok = false;
+        return out;
+      }
+      out.push_back(&t);
+    }
+    any_tensor_ = any_tensor_ || n > 0;
+    return out;
+  }
+
+  const Tensor* tensor() {
+    PyObject* o = next();
+    if (!ok) return nullptr;
+    if (!THPVariable_Check(o) || !plain_cpu(THPVariable_Unpack(o))) {
+      ok = false;
+      return nullptr;
+    }
+    held_.push_back(py::reinterpret_borrow<py::object>(o));
+    any_tensor_ = true;
+    return &THPVariable_Unpack(o);
+  }
+
+  std::optional<Tensor> optional_tensor() {
+    PyObject* o = next();
+    if (!ok || o == Py_None) return std::nullopt;
+    if (!THPVariable_Check(o) || !plain_cpu(THPVariable_Unpack(o))) {
+      ok = false;
+      return std::nullopt;
+    }
+    return THPVariable_Unpack(o);
+  }
+
+  double real() {
+    PyObject* o = next();
+    if (!ok) return 0.0;
+    const double v = PyFloat_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return v;
+  }
+
+  int64_t integer() {
+    PyObject* o = next();
+    if (!ok) return 0;
+    if (!PyLong_Check(o)) {
+      ok = false;
+      return 0;
+    }
+    const long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return static_cast<int64_t>(v);
+  }
+
+  bool flag() {
+    PyObject* o = next();
+    if (!ok) return false;
+    if (!PyBool_Check(o)) {
+      ok = false;
+      return false;
+    }
+    return o == Py_True;
+  }
+
+  // Whether the call can take the direct door: every argument read, at least one tensor, and no
+  // mode or thread-local key that would have sent the op anywhere but the CPU kernel.
+  bool usable() const {
+    return ok && i_ == a_.size() && any_tensor_ && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+           !at::impl::torch_function_mode_enabled() &&
+           (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+  }
+
+  bool ok = true;
+
+ private:
+  PyObject* next() {
+    if (!ok || i_ >= a_.size()) {
+      ok = false;
+      return nullptr;
+    }
+    return a_[i_++].ptr();
+  }
+
+  const py::args& a_;
+  size_t i_ = 0;
+  bool any_tensor_ = false;
+  std::vector<py::object> held_;
+};
+
+void bump(const Tensors& ts) {
+  for (const Tensor& t : ts) {
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void bump(const Tensor& t) {
+  if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+py::object not_handled() { return py::reinterpret_borrow<py::object>(Py_NotImplemented); }
+
+// Runs fn() with the GIL released, the call recorded for the profiler under `op`, and returns
+// its result converted to Python (None for void).
+template <typename Fn>
+py::object run(const char* op, Fn&& fn) {
+  using R = decltype(fn());
+  if constexpr (std::is_void_v<R>) {
+    {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      fn();
+    }
+    return py::none();
+  } else {
+    std::optional<R> out;
+    {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      out.emplace(fn());
+    }
+    return py::cast(std::move(*out));
+  }
+}
+
+py::object check(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const bool per_leaf = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::check", [&] { return check_cpu(ts, per_leaf); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object check_norm(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  std::optional<Tensor> inv = x.optional_tensor();
+  const bool per_leaf = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::check_norm", [&] { return check_norm_cpu(ts, inv, per_leaf); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object unscale_(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const Tensor* inv = x.tensor();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::unscale_", [&] {
+    Tensor finite = unscale__cpu(ts, *inv);
+    bump(ts);
+    return finite;
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object unscale(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const Tensor* inv = x.tensor();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::unscale", [&] { return unscale_cpu(ts, *inv); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// sgd_step_ / sgd_step: (params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr,
+// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize)
+template <bool kInPlace>
+py::object sgd_step(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor(), *fin = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double wd = x.real(), mom = x.real(), damp = x.real();
+  const bool nesterov = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  if constexpr (kInPlace) {
+    return run("ampfunc::sgd_step_", [&] {
+      sgd_step__cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize);
+      bump(p);
+      bump(b);
+      bump(mp);
+      bump(*step);
+    });
+  } else {
+    return run("ampfunc::sgd_step",
+               [&] { return sgd_step_cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize); });
+  }
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// adam_step_ / adam_step: (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+// grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
+template <bool kInPlace>
+py::object adam_step(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor(), *fin = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
+  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  if constexpr (kInPlace) {
+    return run("ampfunc::adam_step_", [&] {
+      adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                     maximize);
+      bump(p);
+      bump(m1);
+      bump(m2);
+      bump(vmax);
+      bump(mp);
+      bump(*step);
+    });
+  } else {
+    return run("ampfunc::adam_step", [&] {
+      return adam_step_cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                           maximize);
+    });
+  }
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// (params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum, dampening,
+// nesterov, maximize)
+py::object sgd_update(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), b = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double wd = x.real(), mom = x.real(), damp = x.real();
+  const bool nesterov = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::sgd_update",
+             [&] { return sgd_update_cpu(p, g, b, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor, beta1, beta2,
+// eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
+py::object adam_update(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
+  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::adam_update", [&] {
+    return adam_update_cpu(p, g, m1, m2, vmax, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled, maximize);
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object apply_updates(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), u = x.list();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::apply_updates", [&] { return apply_updates_cpu(p, u); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// ampfunc.ops.kernel_ready's per-tensor loop: every element of every list of `fp32_lists` (and
+// of `float_lists`) an instance of exactly one of `plain_types`, on device `where` (-1: CPU,
+// else the CUDA index), float32 (float32/float16/bfloat16), and not requiring grad when
+// `grad_on`. Reads a few fields per tensor, in C rather than Python.
+bool kernel_ready(const py::tuple& plain_types, int64_t where, bool grad_on, const py::list& fp32_lists,
+                  const py::list& float_lists) {
+  auto type_ok = [&](PyObject* o) {
+    for (const auto& ty : plain_types) {
+      if (reinterpret_cast<PyObject*>(Py_TYPE(o)) == ty.ptr()) return true;
+    }
+    return false;
+  };
+  auto all_ok = [&](const py::list& lists, bool fp32_only) {
+    for (const auto& lst : lists) {
+      py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(lst.ptr(), "ampfunc: a list of tensors"));
+      if (!seq) throw py::error_already_set();
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!type_ok(items[i])) return false;
+        const Tensor& t = THPVariable_Unpack(items[i]);
+        const at::ScalarType dt = t.scalar_type();
+        if (fp32_only ? dt != at::kFloat : !kernel_dtype(dt)) return false;
+        const at::Device dev = t.device();
+        if (where < 0 ? !dev.is_cpu() : (!dev.is_cuda() || dev.index() != where)) return false;
+        if (grad_on && t.requires_grad()) return false;
+      }
+    }
+    return true;
+  };
+  return all_ok(fp32_lists, true) && all_ok(float_lists, false);
+}
+
+py::object pool_stats() {
+  auto [cached, limit, hits, misses] = OutputPool::get().stats();
+  py::dict d;
+  d["cached_bytes"] = cached;
+  d["limit_bytes"] = limit;
+  d["hits"] = hits;
+  d["misses"] = misses;
+  return d;
+}
+
+py::object empty_cache() {
+  size_t freed;
+  {
+    py::gil_scoped_release no_gil;
+    freed = OutputPool::get().empty_cache();
+  }
+  return py::int_(freed);
+}
+
+}  // namespace direct
+
 }  // namespace
 
+// The CPU implementations take borrowed lists (ampfunc::Tensors); the dispatcher hands them
+// TensorList arguments. Registered<F>::call is F with each `const Tensors&` parameter spelled
+// TensorList, the schema type the dispatcher knows.
+template <typename T>
+struct SchemaArg {
+  using type = T;
+};
+template <>
+struct SchemaArg<const Tensors&> {
+  using type = TensorList;
+};
+template <auto F>
+struct Registered;
+template <typename R, typename... A, R (*F)(A...)>
+struct Registered<F> {
+  static R call(typename SchemaArg<A>::type... a) { return F(a...); }
+};
+
 TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
-  m.impl("check", &check_cpu);
-  m.impl("unscale_", &unscale__cpu);
-  m.impl("unscale", &unscale_cpu);
-  m.impl("sgd_step_", &sgd_step__cpu);
-  m.impl("adam_step_", &adam_step__cpu);
-  m.impl("sgd_step", &sgd_step_cpu);
-  m.impl("adam_step", &adam_step_cpu);
+  m.impl("check", &Registered<&check_cpu>::call);
+  m.impl("unscale_", &Registered<&unscale__cpu>::call);
+  m.impl("unscale", &Registered<&unscale_cpu>::call);
+  m.impl("sgd_step_", &Registered<&sgd_step__cpu>::call);
+  m.impl("adam_step_", &Registered<&adam_step__cpu>::call);
+  m.impl("sgd_step", &Registered<&sgd_step_cpu>::call);
+  m.impl("adam_step", &Registered<&adam_step_cpu>::call);
   m.impl("update_scale_", &update_scale__cpu);
-  m.impl("check_norm", &check_norm_cpu);
-  m.impl("sgd_update", &sgd_update_cpu);
-  m.impl("adam_update", &adam_update_cpu);
-  m.impl("apply_updates", &apply_updates_cpu);
+  m.impl("check_norm", &Registered<&check_norm_cpu>::call);
+  m.impl("sgd_update", &Registered<&sgd_update_cpu>::call);
+  m.impl("adam_update", &Registered<&adam_update_cpu>::call);
+  m.impl("apply_updates", &Registered<&apply_updates_cpu>::call);
 }
 
 #ifdef AMPFUNC_WITH_CUDA
@@ -1108,4 +1657,36 @@ extern "C" int ampfunc_ext_has_cuda() {
 #else
   return 0;
 #endif
+}
+
+// The direct door's module (see namespace direct above), made on request: the library is loaded
+// with torch.ops.load_library, not imported, so ampfunc/_build.py asks for the module through
+// ctypes (ctypes.PyDLL, which holds the GIL) and keeps it.
+extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_module() {
+  namespace py = pybind11;
+  try {
+    py::module_ m = py::reinterpret_steal<py::module_>(PyModule_New("ampfunc._direct"));
+    if (!m) return nullptr;
+    m.def("check", &direct::check);
+    m.def("check_norm", &direct::check_norm);
+    m.def("unscale_", &direct::unscale_);
+    m.def("unscale", &direct::unscale);
+    m.def("sgd_step_", &direct::sgd_step<true>);
+    m.def("sgd_step", &direct::sgd_step<false>);
+    m.def("adam_step_", &direct::adam_step<true>);
+    m.def("adam_step", &direct::adam_step<false>);
+    m.def("sgd_update", &direct::sgd_update);
+    m.def("adam_update", &direct::adam_update);
+    m.def("apply_updates", &direct::apply_updates);
+    m.def("kernel_ready", &direct::kernel_ready);
+    m.def("pool_stats", &direct::pool_stats);
+    m.def("empty_cache", &direct::empty_cache);
+    return m.release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }

@@ -153,7 +153,7 @@ inline void with_typed(const at::Tensor& t, Fn&& fn) {
 struct Ranges {
   std::vector<int64_t> offsets;
   int64_t total = 0;
-  explicit Ranges(const std::vector<at::Tensor>& ts) {
+  explicit Ranges(const Tensors& ts) {
     offsets.reserve(ts.size() + 1);
     for (const auto& t : ts) {
       offsets.push_back(total);
@@ -235,7 +235,7 @@ CheckAcc check_segment(const T* p, int64_t n, float scale) {
 
 }  // namespace
 
-CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite, bool scaled, float scale) {
+CheckResult check(const Tensors& tensors, uint8_t* per_leaf_nonfinite, bool scaled, float scale) {
   const Ranges r(tensors);
   std::mutex mu;
   double sumsq = 0;
@@ -278,7 +278,7 @@ bool unscale_segment(const Tin* in, Tout* out, int64_t n, float inv_scale) {
 }
 }  // namespace
 
-bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs, float inv_scale) {
+bool unscale(const Tensors& ins, const Tensors& outs, float inv_scale) {
   const Ranges r(ins);
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
@@ -363,9 +363,9 @@ void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
 }
 }  // namespace
 
-void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& params_out,
-              const std::vector<at::Tensor>& momentum_buffers_out, const std::vector<at::Tensor>& model_params,
+void sgd_step(const Tensors& params, const Tensors& grads,
+              const Tensors& momentum_buffers, const Tensors& params_out,
+              const Tensors& momentum_buffers_out, const Tensors& model_params,
               const SgdHyper& h) {
   const Ranges r(params);
   const bool has_buf = !momentum_buffers.empty(), has_model = !model_params.empty();
@@ -394,9 +394,9 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
   });
 }
 
-void sgd_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& momentum_buffers_out,
-                const std::vector<at::Tensor>& updates, const SgdHyper& h) {
+void sgd_update(const Tensors& params, const Tensors& grads,
+                const Tensors& momentum_buffers, const Tensors& momentum_buffers_out,
+                const Tensors& updates, const SgdHyper& h) {
   const Ranges r(grads);
   const bool has_p = !params.empty(), has_buf = !momentum_buffers.empty();
   const bool big = r.total >= kStreamMin;
@@ -515,8 +515,8 @@ static AdamScalars adam_scalars(const AdamHyper& h) {
   return c;
 }
 
-void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
-               const std::vector<at::Tensor>& model_params, const AdamHyper& h) {
+void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+               const Tensors& model_params, const AdamHyper& h) {
   const AdamScalars c = adam_scalars(h);
   const Ranges r(in.params);
   const bool has_model = !model_params.empty();
@@ -549,8 +549,8 @@ void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const 
   });
 }
 
-void adam_update(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
-                 const std::vector<at::Tensor>& updates, const AdamHyper& h) {
+void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+                 const Tensors& updates, const AdamHyper& h) {
   const AdamScalars c = adam_scalars(h);
   const Ranges r(grads);
   const bool has_p = !in.params.empty();
@@ -588,8 +588,8 @@ void apply_segment(const P* p, const U* u, P* out, int64_t n, bool stream) {
 }
 }  // namespace
 
-void apply_updates(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& updates,
-                   const std::vector<at::Tensor>& outs) {
+void apply_updates(const Tensors& params, const Tensors& updates,
+                   const Tensors& outs) {
   const Ranges r(params);
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
@@ -607,7 +607,7 @@ void apply_updates(const std::vector<at::Tensor>& params, const std::vector<at::
 
 // ---- copy ----
 
-void copy(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs) {
+void copy(const Tensors& ins, const Tensors& outs) {
   const Ranges r(ins);
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {

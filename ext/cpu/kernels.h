@@ -14,6 +14,50 @@
 #include <vector>
 
 namespace ampfunc {
+
+// A list of tensors as the kernels and the binding layer pass it around: borrowed pointers.
+// Copying an at::Tensor handle costs an atomic reference-count update (and, for a tensor that a
+// Python object owns, a trip through the interpreter), about 0.1 us; a list of 10,000
+// parameters passed through five lists per step would pay that 50,000 times. A Tensors copies
+// pointers only. The tensors must outlive it: they belong to the caller's lists (the
+// dispatcher's argument vector, or the Python list objects of a direct call) or to a Work copy.
+class Tensors {
+ public:
+  class iterator {
+   public:
+    explicit iterator(const at::Tensor* const* p) : p_(p) {}
+    const at::Tensor& operator*() const { return **p_; }
+    iterator& operator++() {
+      ++p_;
+      return *this;
+    }
+    bool operator!=(const iterator& o) const { return p_ != o.p_; }
+
+   private:
+    const at::Tensor* const* p_;
+  };
+
+  Tensors() = default;
+  Tensors(c10::ArrayRef<at::Tensor> ts) { borrow(ts.data(), ts.size()); }        // NOLINT: implicit, views
+  Tensors(const std::vector<at::Tensor>& ts) { borrow(ts.data(), ts.size()); }  // NOLINT: of the same tensors
+
+  void reserve(size_t n) { p_.reserve(n); }
+  void push_back(const at::Tensor* t) { p_.push_back(t); }
+  size_t size() const { return p_.size(); }
+  bool empty() const { return p_.empty(); }
+  const at::Tensor& operator[](size_t i) const { return *p_[i]; }
+  iterator begin() const { return iterator(p_.data()); }
+  iterator end() const { return iterator(p_.data() + p_.size()); }
+
+ private:
+  void borrow(const at::Tensor* ts, size_t n) {
+    p_.reserve(n);
+    for (size_t i = 0; i < n; ++i) p_.push_back(ts + i);
+  }
+
+  std::vector<const at::Tensor*> p_;
+};
+
 namespace cpu {
 
 struct CheckResult {
@@ -26,12 +70,12 @@ struct CheckResult {
 // With `scaled`, the squares are of fp32(x * scale) (the unscaled value, the product taken as
 // unscale() takes it) while finiteness is still judged on x. Blocks whose fp32 sum overflows are
 // recomputed in double, so the double result is finite whenever every squared value is.
-CheckResult check(const std::vector<at::Tensor>& tensors, uint8_t* per_leaf_nonfinite, bool scaled = false,
+CheckResult check(const Tensors& tensors, uint8_t* per_leaf_nonfinite, bool scaled = false,
                   float scale = 1.f);
 
 // outs[i] = ins[i] * inv_scale, product in fp32, stored in outs[i]'s dtype. outs may be ins
 // (in place). Returns whether every input element was finite.
-bool unscale(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs, float inv_scale);
+bool unscale(const Tensors& ins, const Tensors& outs, float inv_scale);
 
 struct SgdHyper {
   float grad_scale;
@@ -51,18 +95,18 @@ struct SgdHyper {
 // float dtype) receive the rounded new params. The step runs in place when the out lists are
 // the in lists (each element is loaded before it is stored) and out of place when they are
 // other tensors; the arithmetic is the same code either way, so the results are bit-identical.
-void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& params_out,
-              const std::vector<at::Tensor>& momentum_buffers_out, const std::vector<at::Tensor>& model_params,
+void sgd_step(const Tensors& params, const Tensors& grads,
+              const Tensors& momentum_buffers, const Tensors& params_out,
+              const Tensors& momentum_buffers_out, const Tensors& model_params,
               const SgdHyper& h);
 
 // The pure optimizer's update (optax form): one pass writing `updates` (fp32, new tensors)
 // instead of the params: updates = new_p - p with new_p computed as sgd_step computes it, or
 // -lr * g when `params` is empty (then weight_decay must be 0). Momentum buffers are read from
 // `momentum_buffers` and written to `momentum_buffers_out`.
-void sgd_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& momentum_buffers_out,
-                const std::vector<at::Tensor>& updates, const SgdHyper& h);
+void sgd_update(const Tensors& params, const Tensors& grads,
+                const Tensors& momentum_buffers, const Tensors& momentum_buffers_out,
+                const Tensors& updates, const SgdHyper& h);
 
 struct AdamHyper {
   float grad_scale;
@@ -80,32 +124,32 @@ struct AdamHyper {
 
 // The fp32 lists an Adam step reads (or writes): max_exp_avg_sqs is empty without amsgrad.
 struct AdamLists {
-  const std::vector<at::Tensor>& params;
-  const std::vector<at::Tensor>& exp_avgs;
-  const std::vector<at::Tensor>& exp_avg_sqs;
-  const std::vector<at::Tensor>& max_exp_avg_sqs;
+  const Tensors& params;
+  const Tensors& exp_avgs;
+  const Tensors& exp_avg_sqs;
+  const Tensors& max_exp_avg_sqs;
 };
 
 // One pass of torch.optim.Adam / AdamW (single-tensor order of operations, fp32): reads `in`
 // and the grads, writes `out` and model_params (empty, or the new params rounded to each
 // one's dtype). In place when `out` names the same tensors as `in`, out of place otherwise,
 // with the same code and so the same bits.
-void adam_step(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
-               const std::vector<at::Tensor>& model_params, const AdamHyper& h);
+void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+               const Tensors& model_params, const AdamHyper& h);
 
 // The pure Adam update: reads `in` (params may be empty: then weight_decay must be 0) and the
 // grads, writes the new moments to `out` (its params list is ignored) and `updates` (fp32, new
 // tensors): new_p - p with new_p computed as adam_step computes it, or the step term
 // (-step_size * m / denom) alone when there are no params.
-void adam_update(const AdamLists& in, const std::vector<at::Tensor>& grads, const AdamLists& out,
-                 const std::vector<at::Tensor>& updates, const AdamHyper& h);
+void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+                 const Tensors& updates, const AdamHyper& h);
 
 // outs[i] = fp32(params[i]) + fp32(updates[i]), rounded once to outs[i]'s dtype (params' dtype).
-void apply_updates(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& updates,
-                   const std::vector<at::Tensor>& outs);
+void apply_updates(const Tensors& params, const Tensors& updates,
+                   const Tensors& outs);
 
 // outs[i] = ins[i], bit for bit (same dtype and numel): the skipped out-of-place step.
-void copy(const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs);
+void copy(const Tensors& ins, const Tensors& outs);
 
 struct ScaleConfig {
   double growth_factor;
