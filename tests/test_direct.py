@@ -1,0 +1,231 @@
+"""The direct door and the output pool of the compiled CPU kernels.
+
+Eager calls on plain CPU tensors skip the dispatcher (``ampfunc.ops._call`` -> the library's
+``direct`` module) and run the same implementation as ``torch.ops.ampfunc.*``: the same bits, the
+same errors, the same version-counter bumps. Anything the dispatcher would route elsewhere
+(autograd, subclasses, modes, other devices) is handed back and takes ``torch.ops``. The
+out-of-place kernels take their outputs from a pool of dead outputs' blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampfunc import ops
+
+ops.load()
+DOOR = ops._DIRECT[0]
+pytestmark = pytest.mark.skipif(DOOR is None, reason="compiled kernels not built")
+
+
+def _tree(seed, n=5, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [1, 7, 33, 1000, 40000][:n]
+    return [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+
+
+def _grads(seed):
+    g = _tree(seed)
+    g[1] = g[1].half()  # grads of any float dtype
+    g[3] = torch.randn(2000, generator=torch.Generator().manual_seed(seed))[::2]  # non-contiguous
+    return g
+
+
+def _scalars():
+    return (torch.zeros(()), torch.full((), 0.5), torch.ones((), dtype=torch.bool))
+
+
+def _args(name):
+    """Fresh arguments of op ``name`` (the schema's order, lists as lists)."""
+    p, g, m, v, vmax = _tree(0), _grads(1), _tree(2), [t.abs() for t in _tree(3)], [t.abs() for t in _tree(4)]
+    model = [t.half() for t in p]
+    step, gs, fin = _scalars()
+    lr_t = torch.full((), 1e-2)
+    return {
+        "check": ([*g], True),
+        "check_norm": ([*g], torch.full((), 0.25), True),
+        "unscale_": ([t.clone() for t in g], torch.full((), 0.25)),
+        "unscale": ([*g], torch.full((), 0.25)),
+        "sgd_step_": (p, g, m, model, step, gs, fin, 0.05, None, 0.01, 0.9, 0.1, True, False),
+        "sgd_step": (p, g, m, model, step, gs, fin, 0.05, lr_t, 0.01, 0.9, 0.1, False, True),
+        "adam_step_": (p, g, m, v, vmax, model, step, gs, fin, 1e-3, None, 0.9, 0.99, 1e-8, 0.01, True, True, False),
+        "adam_step": (p, g, m, v, [], [], step, gs, fin, 1e-3, lr_t, 0.9, 0.99, 1e-8, 0.1, False, False, False),
+        "sgd_update": (p, g, m, step, gs, 0.05, None, 0.01, 0.9, 0.0, False, False),
+        "adam_update": (p, g, m, v, vmax, step, gs, 1e-3, None, 0.9, 0.99, 1e-8, 0.01, True, True, False),
+        "apply_updates": (p, _tree(5)),
+    }[name]
+
+
+OPS = ["check", "check_norm", "unscale_", "unscale", "sgd_step_", "sgd_step", "adam_step_", "adam_step",
+       "sgd_update", "adam_update", "apply_updates"]
+
+
+def _clone(args):
+    return tuple([t.clone() for t in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+def _flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _flat(y)]
+    return []
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_direct_door_gives_the_dispatchers_bits_in_its_outputs_and_in_place_writes(name):
+    a, b = _args(name), None
+    b = _clone(a)
+    out_direct = getattr(DOOR, name)(*a)
+    assert out_direct is not NotImplemented
+    out_op = getattr(torch.ops.ampfunc, name)(*b)
+    for x, y in zip(_flat(out_direct) + _flat(a), _flat(out_op) + _flat(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y) or torch.equal(x.nan_to_num(), y.nan_to_num())
+
+
+WRITTEN = {"unscale_": [0], "sgd_step_": [0, 2, 3, 4], "adam_step_": [0, 2, 3, 4, 5, 6]}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_in_place_calls_bump_the_version_counter_of_each_written_tensor_once(name):
+    # as in-place torch ops do (ADInplaceOrView), so autograd notices a step taken on a tensor it
+    # saved for backward; the tensors only read keep their version
+    a = _args(name)
+    before = [[t._version for t in _flat(x)] for x in a]
+    getattr(DOOR, name)(*a)
+    for i, x in enumerate(a):
+        bumped = [t._version - v for t, v in zip(_flat(x), before[i])]
+        assert bumped == [1 if i in WRITTEN[name] else 0] * len(bumped), (i, bumped)
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_sees_the_call_because_the_door_hands_it_back():
+    args = _args("check")
+    with _Counting() as mode:
+        assert DOOR.check(*args) is NotImplemented
+        ops.check(args[0])
+    assert any("ampfunc.check" in s for s in mode.seen)
+
+
+@pytest.mark.parametrize("odd", ["requires_grad", "meta", "sparse", "neg_view", "none", "inference_ok"])
+def test_the_door_takes_only_what_the_dispatcher_would_send_to_the_cpu_kernel(odd):
+    g = _grads(1)
+    if odd == "requires_grad":
+        g[0] = g[0].clone().requires_grad_()
+    elif odd == "meta":
+        g[0] = torch.empty(3, device="meta")
+    elif odd == "sparse":
+        g[0] = torch.eye(3).to_sparse()
+    elif odd == "neg_view":
+        g[0] = torch._neg_view(g[0])
+    elif odd == "none":
+        g[0] = None
+    if odd == "inference_ok":
+        with torch.inference_mode():
+            t = [x.clone() for x in g]
+            assert DOOR.check(t, False) is not NotImplemented
+        return
+    assert DOOR.check(g, False) is NotImplemented
+    with torch.no_grad():
+        if odd == "requires_grad":  # without grad mode the door takes it
+            assert DOOR.check(g, False) is not NotImplemented
+
+
+BAD = {
+    "shape": lambda a: (a[0], [t[:1] if i == 2 else t for i, t in enumerate(a[1])], *a[2:]),
+    "fp16_param": lambda a: ([t.half() if i == 0 else t for i, t in enumerate(a[0])], *a[1:]),
+    "aliased_state": lambda a: (a[0], a[1], [a[0][i] if i == 1 else t for i, t in enumerate(a[2])], *a[3:]),
+    "short_list": lambda a: (a[0], a[1][:-1], *a[2:]),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_written(bad):
+    a, b = BAD[bad](_args("adam_step_")), BAD[bad](_args("adam_step_"))
+    snapshot = [t.clone() for t in _flat(a)]
+    with pytest.raises((ValueError, TypeError)) as direct:
+        DOOR.adam_step_(*a)
+    with pytest.raises((ValueError, TypeError)) as dispatched:
+        torch.ops.ampfunc.adam_step_(*b)
+    assert type(direct.value) is type(dispatched.value)
+    assert str(direct.value).splitlines()[0] == str(dispatched.value).splitlines()[0]
+    assert str(direct.value).startswith("ampfunc: ")
+    for t, s in zip(_flat(a), snapshot):
+        assert torch.equal(t, s)
+
+
+def test_the_profiler_records_a_direct_call_under_the_ops_name():
+    args = _args("adam_step_")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops._call("adam_step_", *args)
+    assert "ampfunc::adam_step_" in {e.key for e in prof.key_averages()}
+
+
+def test_kernel_ready_in_c_answers_as_the_python_loop():
+    f32, f16 = _tree(0), _tree(1, dtype=torch.float16)
+    p = torch.nn.Parameter(torch.zeros(3))
+    cases = [([f32], [f16], True), ([f16], [], False), ([f32], [[torch.zeros(2, dtype=torch.float64)]], False),
+             ([[p]], [], None), ([[torch.zeros(2, device="meta")]], [], False), ([[1.0]], [], False)]
+    for fp32_lists, float_lists, want in cases:
+        if want is None:  # a parameter requiring grad: fine without grad mode, refused with it
+            with torch.no_grad():
+                assert ops.kernel_ready(torch.device("cpu"), fp32_lists, float_lists)
+            assert not ops.kernel_ready(torch.device("cpu"), fp32_lists, float_lists)
+        else:
+            assert ops.kernel_ready(torch.device("cpu"), fp32_lists, float_lists) is want
+
+
+def test_out_of_place_outputs_reuse_the_blocks_of_dead_outputs():
+    p, g = _tree(0), _tree(1)
+    ups = ops.apply_updates(p, g)  # sizes seen once
+    del ups
+    before = ops.pool_stats()
+    for _ in range(3):
+        out = ops.apply_updates(p, g)
+        assert all(torch.equal(o, x + y) for o, x, y in zip(out, p, g))
+        del out
+    after = ops.pool_stats()
+    assert after["hits"] - before["hits"] >= 3 * len(p)
+    assert after["cached_bytes"] <= after["limit_bytes"]
+
+
+def test_a_pooled_output_is_an_ordinary_tensor_that_outlives_empty_cache_and_can_grow():
+    p, g = _tree(0), _tree(1)
+    out = ops.apply_updates(p, g)
+    want = [o.clone() for o in out]
+    ops.empty_cache()
+    assert ops.pool_stats()["cached_bytes"] == 0
+    assert all(torch.equal(o, w) for o, w in zip(out, want))
+    big = out[-1]
+    big.resize_(2 * big.numel())
+    big[-1] = 3.0
+    assert torch.equal(big[: want[-1].numel()], want[-1]) and big[-1] == 3.0
+    del out, big
+    assert ops.pool_stats()["cached_bytes"] > 0
+    assert ops.empty_cache() > 0
+
+
+def test_AMPFUNC_CPU_POOL_MB_0_turns_the_pool_off():
+    code = ("import torch; from ampfunc import ops; ops.load(); p=[torch.ones(1000)]*1; "
+            "[ops.apply_updates([torch.ones(1000)], [torch.ones(1000)]) for _ in range(3)]; s=ops.pool_stats(); "
+            "assert s['limit_bytes'] == 0 and s['hits'] == 0 and s['cached_bytes'] == 0, s; print('ok')")
+    env = {**os.environ, "AMPFUNC_CPU_POOL_MB": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
