@@ -11,6 +11,7 @@ diagnostics can name the leaf at fault.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import optree
@@ -240,22 +241,49 @@ def aligned_leaves(trees: Sequence[PyTree]) -> list[list[torch.Tensor]] | None:
     differs from optree's (insertion rather than sorted), so a caller must take the leaves of
     all trees of one computation from the same call.
     """
-    first = trees[0] if trees else None
-    if type(first) is not dict:
+    out = dict_values_aligned(trees)
+    if out is None or not all(map(plain_tensors, out)):  # subclasses take optree's path
         return None
-    keys = list(first)
-    out = []
-    for t in trees:
-        if type(t) is not dict or (t is not first and list(t) != keys):
-            return None
-        values = list(t.values())
-        if not set(map(type, values)) <= _PLAIN_TENSOR_TYPES:  # C-speed check; subclasses take optree's path
-            return None
-        out.append(values)
     return out
 
 
 _PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
+    """``[list(t.values()) for t in trees]`` when every tree is a plain dict with the first
+    one's keys in the same order, else None. Looks at no value: pair it with
+    :func:`plain_tensors` (or an identity check against lists already checked) before taking
+    the values as leaves. Keys are compared with ``==`` (C speed, instant for the same key
+    objects, e.g. a grads dict built from the params' keys)."""
+    first = trees[0] if trees else None
+    if type(first) is not dict:
+        return None
+    keys = None
+    out = []
+    for t in trees:
+        if t is not first:
+            if type(t) is not dict or len(t) != len(first):
+                return None
+            if keys is None:
+                keys = list(first)
+            if list(t) != keys:
+                return None
+        out.append(list(t.values()))
+    return out
+
+
+def plain_tensors(values: list) -> bool:
+    """Whether every item of ``values`` is a plain ``torch.Tensor`` / ``nn.Parameter`` (no
+    subclass, no container, no None): the values of a dict are then its leaves in optree's
+    sense. One C-speed pass (about 30 ns an item)."""
+    return set(map(type, values)) <= _PLAIN_TENSOR_TYPES
+
+
+def same_objects(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects in the same order: compared by
+    identity, never with ``==`` (a tensor's ``==`` compares values). About 30 ns an item."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
