@@ -273,6 +273,32 @@ def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
     return out
 
 
+def flatten_together(trees: Sequence[PyTree]):
+    """``(leaf_lists, rebuild)`` for trees of one structure, or None when the structures differ.
+
+    ``rebuild(new_leaves)`` is a tree of that structure. Plain dicts with the same keys in the
+    same order take the cheap path (:func:`dict_values_aligned`: their values, in insertion
+    order, no optree flatten, which sorts 10,000 keys in ~5 ms) when the first tree's values are
+    plain tensors; anything else is flattened by optree. The dict path looks at the values of
+    the first tree only: the caller must hand the others only to code that refuses a value that
+    is not a tensor (the list ops do, before writing anything) and fall back to a path that
+    flattens with optree, as the optimizers' fused updates and :func:`ampfunc.apply_updates`
+    do. Use the lists of one call together (the two paths order leaves differently).
+    """
+    values = dict_values_aligned(trees)
+    if values is not None and plain_tensors(values[0]):  # else nested: optree's leaves
+        keys = list(trees[0])
+        return values, lambda new: dict(zip(keys, new))
+    first, spec = tree_flatten(trees[0])
+    out = [first]
+    for t in trees[1:]:
+        leaves, s = tree_flatten(t)
+        if s != spec:
+            return None
+        out.append(leaves)
+    return out, lambda new: tree_unflatten(spec, new)
+
+
 def plain_tensors(values: list) -> bool:
     """Whether every item of ``values`` is a plain ``torch.Tensor`` / ``nn.Parameter`` (no
     subclass, no container, no None): the values of a dict are then its leaves in optree's
