@@ -352,7 +352,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
                     # what it refuses goes to the checked path below, which names the leaf or
                     # broadcasts leaf by leaf.
                     return rebuild(ops.apply_updates(p_leaves, u_leaves))
-                except (ValueError, TypeError):
+                except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's
                     pass
     # The checked path, on optree's leaves (the order leaf paths are named in).
     p_leaves, p_spec = tree_flatten(params)

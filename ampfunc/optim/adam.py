@@ -78,7 +78,7 @@ def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_de
         deltas, new_m, new_v, new_vmax, step = ops.adam_update(
             ps, gs, ms, vs, vmaxs, state.step, lr=lr_t, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=decoupled, maximize=maximize)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's, for a non-tensor
         return None
     new_state = AdamState(step, rebuild(new_m), rebuild(new_v), rebuild(new_vmax) if amsgrad else None)
     return rebuild(deltas), new_state

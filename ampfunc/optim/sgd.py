@@ -60,7 +60,7 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
         deltas, new_bufs, step = ops.sgd_update(ps, gs, bufs, state.step, lr=lr_t, weight_decay=weight_decay,
                                                 momentum=momentum, dampening=dampening, nesterov=nesterov,
                                                 maximize=maximize)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's, for a non-tensor
         return None
     new_buf = rebuild(new_bufs) if momentum != 0 else None
     return rebuild(deltas), SgdState(step, new_buf)
