@@ -273,7 +273,7 @@ def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
     return out
 
 
-def flatten_together(trees: Sequence[PyTree]):
+def flatten_together(trees: Sequence[PyTree], keys_of: int = 0):
     """``(leaf_lists, rebuild)`` for trees of one structure, or None when the structures differ.
 
     ``rebuild(new_leaves)`` is a tree of that structure. Plain dicts with the same keys in the
@@ -284,10 +284,11 @@ def flatten_together(trees: Sequence[PyTree]):
     is not a tensor (the list ops do, before writing anything) and fall back to a path that
     flattens with optree, as the optimizers' fused updates and :func:`ampfunc.apply_updates`
     do. Use the lists of one call together (the two paths order leaves differently).
+    ``keys_of``: the tree whose key objects the rebuilt dicts take (pass the params').
     """
     values = dict_values_aligned(trees)
     if values is not None and plain_tensors(values[0]):  # else nested: optree's leaves
-        keys = list(trees[0])
+        keys = list(trees[keys_of])  # equal in every tree; these key objects make later compares instant
         return values, lambda new: dict(zip(keys, new))
     first, spec = tree_flatten(trees[0])
     out = [first]

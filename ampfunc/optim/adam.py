@@ -62,7 +62,7 @@ def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_de
     then runs, and names the leaf path of anything wrong)."""
     trees = [grads, state.exp_avg, state.exp_avg_sq] + ([params] if params is not None else []) + \
         ([state.max_exp_avg_sq] if amsgrad else [])
-    together = flatten_together(trees)
+    together = flatten_together(trees, keys_of=3 if params is not None else 1)
     if together is None or not together[0][0]:
         return None
     (gs, ms, vs, *rest), rebuild = together

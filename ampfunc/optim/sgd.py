@@ -44,7 +44,7 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
     arithmetic bit for bit; None when the trees are not plain fp32 state of one device (the
     generic path then runs, and names the leaf path of anything wrong)."""
     trees = [grads] + ([params] if params is not None else []) + ([state.momentum_buffer] if momentum != 0 else [])
-    together = flatten_together(trees)
+    together = flatten_together(trees, keys_of=1 if len(trees) > 1 else 0)
     if together is None or not together[0][0]:
         return None
     (gs, *rest), rebuild = together
