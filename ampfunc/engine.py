@@ -38,9 +38,12 @@ from ampfunc.tree import (
     PyTree,
     aligned_leaves,
     check_same_structure,
+    dict_values_aligned,
     float_leaves_with_paths,
     leaves_with_paths,
+    plain_tensors,
     register_state_classes,
+    same_objects,
     select_tree,
     tree_flatten,
     tree_leaves,
@@ -240,6 +243,27 @@ class _Lined(NamedTuple):
     keys: Optional[list] = None  # the params' keys when the leaves are in dict order, else optree's order
 
 
+class _Seen(NamedTuple):
+    """What :meth:`Engine._prepare` checked last, for the lists it checked (held strongly, compared
+    by identity): the params/master/state leaf lists, the other tensors an in-place step writes
+    (None: not checked for overlaps), whether the kernels can run them, the params' shapes
+    (None: not read), whether the inner state had the kernels' layout, and its step's device."""
+
+    lists: list
+    extra: Optional[list]
+    state_ok: bool
+    p_shapes: Optional[list]
+    had_opt: bool
+    dev: Any
+
+
+class _Prep(NamedTuple):
+    lined: _Lined
+    opt: Any  # the optimizer's state when the fused plan runs this step, else None
+    named: list
+    deferred: bool  # the gradients' dtypes are left to the kernels (see Engine._refused_for_dtype)
+
+
 def _clone(x):
     return x.clone() if isinstance(x, torch.Tensor) else x
 
@@ -291,9 +315,10 @@ class Engine:
         self.plan: Optional[FusedPlan] = plan_for(inner)
         # Monitoring hook: on_check(finite, leaf_nonfinite, leaf_paths), see the class docstring.
         self.on_check: Optional[Callable] = None
-        # (ids of the params/master/state leaves, fused-ok, the lists): what was validated last,
-        # so an in-place step, which gets the same tensors back, validates them once.
-        self._seen: Optional[tuple] = None
+        # What was validated last (the lists themselves, compared by identity), so the tensors
+        # that come back every step (in place: the same ones; pure: the last outputs) are
+        # looked at once.
+        self._seen: Optional[_Seen] = None
 
     # -- init --------------------------------------------------------------------------------
 
@@ -327,21 +352,26 @@ class Engine:
         if not isinstance(state.loss_scale, LossScale):
             raise TypeError(f"{where}: state.loss_scale must be a loss scale, got {type(state.loss_scale).__name__}")
 
-    def _line_up(self, params, grads, master, slot_trees, slot_names, where) -> _Lined:
-        """Leaves of every tree in one order: the cheap dict-values order when every tree is a
-        plain dict with the params' keys, else optree's; structures compared on the way."""
+    def _line_up(self, params, grads, master, slot_trees, slot_names, where, known=None) -> tuple:
+        """``(lined, hit)``: the leaves of every tree in one order -- the cheap dict-values order
+        when every tree is a plain dict with the params' keys and tensor values, else optree's;
+        structures compared on the way -- and whether the params/master/state lists are the very
+        lists of ``known`` (then their leaves were checked before and are not looked at again;
+        the gradients always are)."""
         masters = [master] if master is not None else []
         trees = [params, grads] + masters + slot_trees
-        leaves = aligned_leaves(trees)
+        leaves = dict_values_aligned(trees)
         if leaves is not None:
-            keys = list(params)
+            stable = [leaves[0]] + leaves[2:]
+            hit = known is not None and len(known) == len(stable) and all(map(same_objects, stable, known))
+            if plain_tensors(leaves[1]) and (hit or all(map(plain_tensors, stable))):
+                keys = list(params)
 
-            def rebuild(_i, new):  # every tree has the keys of params, in that order
-                return dict(zip(keys, new))
+                def rebuild(_i, new):  # every tree has the keys of params, in that order
+                    return dict(zip(keys, new))
 
-            p, g = leaves[0], leaves[1]
-            m = leaves[2] if masters else None
-            return _Lined(p, g, m, leaves[2 + len(masters):], rebuild, keys)
+                m = leaves[2] if masters else None
+                return _Lined(leaves[0], leaves[1], m, leaves[2 + len(masters):], rebuild, keys), hit
         names = ["grads"] + (["state.master"] if masters else []) + list(slot_names)
         p, p_spec = tree_flatten(params)
         flat = []
@@ -355,12 +385,13 @@ class Engine:
             flat.append(leaves_t)
         m = flat[1] if masters else None
         slots = flat[1 + len(masters):]
-        specs = [p_spec, p_spec] + [p_spec] * len(slots)
+        stable = [p] + flat[1:]
+        hit = known is not None and len(known) == len(stable) and all(map(same_objects, stable, known))
 
-        def rebuild(i, new):
-            return tree_unflatten(specs[i], new)
+        def rebuild(_i, new):  # every tree has the params' structure (compared above)
+            return tree_unflatten(p_spec, new)
 
-        return _Lined(p, flat[0], m, slots, rebuild)
+        return _Lined(p, flat[0], m, slots, rebuild), hit
 
     def _state_fusable(self, lined: _Lined, opt) -> bool:
         """Whether the kernels can run the params/master/state leaves: an fp32 reference (the
@@ -381,36 +412,46 @@ class Engine:
             return False
         return _compiling() or not any_dtensor(ref)
 
-    def _prepare(self, params, grads, state, where, *, trust_grads=False, inplace=False):
-        """``(lined, opt, named)``: the leaves lined up, the fused plan's optimizer state (None:
-        take the generic plan) and the named leaf lists (for validation and blame).
+    def _prepare(self, params, grads, state, where, *, trust_grads=False, inplace=False) -> "_Prep":
+        """The leaves lined up, the fused plan's optimizer state (None: take the generic plan),
+        the named leaf lists (for validation and blame), and whether the gradients' dtypes were
+        left to the kernels (:meth:`_refused_for_dtype`).
 
         What depends only on the params/master/state tensors (their shapes, dtypes, devices, and
-        for in-place steps that no two of them share memory) is checked once per set of tensors
-        (by identity: an in-place step gets the same tensors back every step) unless the kernels
-        validate every call themselves (:data:`KERNELS_VALIDATE`); the gradients are new every
-        step and checked every step, unless ``trust_grads`` (autograd already guarantees their
-        shapes) or the kernels do it.
+        for in-place steps that no two of them share memory) is checked once per set of tensors:
+        by identity (:attr:`_seen`; an in-place step gets the same tensors back every step, a pure
+        fused step records its outputs, which come back as the next step's inputs). The kernels
+        validate every call themselves (:data:`KERNELS_VALIDATE`), so the gradients, new every
+        step, are looked at only for their types and first device on the fused path: their
+        dtypes (fp64 takes the generic path) are read only if a kernel refuses them, before
+        anything is written. Without the kernels' validation, or on the generic path, the
+        gradients are checked here every step (shapes unless ``trust_grads``: autograd
+        guarantees them).
         """
         self._check_state(state, where)
         opt = self.plan.opt_state(state.inner) if self.plan is not None else None
         slot_trees = self.plan.slot_trees(opt) if opt is not None else []
         slot_names = [f"state.inner.{n}" for n in self.plan.slot_names()] if opt is not None else []
-        lined = self._line_up(params, grads, state.master, slot_trees, slot_names, where)
+        compiling = _compiling()
+        seen = None if compiling else self._seen
+        lined, hit = self._line_up(params, grads, state.master, slot_trees, slot_names, where,
+                                   seen.lists if seen is not None else None)
         stable = [("params", params, lined.p)]
         if lined.m is not None:
             stable.append(("state.master", state.master, lined.m))
         stable += [(n, t, lst) for n, t, lst in zip(slot_names, slot_trees, lined.slots)]
         named = stable[:1] + [("grads", grads, lined.g)] + stable[1:]
-        compiling = _compiling()
-        key = None
+        extra = None
         if inplace and not compiling:
             extra = [state.finite, state.skipped, opt.step if opt is not None else None, state.loss_scale]
             if opt is None:  # the generic in-place step writes every tensor of the inner state
                 extra += tree_leaves(state.inner)
-            key = [list(map(id, lst)) for _, _, lst in stable] + [list(map(id, extra))]
-        cached = self._seen if (key is not None and self._seen is not None and self._seen[0] == key) else None
-        if cached is None:
+        dev = opt.step.device if opt is not None else None
+        hit = hit and seen.had_opt == (opt is not None) and seen.dev == dev and (
+            extra is None or (seen.extra is not None and same_objects(extra, seen.extra)))
+        if hit:
+            state_ok, p_shapes = seen.state_ok, seen.p_shapes
+        else:
             state_ok = opt is not None and self._state_fusable(lined, opt)
             p_shapes = None
             if not (state_ok and KERNELS_VALIDATE):
@@ -419,23 +460,39 @@ class Engine:
                 # The kernels compare every list with the master (their reference list): a master
                 # from another model would be reported against the gradients. Blame it here.
                 p_shapes = validate_step(where, stable[:2])
-            if key is not None:
+            if extra is not None:
                 self._check_written(state, opt, stable, where)
-                # Strong references keep the ids meaningful (an id is reused only after its
-                # object is gone); the in-place caller holds these tensors anyway.
-                self._seen = (key, state_ok, p_shapes, [lst for _, _, lst in stable], extra)
-        else:
-            state_ok, p_shapes = cached[1], cached[2]
-        if not all(issubclass(t, torch.Tensor) for t in (set(map(type, lined.g)) if not compiling else ())):
+            if not compiling:
+                # Strong references keep the identities meaningful (an object's id is reused only
+                # after it is gone); the caller holds these tensors anyway.
+                self._seen = _Seen([lst for _, _, lst in stable], extra, state_ok, p_shapes, opt is not None, dev)
+        if lined.keys is None and not compiling and not plain_tensors(lined.g) and \
+                not all(issubclass(t, torch.Tensor) for t in set(map(type, lined.g))):
             float_leaves_with_paths(grads, f"{where}: grads")  # raises, naming the leaf
-        g_dtypes = set(_attrs("dtype", lined.g))
-        fused = state_ok and g_dtypes <= KERNEL_GRAD_DTYPES and (not lined.g or lined.g[0].device == opt.step.device)
+        on_dev = state_ok and (not lined.g or lined.g[0].device == dev)
+        # The first gradient's dtype routes the step; the others are left to the kernels when a
+        # refusal can be retried on the generic path with nothing done twice (no hook has seen
+        # this step's check, no collective ran): reading 10,000 dtypes costs ~1 ms a step.
+        deferred = on_dev and KERNELS_VALIDATE and not compiling and self.group is None and \
+            self.on_check is None and (not lined.g or lined.g[0].dtype in KERNEL_GRAD_DTYPES)
+        fused = on_dev and (deferred or set(_attrs("dtype", lined.g)) <= KERNEL_GRAD_DTYPES)
         if not (fused and KERNELS_VALIDATE):
-            p_shapes = validate_step(where, [named[0], named[1]], shapes=not trust_grads, param_shapes=p_shapes,
-                                     dtypes=[set(), g_dtypes])
-            if key is not None and cached is not None and cached[2] is None:
-                self._seen = cached[:2] + (p_shapes,) + cached[3:]
-        return lined, (opt if fused else None), named
+            p_shapes = self._validate_grads(where, named, trust_grads, p_shapes)
+            if not compiling and self._seen is not None and self._seen.p_shapes is None:
+                self._seen = self._seen._replace(p_shapes=p_shapes)
+        return _Prep(lined, (opt if fused else None), named, deferred and fused)
+
+    def _validate_grads(self, where, named, trust_grads, p_shapes) -> list:
+        """The gradients against the params (types, dtypes, layout, device, shapes unless
+        ``trust_grads``), naming the leaf: the generic path's check, every step. Returns the
+        params' shapes."""
+        return validate_step(where, [named[0], named[1]], shapes=not trust_grads, param_shapes=p_shapes,
+                             dtypes=[set(), None])
+
+    def _refused_for_dtype(self, prep: "_Prep") -> bool:
+        """On a kernel's refusal: whether the gradients' dtypes (left to the kernels) send this
+        step to the generic path, which then runs instead (nothing was written)."""
+        return prep.deferred and not set(_attrs("dtype", prep.lined.g)) <= KERNEL_GRAD_DTYPES
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -448,11 +505,13 @@ class Engine:
         cloned: 0-d or empty in practice). Generic: the pure primitives. No host sync.
         """
         where = where or f"{self.where}.step"
-        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads)
-        if opt is None:
-            self._generic_hook(params, grads, lined)
-            return self._generic(params, grads, state, where)
-        return self._fused(params, grads, state, lined, opt, named, where)
+        prep = self._prepare(params, grads, state, where, trust_grads=trust_grads)
+        if prep.opt is not None:
+            out = self._fused(params, grads, state, prep, where, trust_grads)
+            if out is not None:
+                return out
+        self._generic_hook(params, grads, prep.lined)
+        return self._generic(params, grads, state, where)
 
     def _hook(self, params, lined):
         """``on_check`` bound to this step's leaf order, or None."""
@@ -473,14 +532,26 @@ class Engine:
             finite, _, leaf_nonfinite = ops.check(lined.g, per_leaf=True)
             hook(finite, leaf_nonfinite)
 
-    def _fused(self, params, grads, state, lined, opt, named, where):
+    def _fused(self, params, grads, state, prep, where, trust_grads):
+        """The pure fused step, or None when the kernels refused the gradients' dtypes (nothing
+        was written; the caller runs the generic path)."""
+        lined, opt = prep.lined, prep.opt
         ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
         try:
             new_ref, new_model, new_slots, new_step, finite = self.plan.run(
                 ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
                 on_check=self._hook(params, lined))
         except (RuntimeError, ValueError, TypeError) as e:
-            raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
+            if self._refused_for_dtype(prep):
+                self._validate_grads(where, prep.named, trust_grads, None)
+                return None
+            raise _blame(e, where, self._kernel_lists(params, grads, state, prep.named)) from None
+        if not _compiling():
+            # The outputs come back as the next step's inputs: the kernels made them (fp32 on the
+            # optimizer's device, the params' shapes and model dtypes), so they need no look then.
+            seen = self._seen
+            lists = ([new_model, new_ref] if lined.m is not None else [new_ref]) + list(new_slots)
+            self._seen = _Seen(lists, None, True, seen.p_shapes if seen is not None else None, True, opt.step.device)
         if lined.m is not None:
             new_params, new_master = lined.rebuild(0, new_model), lined.rebuild(1, new_ref)
         else:
@@ -542,7 +613,24 @@ class Engine:
         param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
         """
         where = where or f"{self.where}.step_"
-        lined, opt, named = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
+        prep = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
+        lined, opt = prep.lined, prep.opt
+        if opt is not None:
+            ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
+            try:
+                finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
+                                        on_check=self._hook(params, lined))
+            except (RuntimeError, ValueError, TypeError) as e:
+                if not self._refused_for_dtype(prep):
+                    raise _blame(e, where, self._kernel_lists(params, grads, state, prep.named)) from None
+                self._validate_grads(where, prep.named, trust_grads, None)
+                opt = None  # the generic path below (nothing was written)
+            else:
+                ls = state.loss_scale
+                with torch.no_grad():
+                    if isinstance(ls, DynamicLossScale):
+                        ls.adjust_(finite.to(ls.loss_scale.device))
+                return params, self._commit_stats(state, finite)
         if opt is None:
             self._generic_hook(params, grads, lined)
             new_params, new_state = self._generic(params, grads, state, where)
@@ -551,17 +639,6 @@ class Engine:
                 _copy_into((state.master, state.inner, state.loss_scale),
                            (new_state.master, new_state.inner, new_state.loss_scale))
             return params, self._commit_stats(state, new_state.finite)
-        ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
-        try:
-            finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
-                                    on_check=self._hook(params, lined))
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise _blame(e, where, self._kernel_lists(params, grads, state, named)) from None
-        ls = state.loss_scale
-        with torch.no_grad():
-            if isinstance(ls, DynamicLossScale):
-                ls.adjust_(finite.to(ls.loss_scale.device))
-        return params, self._commit_stats(state, finite)
 
     def _check_written(self, state, opt, written, where):
         """No two tensors an in-place step writes may share memory (nor one overlap itself)."""

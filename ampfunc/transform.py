@@ -23,6 +23,7 @@ from ampfunc import ops
 from ampfunc.tree import (
     PyTree,
     check_same_structure,
+    flatten_together,
     leaves_with_paths,
     register_state_classes,
     tree_flatten,
@@ -339,18 +340,33 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     broadcasting, tensors that need autograd, torch.func transforms) leaf by leaf. One read of
     each tree and one write; no host sync.
     """
+    compiling = ops._is_compiling()
+    if not compiling:
+        together = flatten_together([params, updates])
+        if together is not None and together[0][0]:
+            (p_leaves, u_leaves), rebuild = together
+            if ops.kernel_ready(p_leaves[0].device if isinstance(p_leaves[0], torch.Tensor) else None,
+                                (), (p_leaves, u_leaves)):
+                try:
+                    # The op checks every pair (tensors, equal shapes) before writing anything;
+                    # what it refuses goes to the checked path below, which names the leaf or
+                    # broadcasts leaf by leaf.
+                    return rebuild(ops.apply_updates(p_leaves, u_leaves))
+                except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's
+                    pass
+    # The checked path, on optree's leaves (the order leaf paths are named in).
     p_leaves, p_spec = tree_flatten(params)
     u_leaves, u_spec = tree_flatten(updates)
     if u_spec != p_spec:
         check_same_structure(params, updates, "params", "updates")
         return tree_map(_apply_leaf, params, updates)
     _check_update_shapes(params, p_leaves, u_leaves)
-    if p_leaves and ops.kernel_ready(p_leaves[0].device if isinstance(p_leaves[0], torch.Tensor) else None,
-                                     (), (p_leaves, u_leaves)):
+    if compiling and p_leaves and ops.kernel_ready(
+            p_leaves[0].device if isinstance(p_leaves[0], torch.Tensor) else None, (), (p_leaves, u_leaves)):
         try:
             return tree_unflatten(p_spec, ops.apply_updates(p_leaves, u_leaves))
         except (ValueError, TypeError):
-            pass  # shapes the kernel does not broadcast: the leaf-by-leaf path (it validates first)
+            pass  # shapes the kernel does not broadcast: the leaf-by-leaf path
     return tree_unflatten(p_spec, [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])
 
 

@@ -11,6 +11,7 @@ diagnostics can name the leaf at fault.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import optree
@@ -240,22 +241,76 @@ def aligned_leaves(trees: Sequence[PyTree]) -> list[list[torch.Tensor]] | None:
     differs from optree's (insertion rather than sorted), so a caller must take the leaves of
     all trees of one computation from the same call.
     """
-    first = trees[0] if trees else None
-    if type(first) is not dict:
+    out = dict_values_aligned(trees)
+    if out is None or not all(map(plain_tensors, out)):  # subclasses take optree's path
         return None
-    keys = list(first)
-    out = []
-    for t in trees:
-        if type(t) is not dict or (t is not first and list(t) != keys):
-            return None
-        values = list(t.values())
-        if not set(map(type, values)) <= _PLAIN_TENSOR_TYPES:  # C-speed check; subclasses take optree's path
-            return None
-        out.append(values)
     return out
 
 
 _PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
+    """``[list(t.values()) for t in trees]`` when every tree is a plain dict with the first
+    one's keys in the same order, else None. Looks at no value: pair it with
+    :func:`plain_tensors` (or an identity check against lists already checked) before taking
+    the values as leaves. Keys are compared with ``==`` (C speed, instant for the same key
+    objects, e.g. a grads dict built from the params' keys)."""
+    first = trees[0] if trees else None
+    if type(first) is not dict:
+        return None
+    keys = None
+    out = []
+    for t in trees:
+        if t is not first:
+            if type(t) is not dict or len(t) != len(first):
+                return None
+            if keys is None:
+                keys = list(first)
+            if list(t) != keys:
+                return None
+        out.append(list(t.values()))
+    return out
+
+
+def flatten_together(trees: Sequence[PyTree], keys_of: int = 0):
+    """``(leaf_lists, rebuild)`` for trees of one structure, or None when the structures differ.
+
+    ``rebuild(new_leaves)`` is a tree of that structure. Plain dicts with the same keys in the
+    same order take the cheap path (:func:`dict_values_aligned`: their values, in insertion
+    order, no optree flatten, which sorts 10,000 keys in ~5 ms) when the first tree's values are
+    plain tensors; anything else is flattened by optree. The dict path looks at the values of
+    the first tree only: the caller must hand the others only to code that refuses a value that
+    is not a tensor (the list ops do, before writing anything) and fall back to a path that
+    flattens with optree, as the optimizers' fused updates and :func:`ampfunc.apply_updates`
+    do. Use the lists of one call together (the two paths order leaves differently).
+    ``keys_of``: the tree whose key objects the rebuilt dicts take (pass the params').
+    """
+    values = dict_values_aligned(trees)
+    if values is not None and plain_tensors(values[0]):  # else nested: optree's leaves
+        keys = list(trees[keys_of])  # equal in every tree; these key objects make later compares instant
+        return values, lambda new: dict(zip(keys, new))
+    first, spec = tree_flatten(trees[0])
+    out = [first]
+    for t in trees[1:]:
+        leaves, s = tree_flatten(t)
+        if s != spec:
+            return None
+        out.append(leaves)
+    return out, lambda new: tree_unflatten(spec, new)
+
+
+def plain_tensors(values: list) -> bool:
+    """Whether every item of ``values`` is a plain ``torch.Tensor`` / ``nn.Parameter`` (no
+    subclass, no container, no None): the values of a dict are then its leaves in optree's
+    sense. One C-speed pass (about 30 ns an item)."""
+    return set(map(type, values)) <= _PLAIN_TENSOR_TYPES
+
+
+def same_objects(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects in the same order: compared by
+    identity, never with ``==`` (a tensor's ``==`` compares values). About 30 ns an item."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:

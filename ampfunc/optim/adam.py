@@ -27,7 +27,8 @@ from ampfunc.optim.base import (
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
+from ampfunc.tree import (PyTree, flatten_together, float_leaves_with_paths, tree_flatten, tree_map, tree_structure,
+                          tree_unflatten)
 
 __all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
 
@@ -59,29 +60,28 @@ def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_de
     g, p, m, v once, writes the updates and the new moments), with the generic path's
     arithmetic; None when the trees are not plain fp32 state of one device (the generic path
     then runs, and names the leaf path of anything wrong)."""
-    gs, spec = tree_flatten(grads)
-    if not gs:
+    trees = [grads, state.exp_avg, state.exp_avg_sq] + ([params] if params is not None else []) + \
+        ([state.max_exp_avg_sq] if amsgrad else [])
+    together = flatten_together(trees, keys_of=3 if params is not None else 1)
+    if together is None or not together[0][0]:
         return None
-    ms, m_spec = tree_flatten(state.exp_avg)
-    vs, v_spec = tree_flatten(state.exp_avg_sq)
-    ps, p_spec = tree_flatten(params) if params is not None else (None, spec)
-    vmaxs, x_spec = tree_flatten(state.max_exp_avg_sq) if amsgrad else (None, spec)
-    if not (spec == m_spec == v_spec == p_spec == x_spec):
-        return None
+    (gs, ms, vs, *rest), rebuild = together
+    ps = rest.pop(0) if params is not None else None
+    vmaxs = rest.pop(0) if amsgrad else None
     # grads and params are looked at here; the state lists (made by init / the last update) are
-    # left to the op's own validation, and anything it refuses goes to the generic path, which
-    # either computes it (e.g. state on several devices) or raises naming the leaf path.
+    # left to the op's own validation (it refuses a value that is not a tensor, so dict values
+    # taken as leaves are safe), and anything it refuses goes to the generic path, which either
+    # computes it (e.g. state on several devices) or raises naming the leaf path.
     if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
         return None
     try:
         deltas, new_m, new_v, new_vmax, step = ops.adam_update(
             ps, gs, ms, vs, vmaxs, state.step, lr=lr_t, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=decoupled, maximize=maximize)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's, for a non-tensor
         return None
-    new_state = AdamState(step, tree_unflatten(m_spec, new_m), tree_unflatten(v_spec, new_v),
-                          tree_unflatten(x_spec, new_vmax) if amsgrad else None)
-    return tree_unflatten(spec, deltas), new_state
+    new_state = AdamState(step, rebuild(new_m), rebuild(new_v), rebuild(new_vmax) if amsgrad else None)
+    return rebuild(deltas), new_state
 
 
 def _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad):

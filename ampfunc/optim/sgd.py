@@ -24,7 +24,8 @@ from ampfunc.optim.base import (
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import PyTree, float_leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
+from ampfunc.tree import (PyTree, flatten_together, float_leaves_with_paths, tree_flatten, tree_map, tree_structure,
+                          tree_unflatten)
 
 __all__ = ["SgdState", "sgd"]
 
@@ -42,15 +43,16 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
     g, p and the buffer once, writes the updates and the new buffer), with the generic path's
     arithmetic bit for bit; None when the trees are not plain fp32 state of one device (the
     generic path then runs, and names the leaf path of anything wrong)."""
-    gs, spec = tree_flatten(grads)
-    if not gs:
+    trees = [grads] + ([params] if params is not None else []) + ([state.momentum_buffer] if momentum != 0 else [])
+    together = flatten_together(trees, keys_of=1 if len(trees) > 1 else 0)
+    if together is None or not together[0][0]:
         return None
-    ps, p_spec = tree_flatten(params) if params is not None else (None, spec)
-    bufs, b_spec = tree_flatten(state.momentum_buffer) if momentum != 0 else (None, spec)
-    if not (spec == p_spec == b_spec):
-        return None
+    (gs, *rest), rebuild = together
+    ps = rest.pop(0) if params is not None else None
+    bufs = rest.pop(0) if momentum != 0 else None
     # grads and params are looked at here; the buffers (made by init / the last update) are left
-    # to the op's own validation, and anything it refuses goes to the generic path, which either
+    # to the op's own validation (it refuses a value that is not a tensor, so dict values taken
+    # as leaves are safe), and anything it refuses goes to the generic path, which either
     # computes it or raises naming the leaf path.
     if not ops.kernel_ready(state.step.device, [ps or []], [gs]):
         return None
@@ -58,10 +60,10 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
         deltas, new_bufs, step = ops.sgd_update(ps, gs, bufs, state.step, lr=lr_t, weight_decay=weight_decay,
                                                 momentum=momentum, dampening=dampening, nesterov=nesterov,
                                                 maximize=maximize)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):  # RuntimeError: the dispatcher's, for a non-tensor
         return None
-    new_buf = tree_unflatten(b_spec, new_bufs) if momentum != 0 else None
-    return tree_unflatten(spec, deltas), SgdState(step, new_buf)
+    new_buf = rebuild(new_bufs) if momentum != 0 else None
+    return rebuild(deltas), SgdState(step, new_buf)
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
