@@ -169,6 +169,16 @@ void add_span(std::vector<Span>& spans, const Tensor& t, int order, const char* 
   spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), order, name, idx});
 }
 
+// The same from a list's descriptor when the tensor is contiguous (no read of the tensor itself).
+void add_span(std::vector<Span>& spans, const Tensors& ts, size_t i, int order, const char* name) {
+  const Tensors::Desc& d = ts.desc(i);
+  if (!d.contiguous || d.data == nullptr) return add_span(spans, ts[i], order, name, static_cast<int64_t>(i));
+  if (d.numel == 0) return;
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(d.data);
+  spans.push_back({lo, lo + static_cast<uintptr_t>(d.numel * static_cast<int64_t>(c10::elementSize(d.dtype))), order,
+                   name, static_cast<int64_t>(i)});
+}
+
 inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -273,7 +283,7 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
         TORCH_CHECK_VALUE(!self_overlaps(t), "ampfunc: ", L.name, "[", i, "] has elements that share memory ",
                           "(an expand()ed or stride-0 view); an in-place op needs distinct elements: clone it (",
                           op, ")");
-        add_span(spans, t, static_cast<int>(l), L.name, static_cast<int64_t>(i));
+        add_span(spans, L.ts, i, static_cast<int>(l), L.name);
         any_written = true;
       }
     }
@@ -305,10 +315,9 @@ struct Work {
   explicit Work(const Tensors& ts) {
     tensors.reserve(ts.size());
     for (size_t i = 0; i < ts.size(); ++i) {
-      prefetch(ts, i);
       const Tensor& t = ts[i];
-      if (t.is_contiguous()) {
-        tensors.push_back(&t);
+      if (ts.contiguous(i)) {  // the descriptor: no read of the (cold) tensor itself
+        tensors.push_back(&t, ts.desc(i));
       } else {
         owned.push_back(t.contiguous());
         tensors.push_back(&owned.back());

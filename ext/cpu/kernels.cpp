@@ -46,12 +46,12 @@ static_assert(at::vec::Vectorized<at::BFloat16>::size() == kW, "BFloat16 vector 
 
 enum class Kind : int { F32 = 0, F16 = 1, BF16 = 2 };
 
-Kind kind_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+Kind kind_of(at::ScalarType t) {
+  switch (t) {
     case at::kFloat: return Kind::F32;
     case at::kHalf: return Kind::F16;
     case at::kBFloat16: return Kind::BF16;
-    default: TORCH_CHECK(false, "ampfunc cpu kernel: unsupported dtype ", t.scalar_type());
+    default: TORCH_CHECK(false, "ampfunc cpu kernel: unsupported dtype ", t);
   }
 }
 
@@ -139,13 +139,13 @@ inline bool streams(bool enabled, const void* out, const void* in) {
   return kCanStream && enabled && out != in && reinterpret_cast<uintptr_t>(out) % 32 == 0;
 }
 
-// Calls fn(typed data pointer) for a tensor of float, half or bfloat16.
+// Calls fn(typed data pointer) for tensor i of a list (float, half or bfloat16).
 template <typename Fn>
-inline void with_typed(const at::Tensor& t, Fn&& fn) {
-  switch (kind_of(t)) {
-    case Kind::F32: fn(t.data_ptr<float>()); break;
-    case Kind::F16: fn(t.data_ptr<at::Half>()); break;
-    case Kind::BF16: fn(t.data_ptr<at::BFloat16>()); break;
+inline void with_typed(const Tensors& ts, size_t i, Fn&& fn) {
+  switch (kind_of(ts.dtype(i))) {
+    case Kind::F32: fn(ts.data<float>(i)); break;
+    case Kind::F16: fn(ts.data<at::Half>(i)); break;
+    case Kind::BF16: fn(ts.data<at::BFloat16>(i)); break;
   }
 }
 
@@ -155,9 +155,9 @@ struct Ranges {
   int64_t total = 0;
   explicit Ranges(const Tensors& ts) {
     offsets.reserve(ts.size() + 1);
-    for (const auto& t : ts) {
+    for (size_t i = 0; i < ts.size(); ++i) {
       offsets.push_back(total);
-      total += t.numel();
+      total += ts.numel(i);
     }
     offsets.push_back(total);
   }
@@ -244,7 +244,7 @@ CheckResult check(const Tensors& tensors, uint8_t* per_leaf_nonfinite, bool scal
     CheckAcc local;
     r.for_each(begin, end, [&](int64_t i, int64_t start, int64_t count) {
       CheckAcc seg;
-      with_typed(tensors[i], [&](auto* p) {
+      with_typed(tensors, i, [&](auto* p) {
         seg = scaled ? check_segment<true>(p + start, count, scale) : check_segment<false>(p + start, count, 1.f);
       });
       local.sumsq += seg.sumsq;
@@ -284,8 +284,8 @@ bool unscale(const Tensors& ins, const Tensors& outs, float inv_scale) {
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     bool local = false;
     r.for_each(begin, end, [&](int64_t i, int64_t start, int64_t count) {
-      with_typed(ins[i], [&](auto* pin) {
-        with_typed(outs[i], [&](auto* pout) {
+      with_typed(ins, i, [&](auto* pin) {
+        with_typed(outs, i, [&](auto* pout) {
           if (!unscale_segment(pin + start, pout + start, count, inv_scale)) local = true;
         });
       });
@@ -372,13 +372,13 @@ void sgd_step(const Tensors& params, const Tensors& grads,
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      const float* p = params[i].data_ptr<float>() + s;
-      float* p_out = params_out[i].data_ptr<float>() + s;
-      const float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
-      float* buf_out = has_buf ? momentum_buffers_out[i].data_ptr<float>() + s : nullptr;
-      with_typed(grads[i], [&](auto* g) {
+      const float* p = params.data<float>(i) + s;
+      float* p_out = params_out.data<float>(i) + s;
+      const float* buf = has_buf ? momentum_buffers.data<float>(i) + s : nullptr;
+      float* buf_out = has_buf ? momentum_buffers_out.data<float>(i) + s : nullptr;
+      with_typed(grads, i, [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i], [&](auto* mp) {
+          with_typed(model_params, i, [&](auto* mp) {
             const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false,
                              streams(big, mp + s, nullptr)};
             sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, static_cast<float*>(nullptr), count, h, st);
@@ -402,12 +402,12 @@ void sgd_update(const Tensors& params, const Tensors& grads,
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      const float* p = has_p ? params[i].data_ptr<float>() + s : nullptr;
-      const float* buf = has_buf ? momentum_buffers[i].data_ptr<float>() + s : nullptr;
-      float* buf_out = has_buf ? momentum_buffers_out[i].data_ptr<float>() + s : nullptr;
-      float* d = updates[i].data_ptr<float>() + s;
+      const float* p = has_p ? params.data<float>(i) + s : nullptr;
+      const float* buf = has_buf ? momentum_buffers.data<float>(i) + s : nullptr;
+      float* buf_out = has_buf ? momentum_buffers_out.data<float>(i) + s : nullptr;
+      float* d = updates.data<float>(i) + s;
       const Streams st{streams(big, d, nullptr), streams(big, buf_out, buf), false, false, false};
-      with_typed(grads[i], [&](auto* g) {
+      with_typed(grads, i, [&](auto* g) {
         sgd_segment(p, g + s, buf, static_cast<float*>(nullptr), buf_out, static_cast<float*>(nullptr), d, count, h,
                     st);
       });
@@ -523,20 +523,20 @@ void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      const AdamPtrs x{in.params[i].data_ptr<float>() + s,
-                       in.exp_avgs[i].data_ptr<float>() + s,
-                       in.exp_avg_sqs[i].data_ptr<float>() + s,
-                       c.amsgrad ? in.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
-                       out.params[i].data_ptr<float>() + s,
-                       out.exp_avgs[i].data_ptr<float>() + s,
-                       out.exp_avg_sqs[i].data_ptr<float>() + s,
-                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+      const AdamPtrs x{in.params.data<float>(i) + s,
+                       in.exp_avgs.data<float>(i) + s,
+                       in.exp_avg_sqs.data<float>(i) + s,
+                       c.amsgrad ? in.max_exp_avg_sqs.data<float>(i) + s : nullptr,
+                       out.params.data<float>(i) + s,
+                       out.exp_avgs.data<float>(i) + s,
+                       out.exp_avg_sqs.data<float>(i) + s,
+                       c.amsgrad ? out.max_exp_avg_sqs.data<float>(i) + s : nullptr,
                        nullptr};
       Streams st{streams(big, x.p_out, x.p), streams(big, x.m1_out, x.m1), streams(big, x.m2_out, x.m2),
                  streams(big, x.vmax_out, x.vmax), false};
-      with_typed(grads[i], [&](auto* g) {
+      with_typed(grads, i, [&](auto* g) {
         if (has_model) {
-          with_typed(model_params[i], [&](auto* mp) {
+          with_typed(model_params, i, [&](auto* mp) {
             st.model = streams(big, mp + s, nullptr);
             adam_segment(x, g + s, mp + s, count, c, st);
           });
@@ -557,18 +557,18 @@ void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      const AdamPtrs x{has_p ? in.params[i].data_ptr<float>() + s : nullptr,
-                       in.exp_avgs[i].data_ptr<float>() + s,
-                       in.exp_avg_sqs[i].data_ptr<float>() + s,
-                       c.amsgrad ? in.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
+      const AdamPtrs x{has_p ? in.params.data<float>(i) + s : nullptr,
+                       in.exp_avgs.data<float>(i) + s,
+                       in.exp_avg_sqs.data<float>(i) + s,
+                       c.amsgrad ? in.max_exp_avg_sqs.data<float>(i) + s : nullptr,
                        nullptr,
-                       out.exp_avgs[i].data_ptr<float>() + s,
-                       out.exp_avg_sqs[i].data_ptr<float>() + s,
-                       c.amsgrad ? out.max_exp_avg_sqs[i].data_ptr<float>() + s : nullptr,
-                       updates[i].data_ptr<float>() + s};
+                       out.exp_avgs.data<float>(i) + s,
+                       out.exp_avg_sqs.data<float>(i) + s,
+                       c.amsgrad ? out.max_exp_avg_sqs.data<float>(i) + s : nullptr,
+                       updates.data<float>(i) + s};
       const Streams st{streams(big, x.delta, nullptr), streams(big, x.m1_out, x.m1), streams(big, x.m2_out, x.m2),
                        streams(big, x.vmax_out, x.vmax), false};
-      with_typed(grads[i], [&](auto* g) { adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st); });
+      with_typed(grads, i, [&](auto* g) { adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st); });
     });
     stream_fence();
   });
@@ -594,11 +594,11 @@ void apply_updates(const Tensors& params, const Tensors& updates,
   const bool big = r.total >= kStreamMin;
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      with_typed(params[i], [&](auto* p) {
+      with_typed(params, i, [&](auto* p) {
         using P = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
-        P* o = static_cast<P*>(outs[i].data_ptr()) + s;
+        P* o = outs.data<P>(i) + s;
         const bool st = streams(big, o, nullptr);
-        with_typed(updates[i], [&](auto* u) { apply_segment(p + s, u + s, o, count, st); });
+        with_typed(updates, i, [&](auto* u) { apply_segment(p + s, u + s, o, count, st); });
       });
     });
     stream_fence();
@@ -611,9 +611,8 @@ void copy(const Tensors& ins, const Tensors& outs) {
   const Ranges r(ins);
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
-      const int64_t bytes = ins[i].element_size();
-      std::memcpy(static_cast<char*>(outs[i].data_ptr()) + s * bytes,
-                  static_cast<const char*>(ins[i].data_ptr()) + s * bytes, count * bytes);
+      const int64_t bytes = static_cast<int64_t>(c10::elementSize(ins.dtype(i)));
+      std::memcpy(outs.data<char>(i) + s * bytes, ins.data<char>(i) + s * bytes, count * bytes);
     });
   });
 }

@@ -15,14 +15,26 @@
 
 namespace ampfunc {
 
-// A list of tensors as the kernels and the binding layer pass it around: borrowed pointers.
+// A list of tensors as the kernels and the binding layer pass it around: borrowed pointers plus,
+// per tensor, what the kernels need of it (data pointer, element count, dtype, contiguity), read
+// once when the tensor joins the list.
+//
 // Copying an at::Tensor handle costs an atomic reference-count update (and, for a tensor that a
-// Python object owns, a trip through the interpreter), about 0.1 us; a list of 10,000
-// parameters passed through five lists per step would pay that 50,000 times. A Tensors copies
-// pointers only. The tensors must outlive it: they belong to the caller's lists (the
-// dispatcher's argument vector, or the Python list objects of a direct call) or to a Work copy.
+// Python object owns, a trip through the interpreter); reading a TensorImpl and its storage
+// costs cache misses, since each is a separate heap object and a 10,000-leaf tree's are cold.
+// A Tensors copies pointers only, and the kernels read the compact descriptors, not the tensors.
+// The tensors must outlive it and must not change (data pointer, size, dtype) while it is in
+// use: they belong to the caller's lists (the dispatcher's argument vector, or the tuples the
+// direct door holds) or to a Work copy.
 class Tensors {
  public:
+  struct Desc {
+    char* data;  // nullptr for a tensor without storage (validation refuses those)
+    int64_t numel;
+    at::ScalarType dtype;
+    bool contiguous;
+  };
+
   class iterator {
    public:
     explicit iterator(const at::Tensor* const* p) : p_(p) {}
@@ -41,21 +53,48 @@ class Tensors {
   Tensors(c10::ArrayRef<at::Tensor> ts) { borrow(ts.data(), ts.size()); }        // NOLINT: implicit, views
   Tensors(const std::vector<at::Tensor>& ts) { borrow(ts.data(), ts.size()); }  // NOLINT: of the same tensors
 
-  void reserve(size_t n) { p_.reserve(n); }
-  void push_back(const at::Tensor* t) { p_.push_back(t); }
+  void reserve(size_t n) {
+    p_.reserve(n);
+    d_.reserve(n);
+  }
+  void push_back(const at::Tensor* t) {
+    p_.push_back(t);
+    d_.push_back(describe(*t));
+  }
+  // Appends a tensor whose descriptor is known already (taken from another Tensors).
+  void push_back(const at::Tensor* t, const Desc& d) {
+    p_.push_back(t);
+    d_.push_back(d);
+  }
   size_t size() const { return p_.size(); }
   bool empty() const { return p_.empty(); }
   const at::Tensor& operator[](size_t i) const { return *p_[i]; }
+  const Desc& desc(size_t i) const { return d_[i]; }
+  int64_t numel(size_t i) const { return d_[i].numel; }
+  at::ScalarType dtype(size_t i) const { return d_[i].dtype; }
+  bool contiguous(size_t i) const { return d_[i].contiguous; }
+  template <typename T>
+  T* data(size_t i) const {
+    return reinterpret_cast<T*>(d_[i].data);
+  }
   iterator begin() const { return iterator(p_.data()); }
   iterator end() const { return iterator(p_.data() + p_.size()); }
 
  private:
+  static Desc describe(const at::Tensor& t) {
+    if (!t.defined()) return {nullptr, 0, at::kFloat, true};
+    // data_ptr() (not const_data_ptr()): the kernels may write, which must materialize a
+    // copy-on-write storage first. Layouts without storage (sparse) get none; validation refuses them.
+    const bool has_data = t.layout() == at::kStrided && t.has_storage();
+    return {has_data ? static_cast<char*>(t.data_ptr()) : nullptr, t.numel(), t.scalar_type(), t.is_contiguous()};
+  }
   void borrow(const at::Tensor* ts, size_t n) {
-    p_.reserve(n);
-    for (size_t i = 0; i < n; ++i) p_.push_back(ts + i);
+    reserve(n);
+    for (size_t i = 0; i < n; ++i) push_back(ts + i);
   }
 
   std::vector<const at::Tensor*> p_;
+  std::vector<Desc> d_;
 };
 
 namespace cpu {
