@@ -18,6 +18,10 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
     for x, y in loader:
         state, out = step(state, x, y)        # out.loss, out.finite, out.loss_scale
     af.copy_to_module(model, state.params, state.buffers)
+
+``train.step_`` is the same step with the state donated (written in place, as
+``mixed_precision(...).step_``): no new params or moments each step, and compiled, a graph that
+writes its inputs with no copy-back.
 """
 
 from __future__ import annotations
@@ -294,18 +298,22 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     Returns:
       A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
       ``state.finite`` and ``state.skipped`` say whether the last step was applied and how many
-      were skipped.
+      were skipped. ``train.step_`` is the same step in place (the state is donated): the fast
+      path, the one to compile when the old state is not needed after the step.
 
     Example::
 
       train = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.adamw(1e-3),
                                  "p=f32,c=bf16,o=f32")
       state = train.init()
-      step = torch.compile(train.step, fullgraph=True)
+      step = torch.compile(train.step_, fullgraph=True)   # or train.step: pure, same numbers
       state, out = step(state, x, y)
 
     Cost: the forward and backward, one read-only check pass and one optimizer pass (fused),
-    and the cast of the params to the compute dtype; no host sync.
+    and the cast of the params to the compute dtype; no host sync. The gradients of cast params
+    are taken in the compute dtype (the same values; the kernels widen them as they read).
+    ``step`` writes new params and moments every step (on CPU, fresh memory: page faults);
+    ``step_`` writes them in place.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -8,6 +8,7 @@ the ratio to torch's loop in the same mode (eager or compiled).
     python benchmarks/bench_transformer.py            # 2 layers, d=256, vocab 1024: 2.1M params, CPU (~2 min)
     python benchmarks/bench_transformer.py --quick    # a smoke run: tiny model, few iterations
     python benchmarks/bench_transformer.py --no-compile
+    python benchmarks/bench_transformer.py --threads 1   # steadier where other jobs share the cores
 
 Rows:
   torch eager      model fp32, torch.autocast(bf16), GradScaler, AdamW(fused=True), zero_grad
@@ -126,7 +127,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's); 1 is steadier on a shared machine")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         vocab, d, layers, heads, ctx, batch = 64, 32, 1, 2, 16, 2
         iters, warmup = args.iters or 3, args.warmup or 1
