@@ -3,9 +3,10 @@
 ``torch.compile(fullgraph=True)`` raises on any graph break (a host sync such as ``.item()``
 or a Python branch on a tensor), so compiling :func:`ampfunc.make_train_step`'s step -- forward,
 ``torch.func`` backward, unscale and check, clipping, AdamW, the skip and the loss-scale update --
-is the check that no part of the step reads the device back. Compiling is slow on small CPUs:
-this file keeps to one CPU compile; the CUDA tests run where a GPU is present
-(``benchmarks/gpu_check.sh``).
+is the check that no part of the step reads the device back. The in-place twin ``train.step_``
+must compile to a graph that writes the state it is given (no copies swapped in) with the
+eager numbers. Compiling is slow on small CPUs: this file keeps to two CPU compiles (about
+15 s each); the CUDA tests run where a GPU is present (``benchmarks/gpu_check.sh``).
 """
 
 import math
