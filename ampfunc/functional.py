@@ -18,6 +18,10 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
     for x, y in loader:
         state, out = step(state, x, y)        # out.loss, out.finite, out.loss_scale
     af.copy_to_module(model, state.params, state.buffers)
+
+``train.step_`` is the same step with the state donated (written in place, as
+``mixed_precision(...).step_``): no new params or moments each step, and compiled, a graph that
+writes its inputs with no copy-back.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.func import functional_call
 
+from ampfunc import ops
 from ampfunc.dist import all_reduce_mean
 from ampfunc.engine import Engine, MixedPrecisionState, skip_stats
 from ampfunc.fp8 import Fp8Policy
@@ -231,10 +236,27 @@ class StepOutput(NamedTuple):
 class TrainStep(NamedTuple):
     """``init() -> TrainState`` from the module's current weights; ``step(state, *batch) ->
     (state, StepOutput)``, pure, no host sync: ``torch.compile(step, fullgraph=True)`` compiles
-    it whole."""
+    it whole. :attr:`step_` is the same step computed in place."""
 
     init: Callable[[], TrainState]
     step: Callable[..., tuple[TrainState, StepOutput]]
+
+    @property
+    def step_(self) -> Callable[..., tuple[TrainState, StepOutput]]:
+        """The in-place twin of ``step``: ``step_(state, *batch) -> (state, StepOutput)``.
+
+        The same numbers as ``step`` (bit for bit in eager mode), but ``state`` is donated (as
+        JAX's ``donate_argnums``): its params, optimizer state, loss scale, buffers and
+        ``finite``/``skipped`` tensors are overwritten with the new step's and the same state
+        comes back. No new params or moments are allocated, so the fused optimizer pass runs
+        in place (``torch.compile(step_, fullgraph=True)`` keeps it in place: the graph writes
+        its inputs, with no copy-back). The ``StepOutput`` tensors are fresh (not aliases of the
+        state). Everything is validated before the first write.
+        """
+        inplace = getattr(self.step, "_inplace", None)
+        if inplace is None:
+            raise AttributeError("TrainStep.step_: this step has no in-place twin (make_train_step builds both)")
+        return inplace
 
 
 def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
@@ -276,18 +298,22 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     Returns:
       A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
       ``state.finite`` and ``state.skipped`` say whether the last step was applied and how many
-      were skipped.
+      were skipped. ``train.step_`` is the same step in place (the state is donated): the fast
+      path, the one to compile when the old state is not needed after the step.
 
     Example::
 
       train = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.adamw(1e-3),
                                  "p=f32,c=bf16,o=f32")
       state = train.init()
-      step = torch.compile(train.step, fullgraph=True)
+      step = torch.compile(train.step_, fullgraph=True)   # or train.step: pure, same numbers
       state, out = step(state, x, y)
 
     Cost: the forward and backward, one read-only check pass and one optimizer pass (fused),
-    and the cast of the params to the compute dtype; no host sync.
+    and the cast of the params to the compute dtype; no host sync. The gradients of cast params
+    are taken in the compute dtype (the same values; the kernels widen them as they read).
+    ``step`` writes new params and moments every step (on CPU, fresh memory: page faults);
+    ``step_`` writes them in place.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -314,14 +340,21 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         return {k: v for k, v in tree.items() if not overwritten(k)} if overwrite_with_gradient else tree
 
     def init() -> TrainState:
+        if not ops._is_compiling():
+            # Load (build on first use) the compiled kernels now: a compiled step calls the ops
+            # directly, and whatever kernel is registered when the ops are first called serves
+            # them, so a step compiled before any eager op would run the reference kernels.
+            ops.load()
         params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
         device = next((p.device for p in params.values()), torch.device("cpu"))
-        return TrainState(params, buffers, tx.init(optimized(params)), loss_scale.to(device), *skip_stats(device),
+        # Its own copy of the scale's tensors (``.to`` returns the given ones when the device
+        # matches): ``step_`` writes them, and two states from ``init`` must not share them.
+        ls = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, loss_scale.to(device))
+        return TrainState(params, buffers, tx.init(optimized(params)), ls, *skip_stats(device),
                           fp8=fp8.init(device) if fp8 is not None else None)
 
-    def scaled_loss(params, state8, buffers, ls, *batch):
-        compute_params = cast_params(params, compute_dtype, keep=keep)
+    def scaled_loss(compute_params, state8, buffers, ls, *batch):
         new_buffers = [buffers]
 
         def forward(*inputs, **kwargs):
@@ -346,13 +379,30 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     # The FP8 state is differentiated too: its "gradient" is its next value (ampfunc.fp8).
     grad_fn = torch.func.grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
+    narrowing = compute_dtype.itemsize > policy.param_dtype.itemsize
+
+    def gradients(state: TrainState, batch: tuple):
+        """``(grads, new8, loss, new_buffers, aux)``: one forward and backward of the scaled loss."""
+        # Differentiated with respect to the compute copy, so a cast param's gradient comes back
+        # in the compute dtype: the same values as the param-dtype gradient (the cast's backward
+        # is an exact widening), without writing a wide copy of every gradient that the
+        # kernels, which read fp16/bf16 gradients and widen them as they go, would read again.
+        compute_params = cast_params(state.params, compute_dtype, keep=keep)
+        (grads, new8), (loss, new_buffers, aux) = grad_fn(compute_params, state.fp8 or {}, state.buffers,
+                                                          state.loss_scale, *batch)
+        if narrowing:  # a compute dtype wider than a param's: its gradient rounded as before
+            grads = tree_map(lambda g, p: g.to(p.dtype) if g.dtype.itemsize > p.dtype.itemsize else g,
+                             grads, state.params)
+        if group is not None:
+            # Averaged in the params' dtype while still scaled: with the power-of-two scales this
+            # equals averaging the unscaled gradients, and every rank then sees the same values
+            # and the same flag.
+            grads = all_reduce_mean(tree_map(lambda g, p: g.to(p.dtype), grads, state.params), group)
+        return grads, new8, loss, new_buffers, aux
+
     def step(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
         ls = state.loss_scale
-        (grads, new8), (loss, new_buffers, aux) = grad_fn(state.params, state.fp8 or {}, state.buffers, ls, *batch)
-        if group is not None:
-            # Averaged while still scaled: with the power-of-two scales this equals averaging the
-            # unscaled gradients, and every rank then sees the same values and the same flag.
-            grads = all_reduce_mean(grads, group)
+        grads, new8, loss, new_buffers, aux = gradients(state, batch)
         mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
         # torch.func.grad gives every gradient its param's shape: no per-leaf shape check.
         params, mp = engine.step(optimized(state.params), optimized(grads), mp, where="make_train_step",
@@ -364,7 +414,40 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
                                new8 if fp8 is not None else None)
         return new_state, StepOutput(loss, mp.finite, ls.loss_scale, aux if has_aux else None)
 
+    def step_(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
+        ls = state.loss_scale
+        # The scale this step's loss used, kept apart: the in-place scale update overwrites it.
+        # Not `.clone()`: inductor (torch 2.13) drops a clone of a graph input as a no-op and then
+        # lets a custom op that mutates the input (the scale update) write it in place, so the
+        # "copy" would read the updated scale (the remove_noop_ops bugs pytorch/pytorch#198131 and
+        # #198031); a stack is a real copy.
+        used_scale = torch.stack([ls.loss_scale])[0]
+        grads, new8, loss, new_buffers, aux = gradients(state, batch)
+        mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
+        # Validates everything before its first write; the writes below come after it.
+        _, mp = engine.step_(optimized(state.params), optimized(grads), mp, where="make_train_step.step_",
+                             trust_grads=True)
+        with torch.no_grad():
+            if overwrite_with_gradient is not None:
+                for k, v in state.params.items():
+                    if overwritten(k):
+                        v.copy_(torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v))
+            _copy_leaves(state.buffers, new_buffers)
+            if fp8 is not None:
+                _copy_leaves(state.fp8, new8)
+        new_state = state if (mp.finite is state.finite and mp.skipped is state.skipped) else \
+            state._replace(finite=mp.finite, skipped=mp.skipped)
+        # A copy of the flag: the state's tensor is overwritten by the next step.
+        return new_state, StepOutput(loss, mp.finite.clone(), used_scale, aux if has_aux else None)
+
+    step._inplace = step_
     return TrainStep(init, step)
+
+
+def _copy_leaves(dst: PyTree, src: PyTree) -> None:
+    for d, s in zip(tree_leaves(dst), tree_leaves(src)):
+        if isinstance(d, torch.Tensor) and d is not s:
+            d.copy_(s)
 
 
 def copy_to_module(model: torch.nn.Module, params: PyTree, buffers: PyTree | None = None) -> None:

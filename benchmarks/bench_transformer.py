@@ -1,18 +1,24 @@
 """A small GPT-style model trained with a bf16 policy: ampfunc's make_train_step vs torch's loop.
 
-One process, one run, the same model, data and optimizer settings for every row. Prints the
-median time per iteration (forward + backward + optimizer step), the spread (min-max) and the
-ratio to torch's eager autocast + GradScaler loop.
+One process, one run, the same model, data and optimizer settings for every row, the timed steps
+interleaved round by round. Prints the median time per iteration (forward + backward +
+optimizer step), the spread (min-max), the ratio to torch's eager autocast + GradScaler loop and
+the ratio to torch's loop in the same mode (eager or compiled).
 
     python benchmarks/bench_transformer.py            # 2 layers, d=256, vocab 1024: 2.1M params, CPU (~2 min)
     python benchmarks/bench_transformer.py --quick    # a smoke run: tiny model, few iterations
     python benchmarks/bench_transformer.py --no-compile
+    python benchmarks/bench_transformer.py --threads 1   # steadier where other jobs share the cores
 
 Rows:
   torch eager      model fp32, torch.autocast(bf16), GradScaler, AdamW(fused=True), zero_grad
-  ampfunc eager    make_train_step(model, loss, adamw, "p=f32,c=bf16,o=f32", DynamicLossScale)
-  torch compiled   the same loop with torch.compile(model) (optimizer eager, as torch's docs show)
-  ampfunc compiled torch.compile(train.step, fullgraph=True): forward, backward and the fused step
+  ampfunc eager    make_train_step(model, loss, adamw, "p=f32,c=bf16,o=f32", DynamicLossScale):
+                   train.step (pure: new params and moments every step) and train.step_ (the
+                   state donated: the fused AdamW pass writes it in place, as torch's loop does)
+  torch compiled   the same loop with torch.compile(model): forward and backward compiled,
+                   GradScaler and the fused AdamW eager (the recipe torch's docs show)
+  ampfunc compiled torch.compile(train.step / train.step_, fullgraph=True): forward, backward,
+                   check, the fused AdamW pass and the scale update in one graph
 """
 
 from __future__ import annotations
@@ -81,17 +87,6 @@ def lm_loss(logits, idx):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
 
 
-def time_loop(step, data, warmup, iters):
-    for i in range(warmup):
-        step(data[i % len(data)])
-    times = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        step(data[i % len(data)])
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def torch_loop(model, lr, compiled, backend):
     fwd = torch.compile(model, backend=backend) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
@@ -110,11 +105,12 @@ def torch_loop(model, lr, compiled, backend):
     return step, losses
 
 
-def ampfunc_loop(model, lr, compiled, backend):
+def ampfunc_loop(model, lr, compiled, backend, inplace=False):
     train = af.make_train_step(model, lambda fwd, idx: lm_loss(fwd(idx[:, :-1]), idx), af.adamw(lr),
                                "p=f32,c=bf16,o=f32", loss_scale=af.DynamicLossScale())
     state = [train.init()]
-    fn = torch.compile(train.step, fullgraph=True, backend=backend) if compiled else train.step
+    fn = train.step_ if inplace else train.step
+    fn = torch.compile(fn, fullgraph=True, backend=backend) if compiled else fn
     losses = []
 
     def step(idx):
@@ -131,7 +127,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's); 1 is steadier on a shared machine")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         vocab, d, layers, heads, ctx, batch = 64, 32, 1, 2, 16, 2
         iters, warmup = args.iters or 3, args.warmup or 1
@@ -141,7 +141,7 @@ def main(argv=None):
     torch.manual_seed(0)
     reference = GPT(vocab, d, layers, heads, ctx)
     n_params = sum(p.numel() for p in reference.parameters())
-    data = batches(max(iters, warmup), batch, ctx, vocab)
+    data = batches(warmup + iters, batch, ctx, vocab)
     print(f"bench_transformer: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"ampfunc ops backend {af.ops.backend()}")
@@ -153,26 +153,37 @@ def main(argv=None):
         m.load_state_dict(reference.state_dict())
         return m
 
+    # Every configuration is built and warmed up (compiled) first; then the timed steps are taken
+    # round by round, one step of each configuration per round, so that a change in the load of
+    # a shared machine hits every row alike. Each row sees the same batches in the same order.
     rows = []
     modes = [False] if args.no_compile else [False, True]
     for compiled in modes:
         tag = f"compiled ({args.backend})" if compiled else "eager"
         step, losses = torch_loop(fresh(), 1e-3, compiled, args.backend)
-        t0 = time.perf_counter()
-        times = time_loop(step, data, warmup, iters)
-        rows.append((f"torch autocast+GradScaler {tag}", times, float(losses[-1]), time.perf_counter() - t0))
-        step, losses, _ = ampfunc_loop(fresh(), 1e-3, compiled, args.backend)
-        t0 = time.perf_counter()
-        times = time_loop(step, data, warmup, iters)
-        rows.append((f"ampfunc make_train_step {tag}", times, float(losses[-1]), time.perf_counter() - t0))
-    base = statistics.median(rows[0][1])
-    print(f"{'path':<48} {'median ms':>10} {'min-max ms':>16} {'x torch eager':>14} {'last loss':>10}")
-    for name, times, loss, _ in rows:
-        med = statistics.median(times)
-        spread = f"{min(times):.1f}-{max(times):.1f}"
-        print(f"{name:<48} {med:>10.2f} {spread:>16} {med / base:>14.2f} {loss:>10.4f}")
+        rows.append((f"torch autocast+GradScaler {tag}", step, losses, compiled))
+        for inplace in (False, True):
+            step, losses, _ = ampfunc_loop(fresh(), 1e-3, compiled, args.backend, inplace)
+            rows.append((f"ampfunc make_train_step{'.step_' if inplace else ''} {tag}", step, losses, compiled))
+    for _, step, _, _ in rows:
+        for i in range(warmup):
+            step(data[i % len(data)])
+    times = {name: [] for name, *_ in rows}
+    for i in range(iters):
+        for name, step, _, _ in rows:
+            t0 = time.perf_counter()
+            step(data[(warmup + i) % len(data)])
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    base = {compiled: statistics.median(times[name]) for name, _, _, compiled in rows if name.startswith("torch")}
+    print(f"{'path':<48} {'median ms':>10} {'min-max ms':>16} {'x torch eager':>14} {'x torch same':>13} "
+          f"{'last loss':>10}")
+    for name, _, losses, compiled in rows:
+        med = statistics.median(times[name])
+        spread = f"{min(times[name]):.1f}-{max(times[name]):.1f}"
+        loss = float(losses[-1])
+        print(f"{name:<48} {med:>10.2f} {spread:>16} {med / base[False]:>14.2f} {med / base[compiled]:>13.2f} "
+              f"{loss:>10.4f}")
         assert math.isfinite(loss), f"{name}: the loss is not finite"
-
 
 if __name__ == "__main__":
     main()
