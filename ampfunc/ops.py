@@ -1233,6 +1233,24 @@ def _refuse_layout(name: str, schema: str):
     return kernel
 
 
+def _loading_first(name: str, reference):
+    """``reference``, behind a first call that loads the compiled kernels.
+
+    A graph compiled before any eager ampfunc call (``torch.compile`` traces through the fake
+    kernels and never loads the library) calls the ops directly; without this its first run
+    would land on the reference forever. The first eager call loads the library (building it if
+    needed, as any first op does) and dispatches again, now to the compiled kernel."""
+
+    def kernel(*args):
+        if _BACKEND[0] is None and not _is_compiling():
+            if load() != "reference":
+                return getattr(torch.ops.ampfunc, name)(*args)
+        return reference(*args)
+
+    kernel.__name__ = f"{getattr(reference, '__name__', name)}_loading_first"
+    return kernel
+
+
 def _register() -> None:
     try:
         torch.ops.ampfunc.check  # noqa: B018 - already defined (module reloaded)
@@ -1242,7 +1260,7 @@ def _register() -> None:
     lib = torch.library.Library("ampfunc", "DEF")  # noqa: TOR901 - the schemas live here, kernels in ext/
     for name, schema in _SCHEMAS.items():
         lib.define(schema)
-        lib.impl(name, _REFERENCE[name], "CompositeExplicitAutograd")
+        lib.impl(name, _loading_first(name, _REFERENCE[name]), "CompositeExplicitAutograd")
         torch.library.register_fake(f"ampfunc::{name}", _FAKE[name], lib=lib)
         for key in ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA"):
             lib.impl(name, _refuse_layout(name, schema), key)

@@ -7,6 +7,9 @@ its own code and flags, which on some CPUs rounds one ulp away from eager: float
 compared with tests/_tolerance.py's few-ulp tolerance; the skip decision, the integer trackers,
 the power-of-two loss scale and "a skipped step changes nothing" are compared bit for bit."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,3 +74,28 @@ def test_compiled_fullgraph_step_equals_eager_step_including_a_skipped_one():
             for k in ("master", "model", "exp_avg", "exp_avg_sq", "step"):
                 assert all(torch.equal(a, b) for a, b in zip(_leaves(compiled[k]), before[k])), k
     assert float(compiled["step"]) == 3.0
+
+
+@pytest.mark.skipif(ops.backend() == "reference", reason="compiled kernels not built")
+def test_a_graph_compiled_before_any_eager_call_runs_the_compiled_kernels():
+    # torch.compile traces through the fake kernels and never loads the library; the graph's
+    # first run must load it and use the compiled kernels, not the reference, from then on.
+    code = """if True:
+        import torch, ampfunc as af
+        from ampfunc import ops
+        params = {"w": torch.randn(100, 10)}
+        tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale())
+        state = tx.init(params)
+        assert ops._BACKEND[0] is None
+        step = torch.compile(tx.step, backend="aot_eager", fullgraph=True)
+        g = {"w": torch.randn(100, 10)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            p2, s2 = step(params, g, state)
+            p2, s2 = step(p2, g, s2)
+        keys = {e.key for e in prof.key_averages()}
+        assert ops._BACKEND[0] != "reference", ops._BACKEND
+        assert "ampfunc::adam_step" in keys and not any("lerp" in k for k in keys), sorted(keys)
+        print("ok")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
