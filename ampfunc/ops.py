@@ -149,7 +149,12 @@ def _ensure() -> None:
 
 
 def _as_list(xs) -> list:
-    return [] if xs is None else list(xs)
+    return [] if xs is None else xs if type(xs) is list else list(xs)
+
+
+def _seq(xs):
+    """A list or tuple as it is (the ops take either, and never keep it); anything else as a list."""
+    return xs if type(xs) in (list, tuple) else list(xs)
 
 
 def _split_lr(lr):
@@ -456,7 +461,7 @@ def sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, f
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    _call("sgd_step_", list(params), list(grads), _as_list(momentum_buffers), _as_list(model_params),
+    _call("sgd_step_", _seq(params), _seq(grads), _as_list(momentum_buffers), _as_list(model_params),
                                 step, grad_scale, finite, lr, lr_tensor, float(weight_decay), float(momentum),
                                 float(dampening), bool(nesterov), bool(maximize))
 
@@ -521,7 +526,7 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_para
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    _call("adam_step_", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+    _call("adam_step_", _seq(params), _seq(grads), _seq(exp_avgs), _seq(exp_avg_sqs),
                                  _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step,
                                  grad_scale, finite, lr, lr_tensor, float(beta1), float(beta2), float(eps),
                                  float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
@@ -558,7 +563,7 @@ def sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, fi
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    p, b, m, s = _call("sgd_step", list(params), list(grads),
+    p, b, m, s = _call("sgd_step", _seq(params), _seq(grads),
                                             _as_list(momentum_buffers) if momentum != 0 else [],
                                             _as_list(model_params), step, grad_scale, finite, lr, lr_tensor,
                                             float(weight_decay), float(momentum), float(dampening), bool(nesterov),
@@ -590,7 +595,7 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_param
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    out = _call("adam_step", list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+    out = _call("adam_step", _seq(params), _seq(grads), _seq(exp_avgs), _seq(exp_avg_sqs),
                                       _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step,
                                       grad_scale, finite, lr, lr_tensor, float(beta1), float(beta2), float(eps),
                                       float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay),
@@ -829,7 +834,7 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, gra
     grad_scale = _ones_like_step(step) if grad_scale is None else grad_scale
     grads = list(grads)
     with _gc_paused(len(grads)):
-        out = _call("adam_update", _as_list(params), grads, list(exp_avgs), list(exp_avg_sqs),
+        out = _call("adam_update", _as_list(params), grads, _seq(exp_avgs), _seq(exp_avg_sqs),
                                             _as_list(max_exp_avg_sqs) if amsgrad else [], step, grad_scale, lr,
                                             lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay),
                                             bool(amsgrad), bool(decoupled_weight_decay), bool(maximize))
@@ -860,7 +865,7 @@ def apply_updates(params, updates) -> list:
         return []
     _ensure()
     with _gc_paused(len(params)):
-        return list(_call("apply_updates", params, list(updates)))
+        return list(_call("apply_updates", params, _seq(updates)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1269,22 +1269,29 @@ bool plain_cpu(const Tensor& t) {
 class Args {
  public:
   explicit Args(const py::args& a) : a_(a) {}
+  Args(const Args&) = delete;
+  Args& operator=(const Args&) = delete;
+  ~Args() {
+    for (PyObject* o : items_) Py_DECREF(o);
+  }
 
   Tensors list() {
     Tensors out;
     PyObject* seq = next();
     if (!ok) return out;
-    PyObject* tup = PySequence_Tuple(seq);  // owns the items: valid while the GIL is released
-    if (!tup) {
-      PyErr_Clear();
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
       ok = false;
       return out;
     }
-    held_.push_back(py::reinterpret_steal<py::object>(tup));
-    const Py_ssize_t n = PyTuple_GET_SIZE(tup);
+    // The items are held (one reference each, dropped in ~Args with the GIL) so that they stay
+    // valid while the GIL is released, whatever another thread does to the list. A C array of
+    // references rather than a tuple copy: no Python allocation, nothing for the cyclic GC.
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
     out.reserve(static_cast<size_t>(n));
+    items_.reserve(items_.size() + static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* o = PyTuple_GET_ITEM(tup, i);
+      PyObject* o = items[i];
       if (!THPVariable_Check(o)) {
         ok = false;
         return out;
@@ -1294,6 +1301,8 @@ class Args {
         ok = false;
         return out;
       }
+      Py_INCREF(o);
+      items_.push_back(o);
       out.push_back(&t);
     }
     any_tensor_ = any_tensor_ || n > 0;
@@ -1381,6 +1390,7 @@ class Args {
   size_t i_ = 0;
   bool any_tensor_ = false;
   std::vector<py::object> held_;
+  std::vector<PyObject*> items_;  // the list items held for the call
 };
 
 void bump(const Tensors& ts) {
