@@ -3,7 +3,8 @@
 #   1. installs carried wheels from .whl/ (optree is missing on the device image),
 #   2. puts this checkout on PYTHONPATH,
 #   3. builds the extension with its CUDA kernels (AMPFUNC_REQUIRE_EXT=1: a failed build fails),
-#   4. runs tests/test_cuda.py and the CUDA tests of the other test files (-k cuda),
+#   4. runs tests/test_cuda.py (its pure step/update tests: one-pass CUDA kernels bit for bit
+#      the in-place step's numbers) and the CUDA tests of the other test files (-k cuda),
 #   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every path of
 #      issue 8 against torch's fused AdamW, and 10,000 tensors against 200),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
@@ -157,6 +158,14 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
                     decoupled_weight_decay=True)
     ops.adam_update(None, grads, st, st2, None, step, one, lr=1e-3)
     ops.sgd_update(ps, grads, st, step, one, lr=0.1, momentum=0.9, weight_decay=0.01)
+    ops.sgd_update(None, grads, st, step, one, lr=0.1, momentum=0.9)
+    # the pure steps' out-of-place kernels (11 lists for Adam: several launches here), unaligned
+    # params, taken and skipped (the skip copies every input to its output)
+    pu = [torch.randn(n + 1, device=dev)[1:] for n in sizes]
+    for fin in (yes, torch.tensor(False, device=dev)):
+        ops.adam_step(pu, grads, st, st2, st3, model, step, one, fin, lr=1e-3, amsgrad=True, weight_decay=0.1,
+                      decoupled_weight_decay=True)
+        ops.sgd_step(pu, grads, st, model, step, one, fin, lr=0.1, momentum=0.9)
     ops.apply_updates(xs, grads)
 s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
 ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,

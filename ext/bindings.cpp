@@ -900,6 +900,19 @@ Packed pack(const std::vector<const Tensors*>& lists, const std::vector<int64_t>
   return pk;
 }
 
+// The groups packed over `lists`, leaving out the groups whose leaves are all empty (they
+// launch nothing, and their pointer arrays would be null).
+template <typename Key>
+std::vector<std::pair<Key, Packed>> packed_groups(const std::vector<const Tensors*>& lists,
+                                                  const std::vector<std::pair<Key, std::vector<int64_t>>>& groups) {
+  std::vector<std::pair<Key, Packed>> packs;
+  for (const auto& [key, idx] : groups) {
+    Packed pk = pack(lists, idx, true);
+    if (!pk.numels.empty()) packs.emplace_back(key, std::move(pk));
+  }
+  return packs;
+}
+
 std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList tensors, bool per_leaf,
                                                    const Tensor* inv_scale) {
   TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
@@ -1020,18 +1033,19 @@ void sgd_step__cuda(TensorList params, TensorList grads, TensorList momentum_buf
   std::vector<const Tensors*> lists{&p.tensors, &g.tensors};
   if (has_buf) lists.push_back(&b.tensors);
   if (has_model) lists.push_back(&m.tensors);
-  for (size_t k = 0; k < groups.size(); ++k) {
-    Packed pk = pack(lists, groups[k].second, true);
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [key, pk] = packs[k];
     const int nn = static_cast<int>(pk.numels.size());
     cuda_ok("sgd_step_", ampfunc_cuda_sgd_step(
-                             nn, pk.ptrs[1].data(), groups[k].first.first, pk.ptrs[0].data(),
+                             nn, pk.ptrs[1].data(), key.first, pk.ptrs[0].data(),
                              has_buf ? pk.ptrs[2].data() : nullptr, has_model ? pk.ptrs.back().data() : nullptr,
-                             groups[k].first.second, pk.numels.data(), grad_scale.data_ptr<float>(),
+                             key.second, pk.numels.data(), grad_scale.data_ptr<float>(),
                              reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), lr_ptr,
-                             step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
+                             step.data_ptr<float>(), k + 1 == packs.size() ? 1 : 0, &h, stream.stream()));
   }
-  if (groups.empty()) {  // no leaves: only the step counter moves (when finite)
-    step.add_(finite.to(at::kFloat));
+  if (packs.empty()) {  // no elements: only the step counter moves (when finite)
+    step.add_(finite.to(at::kFloat).reshape(step.sizes()));
   }
   p.write_back();
   b.write_back();
@@ -1062,18 +1076,19 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   std::vector<const Tensors*> lists{&p.tensors, &g.tensors, &m1.tensors, &m2.tensors};
   if (amsgrad) lists.push_back(&vmax.tensors);
   if (has_model) lists.push_back(&m.tensors);
-  for (size_t k = 0; k < groups.size(); ++k) {
-    Packed pk = pack(lists, groups[k].second, true);
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [key, pk] = packs[k];
     const int nn = static_cast<int>(pk.numels.size());
     cuda_ok("adam_step_", ampfunc_cuda_adam_step(
-                              nn, pk.ptrs[1].data(), groups[k].first.first, pk.ptrs[0].data(), pk.ptrs[2].data(),
+                              nn, pk.ptrs[1].data(), key.first, pk.ptrs[0].data(), pk.ptrs[2].data(),
                               pk.ptrs[3].data(), amsgrad ? pk.ptrs[4].data() : nullptr,
-                              has_model ? pk.ptrs.back().data() : nullptr, groups[k].first.second,
+                              has_model ? pk.ptrs.back().data() : nullptr, key.second,
                               pk.numels.data(), grad_scale.data_ptr<float>(),
                               reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()), lr_ptr,
-                              step.data_ptr<float>(), k + 1 == groups.size() ? 1 : 0, &h, stream.stream()));
+                              step.data_ptr<float>(), k + 1 == packs.size() ? 1 : 0, &h, stream.stream()));
   }
-  if (groups.empty()) step.add_(finite.to(at::kFloat));
+  if (packs.empty()) step.add_(finite.to(at::kFloat).reshape(step.sizes()));
   p.write_back();
   m1.write_back();
   m2.write_back();
@@ -1081,26 +1096,17 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
   m.write_back();
 }
 
-// The out-of-place steps on CUDA: contiguous copies of the state, then the in-place launchers
-// on the copies. Correct (a skipped step leaves the copies equal to the inputs and the copied
-// step counter unchanged, decided on the device) but not one pass: the copies cost one more
-// read and write of the state than a kernel with separate destinations would (the CUDA
-// kernels of ext/cuda/ only know in place).
+// The pure steps and updates on CUDA: one pass each, the launchers' out-of-place and delta
+// modes (ext/cuda/optim.cu), which run the in-place kernels' per-element code with other
+// destinations. Inputs are only read (non-contiguous ones through a contiguous copy); every
+// output is a new contiguous tensor from at::empty, never a copy of an input. A skipped step
+// (finite false, decided on the device) writes the inputs to the outputs and the old step.
 
-std::vector<Tensor> clone_list(TensorList ts) {
+// New contiguous tensors on the tensors' device, shaped like `ts`, in `dtype` (else each one's).
+std::vector<Tensor> empty_outputs(const Tensors& ts, std::optional<at::ScalarType> dtype = std::nullopt) {
   std::vector<Tensor> out;
   out.reserve(ts.size());
-  for (const Tensor& t : ts) out.push_back(t.clone(at::MemoryFormat::Contiguous));
-  return out;
-}
-
-// The pure updates on CUDA run the in-place launcher on a copy of the params (zeros in fp32 when
-// the update needs no params) and subtract the params afterwards.
-std::vector<Tensor> update_start(TensorList params, TensorList grads) {
-  if (!params.empty()) return clone_list(params);
-  std::vector<Tensor> out;
-  out.reserve(grads.size());
-  for (const Tensor& g : grads) out.push_back(at::zeros(g.sizes(), g.options().dtype(at::kFloat)));
+  for (const Tensor& t : ts) out.push_back(at::empty(t.sizes(), t.options().dtype(dtype.value_or(t.scalar_type()))));
   return out;
 }
 
@@ -1112,12 +1118,41 @@ SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_bu
   check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
                  false);
   lr_value("sgd_step", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
+  const bool has_buf = momentum != 0.0;
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_out = clone_list(params), b_out = clone_list(momentum != 0.0 ? momentum_buffers : TensorList()),
-                      m_out = clone_list(model_params);
-  Tensor step_out = step.clone();
-  sgd_step__cuda(p_out, grads, b_out, m_out, step_out, grad_scale, finite, lr, lr_tensor, weight_decay, momentum,
-                 dampening, nesterov, maximize);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList()), m(model_params);
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), b_out = empty_outputs(b.tensors),
+                      m_out = empty_outputs(m.tensors);
+  Tensor step_out = at::empty(step.sizes(), step.options());
+  const Tensors p_o(p_out), b_o(b_out), m_o(m_out);
+  const bool has_model = !m.tensors.empty();
+  AmpfuncSgdHyper h{lr, momentum, dampening, weight_decay, nesterov ? 1 : 0, maximize ? 1 : 0};
+  using Key = std::pair<int, int>;
+  auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
+    return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
+  });
+  std::vector<const Tensors*> lists{&p.tensors, &g.tensors, &p_o};
+  const size_t ib = lists.size();
+  if (has_buf) lists.insert(lists.end(), {&b.tensors, &b_o});
+  const size_t im = lists.size();
+  if (has_model) lists.insert(lists.end(), {&m.tensors, &m_o});
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [key, pk] = packs[k];
+    cuda_ok("sgd_step", ampfunc_cuda_sgd_step_out(
+                            static_cast<int>(pk.numels.size()), pk.ptrs[1].data(), key.first, pk.ptrs[0].data(),
+                            has_buf ? pk.ptrs[ib].data() : nullptr, has_model ? pk.ptrs[im].data() : nullptr,
+                            pk.ptrs[2].data(), has_buf ? pk.ptrs[ib + 1].data() : nullptr,
+                            has_model ? pk.ptrs[im + 1].data() : nullptr, key.second, pk.numels.data(),
+                            grad_scale.data_ptr<float>(), reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()),
+                            lr_ptr, step.data_ptr<float>(), k + 1 == packs.size() ? step_out.data_ptr<float>() : nullptr,
+                            &h, stream.stream()));
+  }
+  if (packs.empty()) {  // no elements: only the step counter moves (when finite)
+    step_out.copy_(step).add_(finite.to(at::kFloat).reshape(step.sizes()));
+  }
   return {p_out, b_out, m_out, step_out};
 }
 
@@ -1130,21 +1165,50 @@ AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs,
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
                   grad_scale, finite, amsgrad, dev, false);
   lr_value("adam_step", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_out = clone_list(params), m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
-                      vmax_out = clone_list(amsgrad ? max_exp_avg_sqs : TensorList()),
-                      m_out = clone_list(model_params);
-  Tensor step_out = step.clone();
-  adam_step__cuda(p_out, grads, m1_out, m2_out, vmax_out, m_out, step_out, grad_scale, finite, lr, lr_tensor, beta1,
-                  beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
+      m(model_params);
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), m1_out = empty_outputs(m1.tensors),
+                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors),
+                      m_out = empty_outputs(m.tensors);
+  Tensor step_out = at::empty(step.sizes(), step.options());
+  const Tensors p_o(p_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out), m_o(m_out);
+  const bool has_model = !m.tensors.empty();
+  AmpfuncAdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay ? 1 : 0, amsgrad ? 1 : 0,
+                     maximize ? 1 : 0};
+  using Key = std::pair<int, int>;
+  auto groups = group_by<Key>(p.tensors.size(), [&](int64_t i) {
+    return Key{cuda_dtype(g.tensors[i].scalar_type()), has_model ? cuda_dtype(m.tensors[i].scalar_type()) : 0};
+  });
+  // 0 p, 1 g, 2 m1, 3 m2, 4 p_out, 5 m1_out, 6 m2_out, then (vmax, vmax_out), (model, model_out)
+  std::vector<const Tensors*> lists{&p.tensors, &g.tensors, &m1.tensors, &m2.tensors, &p_o, &m1_o, &m2_o};
+  const size_t iv = lists.size();
+  if (amsgrad) lists.insert(lists.end(), {&vmax.tensors, &vmax_o});
+  const size_t im = lists.size();
+  if (has_model) lists.insert(lists.end(), {&m.tensors, &m_o});
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [key, pk] = packs[k];
+    cuda_ok("adam_step", ampfunc_cuda_adam_step_out(
+                             static_cast<int>(pk.numels.size()), pk.ptrs[1].data(), key.first, pk.ptrs[0].data(),
+                             pk.ptrs[2].data(), pk.ptrs[3].data(), amsgrad ? pk.ptrs[iv].data() : nullptr,
+                             has_model ? pk.ptrs[im].data() : nullptr, pk.ptrs[4].data(), pk.ptrs[5].data(),
+                             pk.ptrs[6].data(), amsgrad ? pk.ptrs[iv + 1].data() : nullptr,
+                             has_model ? pk.ptrs[im + 1].data() : nullptr, key.second, pk.numels.data(),
+                             grad_scale.data_ptr<float>(), reinterpret_cast<const uint8_t*>(finite.data_ptr<bool>()),
+                             lr_ptr, step.data_ptr<float>(),
+                             k + 1 == packs.size() ? step_out.data_ptr<float>() : nullptr, &h, stream.stream()));
+  }
+  if (packs.empty()) step_out.copy_(step).add_(finite.to(at::kFloat).reshape(step.sizes()));
   return {p_out, m1_out, m2_out, vmax_out, m_out, step_out};
 }
 
-// The pure updates on CUDA: copy + the in-place launchers + a subtraction (not one pass: the
-// copies and the subtraction cost two more reads and writes of the params than a kernel with a
-// delta output would). Without params the step runs on zeros, so the update is the step term
-// (a -0.0 term comes out as +0.0). The numbers agree with the CPU kernels within fp32 rounding
-// (the CUDA kernels' own order of operations), not bit for bit.
+// The pure updates on CUDA: one pass writing updates = new_p - p (new_p as the in-place kernel
+// computes it, then one fp32 subtraction) and the new state; without params, p is taken as 0,
+// so the update is the step term (a -0.0 term comes out as +0.0). The numbers agree with the
+// CPU kernels within fp32 rounding (the CUDA kernels' own order of operations), not bit for bit.
 
 SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList momentum_buffers, const Tensor& step,
                              const Tensor& grad_scale, double lr, const std::optional<Tensor>& lr_tensor,
@@ -1155,17 +1219,33 @@ SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList mom
   if (has_buf) state.push_back({"momentum_buffers", momentum_buffers, Dt::kFp32, false});
   check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
   lr_value("sgd_update", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_new = update_start(params, grads);
-  std::vector<Tensor> b_out = clone_list(has_buf ? momentum_buffers : TensorList());
-  Tensor step_out = step.clone();
-  Tensor finite = at::ones({}, step.options().dtype(at::kBool));
-  sgd_step__cuda(p_new, grads, b_out, {}, step_out, grad_scale, finite, lr, lr_tensor, weight_decay, momentum,
-                 dampening, nesterov, maximize);
-  if (!params.empty() && !p_new.empty()) {
-    p_new = at::_foreach_sub(p_new, params);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList());
+  const bool has_p = !p.tensors.empty();
+  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), b_out = empty_outputs(b.tensors);
+  Tensor step_out = at::empty(step.sizes(), step.options());
+  const Tensors d_o(d_out), b_o(b_out);
+  AmpfuncSgdHyper h{lr, momentum, dampening, weight_decay, nesterov ? 1 : 0, maximize ? 1 : 0};
+  auto groups = group_by<int>(g.tensors.size(), [&](int64_t i) { return cuda_dtype(g.tensors[i].scalar_type()); });
+  std::vector<const Tensors*> lists{&g.tensors, &d_o};
+  const size_t ip = lists.size();
+  if (has_p) lists.push_back(&p.tensors);
+  const size_t ib = lists.size();
+  if (has_buf) lists.insert(lists.end(), {&b.tensors, &b_o});
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [grad_dtype, pk] = packs[k];
+    cuda_ok("sgd_update", ampfunc_cuda_sgd_update(
+                              static_cast<int>(pk.numels.size()), pk.ptrs[0].data(), grad_dtype,
+                              has_p ? pk.ptrs[ip].data() : nullptr, has_buf ? pk.ptrs[ib].data() : nullptr,
+                              pk.ptrs[1].data(), has_buf ? pk.ptrs[ib + 1].data() : nullptr, pk.numels.data(),
+                              grad_scale.data_ptr<float>(), nullptr, lr_ptr, step.data_ptr<float>(),
+                              k + 1 == packs.size() ? step_out.data_ptr<float>() : nullptr, &h, stream.stream()));
   }
-  return {p_new, b_out, step_out};
+  if (packs.empty()) step_out.copy_(step).add_(1.0);
+  return {d_out, b_out, step_out};
 }
 
 AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
@@ -1177,18 +1257,37 @@ AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList e
   if (amsgrad) state.push_back({"max_exp_avg_sqs", max_exp_avg_sqs, Dt::kFp32, false});
   check_update_args("adam_update", params, grads, state, step, grad_scale, weight_decay, dev);
   lr_value("adam_update", lr, lr_tensor, dev);  // validates lr_tensor
+  const float* lr_ptr = lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->data_ptr<float>() : nullptr;
   c10::cuda::CUDAGuard guard(dev);
-  std::vector<Tensor> p_new = update_start(params, grads);
-  std::vector<Tensor> m1_out = clone_list(exp_avgs), m2_out = clone_list(exp_avg_sqs),
-                      vmax_out = clone_list(amsgrad ? max_exp_avg_sqs : TensorList());
-  Tensor step_out = step.clone();
-  Tensor finite = at::ones({}, step.options().dtype(at::kBool));
-  adam_step__cuda(p_new, grads, m1_out, m2_out, vmax_out, {}, step_out, grad_scale, finite, lr, lr_tensor, beta1,
-                  beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
-  if (!params.empty() && !p_new.empty()) {
-    p_new = at::_foreach_sub(p_new, params);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList());
+  const bool has_p = !p.tensors.empty();
+  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), m1_out = empty_outputs(m1.tensors),
+                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors);
+  Tensor step_out = at::empty(step.sizes(), step.options());
+  const Tensors d_o(d_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out);
+  AmpfuncAdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay ? 1 : 0, amsgrad ? 1 : 0,
+                     maximize ? 1 : 0};
+  auto groups = group_by<int>(g.tensors.size(), [&](int64_t i) { return cuda_dtype(g.tensors[i].scalar_type()); });
+  // 0 g, 1 updates, 2 m1, 3 m2, 4 m1_out, 5 m2_out, then params, (vmax, vmax_out)
+  std::vector<const Tensors*> lists{&g.tensors, &d_o, &m1.tensors, &m2.tensors, &m1_o, &m2_o};
+  const size_t ip = lists.size();
+  if (has_p) lists.push_back(&p.tensors);
+  const size_t iv = lists.size();
+  if (amsgrad) lists.insert(lists.end(), {&vmax.tensors, &vmax_o});
+  auto packs = packed_groups(lists, groups);
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [grad_dtype, pk] = packs[k];
+    cuda_ok("adam_update", ampfunc_cuda_adam_update(
+                               static_cast<int>(pk.numels.size()), pk.ptrs[0].data(), grad_dtype,
+                               has_p ? pk.ptrs[ip].data() : nullptr, pk.ptrs[2].data(), pk.ptrs[3].data(),
+                               amsgrad ? pk.ptrs[iv].data() : nullptr, pk.ptrs[1].data(), pk.ptrs[4].data(),
+                               pk.ptrs[5].data(), amsgrad ? pk.ptrs[iv + 1].data() : nullptr, pk.numels.data(),
+                               grad_scale.data_ptr<float>(), nullptr, lr_ptr, step.data_ptr<float>(),
+                               k + 1 == packs.size() ? step_out.data_ptr<float>() : nullptr, &h, stream.stream()));
   }
-  return {p_new, m1_out, m2_out, vmax_out, step_out};
+  if (packs.empty()) step_out.copy_(step).add_(1.0);
+  return {d_out, m1_out, m2_out, vmax_out, step_out};
 }
 
 // params + updates on CUDA with ATen: one multi-tensor launch (_foreach_add) for the fp32

@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
   if (depth == 1) return run<1>(numels);
   if (depth == 2) return run<2>(numels);
   if (depth == 4) return run<4>(numels);
+  if (depth == 5) return run<5>(numels);
+  if (depth == 7) return run<7>(numels);
+  if (depth == 9) return run<9>(numels);
+  if (depth == 11) return run<11>(numels);
   return run<6>(numels);
 }
 """
@@ -164,7 +168,7 @@ def _layout(harness, depth, numels):
 BIG = 2048 * CHUNK + 5  # more chunks than one launch holds: the leaf must carry over
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4, 6])
+@pytest.mark.parametrize("depth", [1, 2, 4, 5, 6, 7, 9, 11])  # 5..11: the SGD/Adam out-of-place and delta lists
 @pytest.mark.parametrize("numels", [
     [],
     [0, 0],
@@ -470,6 +474,47 @@ class _Abi:
             _CODE[model[0].dtype] if model else 0, _numels(params), _p(grad_scale), _p(finite), _p(lr_tensor),
             _p(step), increment, ctypes.byref(h), None)
 
+    # The out-of-place ("pure step") and delta ("pure update") launchers. `outs` are the output
+    # lists in the order of the inputs; None for a list the call does not have.
+    def adam_out(self, grads, params, m, v, vmax, model, outs, step, step_out, grad_scale, finite, *,
+                 lr_tensor=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=False,
+                 amsgrad=False, maximize=False):
+        h = _AdamHyper(lr, betas[0], betas[1], eps, weight_decay, int(adamw), int(amsgrad), int(maximize))
+        p_o, m_o, v_o, vmax_o, model_o = outs
+        return self.lib.ampfunc_cuda_adam_step_out(
+            len(grads), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(m), _ptrs(v), _ptrs(vmax),
+            _ptrs(model), _ptrs(p_o), _ptrs(m_o), _ptrs(v_o), _ptrs(vmax_o), _ptrs(model_o),
+            _CODE[model[0].dtype] if model else 0, _numels(grads), _p(grad_scale), _p(finite), _p(lr_tensor),
+            _p(step), _p(step_out), ctypes.byref(h), None)
+
+    def adam_update(self, grads, params, m, v, vmax, outs, step, step_out, grad_scale, finite=None, *,
+                    lr_tensor=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=False,
+                    amsgrad=False, maximize=False):
+        h = _AdamHyper(lr, betas[0], betas[1], eps, weight_decay, int(adamw), int(amsgrad), int(maximize))
+        upd, m_o, v_o, vmax_o = outs
+        return self.lib.ampfunc_cuda_adam_update(
+            len(grads), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(m), _ptrs(v), _ptrs(vmax),
+            _ptrs(upd), _ptrs(m_o), _ptrs(v_o), _ptrs(vmax_o), _numels(grads), _p(grad_scale), _p(finite),
+            _p(lr_tensor), _p(step), _p(step_out), ctypes.byref(h), None)
+
+    def sgd_out(self, grads, params, bufs, model, outs, step, step_out, grad_scale, finite, *, lr_tensor=None,
+                lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+        h = _SgdHyper(lr, momentum, dampening, weight_decay, int(nesterov), int(maximize))
+        p_o, b_o, model_o = outs
+        return self.lib.ampfunc_cuda_sgd_step_out(
+            len(grads), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(bufs), _ptrs(model), _ptrs(p_o),
+            _ptrs(b_o), _ptrs(model_o), _CODE[model[0].dtype] if model else 0, _numels(grads), _p(grad_scale),
+            _p(finite), _p(lr_tensor), _p(step), _p(step_out), ctypes.byref(h), None)
+
+    def sgd_update(self, grads, params, bufs, outs, step, step_out, grad_scale, finite=None, *, lr_tensor=None,
+                   lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+        h = _SgdHyper(lr, momentum, dampening, weight_decay, int(nesterov), int(maximize))
+        upd, b_o = outs
+        return self.lib.ampfunc_cuda_sgd_update(
+            len(grads), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(bufs), _ptrs(upd), _ptrs(b_o),
+            _numels(grads), _p(grad_scale), _p(finite), _p(lr_tensor), _p(step), _p(step_out), ctypes.byref(h),
+            None)
+
     def update_scale(self, scale, gt, ht, finite, *, growth_factor, backoff_factor, growth_interval, min_scale,
                      max_scale, hysteresis):
         return self.lib.ampfunc_cuda_update_scale(
@@ -698,6 +743,261 @@ def test_emulated_update_scale_follows_the_reference_rule(emu, hysteresis):
     assert emu.update_scale(big, g1, h1, torch.tensor(True), growth_factor=2.0, backoff_factor=0.5,
                             growth_interval=1, min_scale=0.0, max_scale=float("inf"), hysteresis=1) == 0
     assert float(big) == pytest.approx(3.0e38) and int(g1) == 0  # an overflowing growth is not applied
+
+
+# The pure step (out of place) and the pure update (delta) launchers: the in-place kernel's
+# per-element code with other destinations, so their numbers are checked bit for bit against the
+# in-place launcher, and against the CPU kernels (ampfunc.ops on CPU tensors) within the
+# tolerance of the emulated tests above.
+
+PURE_SIZES = [0, 1, 7, 4099, CHUNK + 5]  # the last spans a chunk boundary
+
+
+def _leaves(sizes, dtype, gen, scale=1.0, positive=False):
+    """Tensors of `sizes`, every odd one a view one element into a buffer (no 4-wide vectors)."""
+    out = []
+    for i, n in enumerate(sizes):
+        b = _rand(n + 1, torch.float32, gen, scale)
+        b = (b.abs() if positive else b).to(dtype)
+        out.append(b[1:] if i % 2 else b[:-1])
+    return out
+
+
+def _nan_like(ts, dtype=None):
+    return [torch.full(t.shape, float("nan"), dtype=dtype or t.dtype) for t in ts]
+
+
+def _bits(t):
+    """The storage bits of a tensor (NaN payloads and signed zeros included)."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same_storage_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(_bits(a), _bits(b))
+
+
+def _clones(ts):
+    return None if ts is None else [t.clone() for t in ts]
+
+
+ADAM_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw", "amsgrad", "maximize")
+
+
+def _ops_adam_kw(case, **over):
+    kw = dict(lr=case["lr"], beta1=case["betas"][0], beta2=case["betas"][1], eps=case["eps"],
+              weight_decay=case["weight_decay"], amsgrad=case["amsgrad"], decoupled_weight_decay=case["adamw"],
+              maximize=case["maximize"])
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("case,grad_dtype", list(zip(ADAM_CASES, DTYPES + DTYPES[1:])),
+                         ids=["adam-fp32", "adam-l2-fp16", "adamw-bf16", "adamw-ams-max-fp16", "adam-ams-b1low-bf16"])
+def test_emulated_adam_pure_step_and_update_are_the_in_place_step(emu, case, grad_dtype):
+    gen = _cpu_gen(11)
+    hyper = {k: case[k] for k in ADAM_HYPER}
+    ams = case["amsgrad"]
+    model_dtype = torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
+    p = _leaves(PURE_SIZES, torch.float32, gen)
+    m = _leaves(PURE_SIZES, torch.float32, gen, 0.01)
+    v = _leaves(PURE_SIZES, torch.float32, gen, 0.01, positive=True)
+    vmax = _leaves(PURE_SIZES, torch.float32, gen, 0.02, positive=True) if ams else None
+    model = _leaves(PURE_SIZES, model_dtype, gen)  # not round(p): a skip would have to return these
+    step = torch.zeros(())
+    for k in range(2):  # t = 1, 2: the first step and a later one
+        grads = _leaves(PURE_SIZES, grad_dtype, gen, 4.0)
+        gs = torch.tensor(0.25)
+        inputs = [t for ts in (p, m, v, vmax or [], model, [step]) for t in ts]
+        before = _clones(inputs)
+        # the in-place launcher on copies: the numbers the pure launchers must give
+        P, M, V, VMAX, MODEL, STEP = _clones(p), _clones(m), _clones(v), _clones(vmax), _clones(model), step.clone()
+        assert emu.adam(grads, P, M, V, VMAX, MODEL, STEP, gs, torch.tensor(True), **hyper) == 0
+        # pure step: every output written (NaN-filled before), equal to the in-place results
+        outs = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax) if ams else None, _nan_like(model))
+        step_out = torch.full((), -1.0)
+        assert emu.adam_out(grads, p, m, v, vmax, model, outs, step, step_out, gs, torch.tensor(True), **hyper) == 0
+        for got, want in zip([t for ts in outs if ts for t in ts] + [step_out],
+                             [t for ts in (P, M, V, VMAX or [], MODEL) for t in ts] + [STEP]):
+            _same_storage_bits(got, want)
+        # pure update with params: updates = in-place new p - p (one fp32 subtraction), new moments
+        upd = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax) if ams else None)
+        step_upd = torch.full((), -1.0)
+        assert emu.adam_update(grads, p, m, v, vmax, upd, step, step_upd, gs, **hyper) == 0
+        for d, new_p, old_p in zip(upd[0], P, p):
+            _same_storage_bits(d, new_p - old_p)
+        for got, want in zip([t for ts in upd[1:] if ts for t in ts] + [step_upd],
+                             [t for ts in (M, V, VMAX or []) for t in ts] + [STEP]):
+            _same_storage_bits(got, want)
+        for t, b in zip(inputs, before):
+            _same_storage_bits(t, b)  # inputs only read
+        # the CPU kernels: the same update within fp32 rounding (another order of operations)
+        want = ops.adam_update(p, grads, m, v, vmax, step, gs, **_ops_adam_kw(case))
+        for got, ref in zip(upd[0], want[0]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for got, ref in zip([t for ts in upd[1:] if ts for t in ts], want[1] + want[2] + want[3]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+        cpu_step = ops.adam_step(p, grads, m, v, vmax, model, step, gs, torch.tensor(True),
+                                 **_ops_adam_kw(case))
+        for got, ref in zip(outs[0], cpu_step[0]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        if k == 0:
+            p, m, v, vmax, model, step = outs[0], outs[1], outs[2], outs[3], outs[4], step_out
+            continue
+        # pure update without params: the in-place step from zeros (weight decay has nothing to act on)
+        nowd = dict(hyper, weight_decay=0.0)
+        Z = [torch.zeros(t.shape) for t in p]
+        MZ, VZ, VMZ, SZ = _clones(m), _clones(v), _clones(vmax), step.clone()
+        assert emu.adam(grads, Z, MZ, VZ, VMZ, None, SZ, gs, torch.tensor(True), **nowd) == 0
+        upd0 = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax) if ams else None)
+        assert emu.adam_update(grads, None, m, v, vmax, upd0, step, None, gs, **nowd) == 0
+        for got, want_ in zip([t for ts in upd0 if ts for t in ts], [t for ts in (Z, MZ, VZ, VMZ or []) for t in ts]):
+            _same_storage_bits(got, want_)
+        want0 = ops.adam_update(None, grads, m, v, vmax, step, gs, **_ops_adam_kw(case, weight_decay=0.0))
+        for got, ref in zip(upd0[0], want0[0]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert float(step_out) == 2.0
+
+
+@pytest.mark.parametrize("case,grad_dtype", list(zip(SGD_CASES, DTYPES)),
+                         ids=["momentum-damp-wd-fp32", "nesterov-fp16", "plain-max-bf16"])
+def test_emulated_sgd_pure_step_and_update_are_the_in_place_step(emu, case, grad_dtype):
+    gen = _cpu_gen(12)
+    mom = case["momentum"] != 0
+    model_dtype = torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
+    p = _leaves(PURE_SIZES, torch.float32, gen)
+    bufs = [torch.zeros(t.shape) for t in p] if mom else None  # the state init makes
+    model = _leaves(PURE_SIZES, model_dtype, gen)
+    step = torch.zeros(())
+    for k in range(2):  # the first step fills the buffers, the second blends
+        grads = _leaves(PURE_SIZES, grad_dtype, gen, 4.0)
+        gs = torch.tensor(0.5)
+        inputs = [t for ts in (p, bufs or [], model, [step]) for t in ts]
+        before = _clones(inputs)
+        P, B, MODEL, STEP = _clones(p), _clones(bufs), _clones(model), step.clone()
+        assert emu.sgd(grads, P, B, MODEL, STEP, gs, torch.tensor(True), **case) == 0
+        outs = (_nan_like(p), _nan_like(bufs) if mom else None, _nan_like(model))
+        step_out = torch.full((), -1.0)
+        assert emu.sgd_out(grads, p, bufs, model, outs, step, step_out, gs, torch.tensor(True), **case) == 0
+        for got, want in zip([t for ts in outs if ts for t in ts] + [step_out],
+                             [t for ts in (P, B or [], MODEL) for t in ts] + [STEP]):
+            _same_storage_bits(got, want)
+        upd = (_nan_like(p), _nan_like(bufs) if mom else None)
+        step_upd = torch.full((), -1.0)
+        assert emu.sgd_update(grads, p, bufs, upd, step, step_upd, gs, **case) == 0
+        for d, new_p, old_p in zip(upd[0], P, p):
+            _same_storage_bits(d, new_p - old_p)
+        for got, want in zip((upd[1] or []) + [step_upd], (B or []) + [STEP]):
+            _same_storage_bits(got, want)
+        for t, b in zip(inputs, before):
+            _same_storage_bits(t, b)
+        kw = {k: case[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")}
+        want = ops.sgd_update(p, grads, bufs, step, gs, **kw)
+        for got, ref in zip(upd[0], want[0]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for got, ref in zip(upd[1] or [], want[1]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        cpu_step = ops.sgd_step(p, grads, bufs, model, step, gs, torch.tensor(True), **kw)
+        for got, ref in zip(outs[0], cpu_step[0]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        if k == 0:
+            p, bufs, model, step = outs[0], outs[1], outs[2], step_out
+            continue
+        # without params: the in-place step from zeros
+        nowd = dict(case, weight_decay=0.0)
+        Z, BZ, SZ = [torch.zeros(t.shape) for t in p], _clones(bufs), step.clone()
+        assert emu.sgd(grads, Z, BZ, None, SZ, gs, torch.tensor(True), **nowd) == 0
+        upd0 = (_nan_like(p), _nan_like(bufs) if mom else None)
+        assert emu.sgd_update(grads, None, bufs, upd0, step, None, gs, **nowd) == 0
+        for got, want_ in zip(upd0[0] + (upd0[1] or []), Z + (BZ or [])):
+            _same_storage_bits(got, want_)
+    assert float(step_out) == 2.0
+
+
+def test_emulated_pure_skipped_step_returns_the_inputs_bit_for_bit(emu):
+    gen = _cpu_gen(13)
+    sizes = [1, 7, CHUNK + 5]
+    grads = _leaves(sizes, torch.float16, gen)
+    _poison(grads[1], gen, 2)
+    p, m = _leaves(sizes, torch.float32, gen), _leaves(sizes, torch.float32, gen)
+    v, vmax = _leaves(sizes, torch.float32, gen, positive=True), _leaves(sizes, torch.float32, gen, positive=True)
+    model = _leaves(sizes, torch.float16, gen)
+    model[0].view(torch.int16)[0] = 0x7D01  # a signalling NaN with a payload: copied, not converted
+    p[2][3] = -0.0
+    step, no, gs = torch.tensor(7.0), torch.tensor(False), torch.tensor(1.0)
+    inputs = p + m + v + vmax + model + [step]
+    before = _clones(inputs)
+
+    outs = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax), _nan_like(model))
+    step_out = torch.full((), -1.0)
+    assert emu.adam_out(grads, p, m, v, vmax, model, outs, step, step_out, gs, no, amsgrad=True, adamw=True,
+                        weight_decay=0.1) == 0
+    for got, want in zip([t for ts in outs for t in ts] + [step_out], p + m + v + vmax + model + [step]):
+        _same_storage_bits(got, want)
+
+    upd = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax))
+    step_upd = torch.full((), -1.0)
+    assert emu.adam_update(grads, p, m, v, vmax, upd, step, step_upd, gs, no, amsgrad=True) == 0
+    for d in upd[0]:
+        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))  # +0: apply_updates keeps the params
+    for got, want in zip([t for ts in upd[1:] for t in ts] + [step_upd], m + v + vmax + [step]):
+        _same_storage_bits(got, want)
+
+    souts = (_nan_like(p), _nan_like(m), _nan_like(model))
+    step_out = torch.full((), -1.0)
+    assert emu.sgd_out(grads, p, m, model, souts, step, step_out, gs, no, momentum=0.9) == 0
+    for got, want in zip([t for ts in souts for t in ts] + [step_out], p + m + model + [step]):
+        _same_storage_bits(got, want)
+    supd = (_nan_like(p), _nan_like(m))
+    assert emu.sgd_update(grads, p, m, supd, step, step_out, gs, no, momentum=0.9) == 0
+    for d in supd[0]:
+        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))
+    for got, want in zip(supd[1] + [step_out], m + [step]):
+        _same_storage_bits(got, want)
+    for t, b in zip(inputs, before):
+        _same_storage_bits(t, b)
+
+
+def test_emulated_pure_adam_step_with_every_list_spans_several_launches(emu):
+    # Adam out of place with amsgrad and a model copy is the deepest launch (11 lists): about 177
+    # leaves fit in one argument block, so 180 leaves take two launches.
+    gen = _cpu_gen(14)
+    sizes = [1 + (i * 53) % 300 for i in range(180)]
+    grads = _leaves(sizes, torch.bfloat16, gen, 64.0)
+    p, m = _leaves(sizes, torch.float32, gen), _leaves(sizes, torch.float32, gen, 0.01)
+    v, vmax = (_leaves(sizes, torch.float32, gen, 0.01, positive=True) for _ in range(2))
+    model = _leaves(sizes, torch.bfloat16, gen)
+    step, gs, yes = torch.tensor(4.0), torch.tensor(1.0 / 64.0), torch.tensor(True)
+    hyper = dict(lr=1e-2, weight_decay=0.1, adamw=True, amsgrad=True)
+    P, M, V, VMAX, MODEL, STEP = _clones(p), _clones(m), _clones(v), _clones(vmax), _clones(model), step.clone()
+    assert emu.adam(grads, P, M, V, VMAX, MODEL, STEP, gs, yes, **hyper) == 0
+    outs = (_nan_like(p), _nan_like(m), _nan_like(v), _nan_like(vmax), _nan_like(model))
+    step_out = torch.full((), -1.0)
+    assert emu.adam_out(grads, p, m, v, vmax, model, outs, step, step_out, gs, yes, **hyper) == 0
+    for got, want in zip([t for ts in outs for t in ts] + [step_out], P + M + V + VMAX + MODEL + [STEP]):
+        _same_storage_bits(got, want)
+
+
+def test_emulated_pure_launchers_refuse_bad_arguments(emu):
+    assert emu.lib.ampfunc_cuda_abi_version() == 2
+    x = [torch.ones(5)]
+    g, step, one, yes = [torch.ones(5)], torch.zeros(()), torch.ones(()), torch.tensor(True)
+    outs = ([torch.empty(5)], [torch.empty(5)], [torch.empty(5)], None, None)
+    # a model copy needs both its input (the skip value) and its output
+    assert emu.adam_out(g, x, x, x, None, [torch.ones(5, dtype=torch.float16)], outs, step, None, one, yes) \
+        == CUDA_INVALID_VALUE
+    assert emu.adam_out(g, x, x, x, None, None, outs[:4] + ([torch.empty(5, dtype=torch.float16)],), step, None,
+                        one, yes) == CUDA_INVALID_VALUE
+    assert emu.adam_out(g, x, x, x, x, None, outs, step, None, one, yes, amsgrad=True) == CUDA_INVALID_VALUE
+    assert emu.adam_update(g, x, x, x, None, ([torch.empty(5)], None, [torch.empty(5)], None), step, None, one) \
+        == CUDA_INVALID_VALUE  # no exp_avgs_out
+    assert emu.sgd_update(g, x, x, ([torch.empty(5)], None), step, None, one, momentum=0.9) == CUDA_INVALID_VALUE
+    assert emu.sgd_out(g, x, None, None, ([torch.empty(5)], None, None), None, torch.empty(()), one, yes) \
+        == CUDA_INVALID_VALUE  # step_out without step
+    before = [t.clone() for t in x + g + [step]]
+    assert emu.sgd_out(g, x, None, None, (None, None, None), None, None, one, yes) == CUDA_INVALID_VALUE
+    for t, b in zip(x + g + [step], before):
+        _same_storage_bits(t, b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1169,7 +1469,7 @@ def test_mixed_precision_step_never_syncs_with_the_host(cuda_backend, pure):
 
 # ----------------------------------------------------------------------------------------------
 # The ops added for the pure optimizers and the robust norm, on CUDA, against the CPU kernels
-# (the CUDA updates are copy + in-place kernel + subtraction: within fp32 rounding of the CPU's)
+# (the CUDA updates are one pass, the in-place kernels' arithmetic: within fp32 rounding of the CPU's)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1217,6 +1517,151 @@ def test_cuda_pure_updates_match_the_cpu_kernels(kind, with_params):
     for a, b in pairs:
         assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
     assert float(got[-1]) == 4.0
+
+
+# The pure step and the pure update on CUDA are one pass each (the launchers' out-of-place and
+# delta modes), running the in-place kernel's per-element code: bit for bit the in-place step's
+# numbers (updates: its new params minus the params, one fp32 subtraction), within fp32 rounding
+# of the CPU kernels'.
+
+def _gpu_leaves(shapes, gen, dtypes, scale=1.0, positive=False):
+    out = []
+    for i, s in enumerate(shapes):
+        numel = 1
+        for d in s:
+            numel *= d
+        x = _rand(numel, torch.float32, gen, scale)
+        out.append((x.abs() if positive else x).to(dtypes[i % len(dtypes)]).reshape(s))
+    return out
+
+
+def _gpu_same_bits(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device.type == "cuda"
+        assert torch.equal(_bits(a), _bits(b))
+
+
+GRAD_MIXES = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "mixed": DTYPES}  # mixed: several dtype groups
+
+
+@needs_cuda
+@pytest.mark.parametrize("grads_kind", list(GRAD_MIXES))
+@pytest.mark.parametrize("case", ADAM_CASES, ids=["adam", "adam-l2", "adamw", "adamw-ams-max", "adam-ams-b1low"])
+def test_cuda_pure_adam_step_and_update_are_the_in_place_step_bit_for_bit(cuda_backend, case, grads_kind):
+    gen = _gen(21)
+    ams = case["amsgrad"]
+    kw = _ops_adam_kw(case)
+    p = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32])
+    m = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32], 0.01)
+    v = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32], 0.01, positive=True)
+    vmax = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32], 0.02, positive=True) if ams else None
+    model = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float16, torch.bfloat16])
+    step = torch.zeros((), device="cuda")
+    for k in range(2):
+        grads = _gpu_leaves(UPDATE_SHAPES, gen, GRAD_MIXES[grads_kind], 8.0)
+        gs, yes = torch.tensor(0.125, device="cuda"), torch.tensor(True, device="cuda")
+        inputs = [t for ts in (p, m, v, vmax or [], model, [step]) for t in ts]
+        before = [t.clone() for t in inputs]
+        P, M, V = [t.clone() for t in p], [t.clone() for t in m], [t.clone() for t in v]
+        VMAX, MODEL, STEP = [t.clone() for t in vmax] if ams else None, [t.clone() for t in model], step.clone()
+        ops.adam_step_(P, grads, M, V, VMAX, MODEL, STEP, gs, yes, **kw)
+        new = ops.adam_step(p, grads, m, v, vmax, model, step, gs, yes, **kw)
+        _gpu_same_bits(new[0] + new[1] + new[2] + new[3] + new[4] + [new[5]],
+                       P + M + V + (VMAX or []) + MODEL + [STEP])
+        d, nm, nv, nvmax, nstep = ops.adam_update(p, grads, m, v, vmax, step, gs, **kw)
+        _gpu_same_bits(d + nm + nv + nvmax + [nstep], [a - b for a, b in zip(P, p)] + M + V + (VMAX or []) + [STEP])
+        _gpu_same_bits(inputs, before)  # only read
+        # the CPU kernels, within fp32 rounding
+        cpu = lambda ts: None if ts is None else [t.cpu() for t in ts]  # noqa: E731
+        want = ops.adam_step(cpu(p), cpu(grads), cpu(m), cpu(v), cpu(vmax), cpu(model), step.cpu(), gs.cpu(),
+                             yes.cpu(), **kw)
+        for a, b in zip(new[0] + new[1] + new[2], want[0] + want[1] + want[2]):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+        want_d = ops.adam_update(cpu(p), cpu(grads), cpu(m), cpu(v), cpu(vmax), step.cpu(), gs.cpu(), **kw)[0]
+        for a, b in zip(d, want_d):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+        if k == 1:  # without params: the in-place step from zeros
+            nowd = dict(kw, weight_decay=0.0)
+            Z, MZ, VZ = [torch.zeros_like(t) for t in p], [t.clone() for t in m], [t.clone() for t in v]
+            VMZ, SZ = [t.clone() for t in vmax] if ams else None, step.clone()
+            ops.adam_step_(Z, grads, MZ, VZ, VMZ, None, SZ, gs, yes, **nowd)
+            d0, m0, v0, vmax0, _ = ops.adam_update(None, grads, m, v, vmax, step, gs, **nowd)
+            _gpu_same_bits(d0 + m0 + v0 + vmax0, Z + MZ + VZ + (VMZ or []))
+        p, m, v, vmax, model, step = new[0], new[1], new[2], new[3] if ams else None, new[4], new[5]
+    assert float(step) == 2.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("grads_kind", list(GRAD_MIXES))
+@pytest.mark.parametrize("case", SGD_CASES, ids=["momentum-damp-wd", "nesterov", "plain-max"])
+def test_cuda_pure_sgd_step_and_update_are_the_in_place_step_bit_for_bit(cuda_backend, case, grads_kind):
+    gen = _gen(22)
+    mom = case["momentum"] != 0
+    p = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32])
+    bufs = [torch.zeros_like(t) for t in p] if mom else None
+    model = _gpu_leaves(UPDATE_SHAPES, gen, [torch.bfloat16, torch.float16])
+    step = torch.zeros((), device="cuda")
+    for k in range(2):
+        grads = _gpu_leaves(UPDATE_SHAPES, gen, GRAD_MIXES[grads_kind], 8.0)
+        gs, yes = torch.tensor(0.125, device="cuda"), torch.tensor(True, device="cuda")
+        inputs = [t for ts in (p, bufs or [], model, [step]) for t in ts]
+        before = [t.clone() for t in inputs]
+        P, B = [t.clone() for t in p], [t.clone() for t in bufs] if mom else None
+        MODEL, STEP = [t.clone() for t in model], step.clone()
+        ops.sgd_step_(P, grads, B, MODEL, STEP, gs, yes, **case)
+        new = ops.sgd_step(p, grads, bufs, model, step, gs, yes, **case)
+        _gpu_same_bits(new[0] + new[1] + new[2] + [new[3]], P + (B or []) + MODEL + [STEP])
+        d, nb, nstep = ops.sgd_update(p, grads, bufs, step, gs, **case)
+        _gpu_same_bits(d + nb + [nstep], [a - b for a, b in zip(P, p)] + (B or []) + [STEP])
+        _gpu_same_bits(inputs, before)
+        cpu = lambda ts: None if ts is None else [t.cpu() for t in ts]  # noqa: E731
+        want = ops.sgd_step(cpu(p), cpu(grads), cpu(bufs), cpu(model), step.cpu(), gs.cpu(), yes.cpu(), **case)
+        for a, b in zip(new[0] + new[1], want[0] + want[1]):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+        if k == 1:
+            nowd = dict(case, weight_decay=0.0)
+            Z, BZ, SZ = [torch.zeros_like(t) for t in p], [t.clone() for t in bufs] if mom else None, step.clone()
+            ops.sgd_step_(Z, grads, BZ, None, SZ, gs, yes, **nowd)
+            d0, b0, _ = ops.sgd_update(None, grads, bufs, step, gs, **nowd)
+            _gpu_same_bits(d0 + b0, Z + (BZ or []))
+        p, bufs, model, step = new[0], new[1] if mom else None, new[2], new[3]
+    assert float(step) == 2.0
+
+
+@needs_cuda
+def test_cuda_pure_skipped_step_returns_the_inputs_bit_for_bit(cuda_backend):
+    gen = _gen(23)
+    p = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32])
+    m = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32])
+    v = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float32], positive=True)
+    vmax = [x + 1 for x in v]
+    model = _gpu_leaves(UPDATE_SHAPES, gen, [torch.float16, torch.bfloat16])
+    model[2].view(torch.int16)[0] = 0x7D01  # fp16 signalling NaN with a payload: copied, not converted
+    grads = _gpu_leaves(UPDATE_SHAPES, gen, DTYPES)
+    _poison(grads[-1].view(-1), gen, 3)
+    gs, no, step = torch.ones((), device="cuda"), torch.tensor(False, device="cuda"), torch.tensor(5.0, device="cuda")
+    new = ops.adam_step(p, grads, m, v, vmax, model, step, gs, no, lr=1e-2, amsgrad=True, weight_decay=0.1,
+                        decoupled_weight_decay=True)
+    _gpu_same_bits(new[0] + new[1] + new[2] + new[3] + new[4] + [new[5]], p + m + v + vmax + model + [step])
+    new = ops.sgd_step(p, grads, m, model, step, gs, no, lr=0.1, momentum=0.9, weight_decay=0.1)
+    _gpu_same_bits(new[0] + new[1] + new[2] + [new[3]], p + m + model + [step])
+
+
+@needs_cuda
+def test_cuda_steps_over_empty_leaves_only_move_the_step(cuda_backend):
+    # a dtype group whose leaves are all empty launches nothing (its pointer arrays are empty)
+    e = [torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda")]
+    ge = [torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, 3, device="cuda")]
+    gs, yes, no = torch.ones((), device="cuda"), torch.tensor(True, device="cuda"), torch.tensor(False, device="cuda")
+    for finite, moved in ((yes, 1.0), (no, 0.0)):
+        step = torch.zeros((), device="cuda")
+        ops.adam_step_(e, ge, e, e, e, e, step, gs, finite, lr=0.1, amsgrad=True)
+        ops.sgd_step_(e, ge, e, e, step, gs, finite, lr=0.1, momentum=0.9)
+        assert float(step) == 2 * moved
+        assert float(ops.adam_step(e, ge, e, e, e, e, step, gs, finite, lr=0.1, amsgrad=True)[5]) == 3 * moved
+        assert float(ops.sgd_step(e, ge, e, e, step, gs, finite, lr=0.1, momentum=0.9)[3]) == 3 * moved
+    assert float(ops.adam_update(e, ge, e, e, e, step, gs, lr=0.1, amsgrad=True)[4]) == 1.0
+    assert float(ops.sgd_update(e, ge, e, step, gs, lr=0.1, momentum=0.9)[2]) == 1.0
 
 
 @needs_cuda

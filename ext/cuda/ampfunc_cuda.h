@@ -48,8 +48,9 @@ extern "C" {
 /* Elements per multi-tensor-apply chunk (one thread block per chunk). */
 #define AMPFUNC_CUDA_CHUNK 65536
 
-/* Version of this ABI; bumped only by backward-compatible additions. */
-#define AMPFUNC_CUDA_ABI_VERSION 1
+/* Version of this ABI; bumped only by backward-compatible additions.
+ * 2: the out-of-place steps and the pure updates (ampfunc_cuda_*_step_out, ampfunc_cuda_*_update). */
+#define AMPFUNC_CUDA_ABI_VERSION 2
 int ampfunc_cuda_abi_version(void);
 
 const char* ampfunc_cuda_error_string(int status);
@@ -162,6 +163,61 @@ int ampfunc_cuda_sgd_step(int n, const void* const* grads, int grad_dtype, void*
                           const int64_t* numels, const float* grad_scale, const uint8_t* finite,
                           const float* lr_tensor, float* step, int increment_step,
                           const AmpfuncSgdHyper* hyper, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------
+ * Out-of-place steps and pure updates: the kernels above with separate destinations, one pass.
+ *
+ * The *_step_out launchers (the pure step) read params, the state lists and model_copies and
+ * write params_out, the *_out state lists and model_copies_out: new p, m, v (+ vmax, + copy),
+ * the in-place launcher's numbers bit for bit (the same per-element code runs). model_copies and
+ * model_copies_out are given together or not at all (model_copies supplies the values of a
+ * skipped step). When *finite is 0 every output is a bit-for-bit copy of its input.
+ *
+ * The *_update launchers (the pure optax-style update) write `updates` (fp32 list):
+ * updates = new_p - p, with new_p the in-place launcher's result (one fp32 subtraction, as
+ * torch's sub), and the new state lists; there is no model copy. `params` may be NULL: the
+ * params are then taken as zeros, so the update is the step term alone (weight decay then has
+ * no effect). When *finite is 0 (finite may be NULL) the updates are +0 and the new state
+ * lists copy the old ones.
+ *
+ * Inputs are only read; the outputs must not overlap the inputs or each other. `step` (device
+ * fp32, t = *step + 1) is only read; step_out (may be NULL, then untouched) receives
+ * *step + 1, or *step on a skipped step, after every kernel of the call has read *step. A
+ * caller covering several dtype groups passes step_out on the last call only.
+ * Cost: one read of every input element, one write of every output element; one launch per
+ * argument block + one for step_out.
+ * ------------------------------------------------------------------------------------------ */
+int ampfunc_cuda_adam_step_out(int n, const void* const* grads, int grad_dtype, const void* const* params,
+                               const void* const* exp_avgs, const void* const* exp_avg_sqs,
+                               const void* const* max_exp_avg_sqs, const void* const* model_copies,
+                               void* const* params_out, void* const* exp_avgs_out, void* const* exp_avg_sqs_out,
+                               void* const* max_exp_avg_sqs_out, void* const* model_copies_out, int model_dtype,
+                               const int64_t* numels, const float* grad_scale, const uint8_t* finite,
+                               const float* lr_tensor, const float* step, float* step_out,
+                               const AmpfuncAdamHyper* hyper, cudaStream_t stream);
+
+int ampfunc_cuda_adam_update(int n, const void* const* grads, int grad_dtype, const void* const* params,
+                             const void* const* exp_avgs, const void* const* exp_avg_sqs,
+                             const void* const* max_exp_avg_sqs, void* const* updates, void* const* exp_avgs_out,
+                             void* const* exp_avg_sqs_out, void* const* max_exp_avg_sqs_out, const int64_t* numels,
+                             const float* grad_scale, const uint8_t* finite, const float* lr_tensor,
+                             const float* step, float* step_out, const AmpfuncAdamHyper* hyper,
+                             cudaStream_t stream);
+
+/* momentum_bufs / momentum_bufs_out: required when momentum != 0 (then `step` too), ignored
+ * otherwise. */
+int ampfunc_cuda_sgd_step_out(int n, const void* const* grads, int grad_dtype, const void* const* params,
+                              const void* const* momentum_bufs, const void* const* model_copies,
+                              void* const* params_out, void* const* momentum_bufs_out, void* const* model_copies_out,
+                              int model_dtype, const int64_t* numels, const float* grad_scale,
+                              const uint8_t* finite, const float* lr_tensor, const float* step, float* step_out,
+                              const AmpfuncSgdHyper* hyper, cudaStream_t stream);
+
+int ampfunc_cuda_sgd_update(int n, const void* const* grads, int grad_dtype, const void* const* params,
+                            const void* const* momentum_bufs, void* const* updates, void* const* momentum_bufs_out,
+                            const int64_t* numels, const float* grad_scale, const uint8_t* finite,
+                            const float* lr_tensor, const float* step, float* step_out,
+                            const AmpfuncSgdHyper* hyper, cudaStream_t stream);
 
 /* ------------------------------------------------------------------------------------------
  * Dynamic loss-scale update, one thread, same rule as ampfunc.ops._ref_update_scale:

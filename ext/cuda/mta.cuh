@@ -24,9 +24,11 @@ static_assert(kChunk % kVec == 0, "chunks must keep vector alignment");
 // our targets), which lets one launch cover hundreds of small leaves instead of ~30; older
 // toolkits keep the classic 4 KB. Define AMPFUNC_CUDA_SMALL_PARAMS to force the 4 KB layout.
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010 && !defined(AMPFUNC_CUDA_SMALL_PARAMS)
-constexpr int kMetaBytes = 30000;  // leaves ~2.7 KB for the other kernel arguments
+constexpr int kParamBytes = 32764;  // the hardware/toolkit limit on one launch's arguments
+constexpr int kMetaBytes = 30000;   // leaves ~2.7 KB for the other kernel arguments
 constexpr int kMaxBlocks = 2048;
 #else
+constexpr int kParamBytes = 4096;
 constexpr int kMetaBytes = 3600;
 constexpr int kMaxBlocks = 256;
 #endif
@@ -52,6 +54,13 @@ struct TensorListMeta {
   int32_t block_chunk[kMaxBlocks];
   uint16_t block_tensor[kMaxBlocks];
 };
+
+// Whether a kernel taking (TensorListMeta<DEPTH>, Args) by value stays under the argument
+// limit: kMetaBytes bounds the packed fields, alignment padding and Args take the rest.
+template <int DEPTH, class Args>
+constexpr bool fits_kernel_params() {
+  return sizeof(TensorListMeta<DEPTH>) + sizeof(Args) <= static_cast<size_t>(kParamBytes);
+}
 
 inline int64_t num_chunks(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
