@@ -558,8 +558,8 @@ def sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, fi
     ``model_params`` are given (they supply the dtypes of the model copy, and its values when the
     step is skipped). When ``finite`` is false the outputs are copies of the inputs and
     ``new_step`` equals ``step``. Cost: the in-place op's traffic, one pass, with the writes going
-    to new (contiguous) tensors; a skipped step costs one copy instead. No host sync (on CUDA the
-    state is copied first and the in-place kernel runs on the copy: one more read and write).
+    to new (contiguous) tensors; a skipped step costs one copy instead. No host sync; on CUDA the
+    same one pass (the in-place kernel's arithmetic, written to the new tensors).
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
@@ -590,8 +590,8 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_param
     ``new_max_exp_avg_sqs`` is empty without ``amsgrad`` and ``new_model_params`` when no
     ``model_params`` are given. When ``finite`` is false the outputs are copies of the inputs and
     ``new_step`` equals ``step``. Cost: reads g, p, m, v, writes new p, m, v (+ model copy) in one
-    pass -- the in-place op's traffic; a skipped step costs one copy instead. No host sync (on
-    CUDA the state is copied first and the in-place kernel runs on the copy).
+    pass -- the in-place op's traffic; a skipped step costs one copy instead. No host sync; on
+    CUDA the same one pass (the in-place kernel's arithmetic, written to the new tensors).
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
@@ -758,7 +758,7 @@ def sgd_update(params, grads, momentum_buffers, step, grad_scale=None, *, lr, we
     multiplied by ``grad_scale`` (0-d fp32; a clip coefficient; None: 1) first. fp32 ``params``
     and buffers are only read; ``new_step`` is ``step + 1``. ``lr`` is a float or a 0-d fp32
     tensor on the device (a schedule's value). Cost: reads g, p (+ buffer), writes the updates
-    (+ new buffer), one pass; no host sync (CUDA: copies + the in-place kernel + a subtraction).
+    (+ new buffer), one pass on CPU and CUDA; no host sync.
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
@@ -827,7 +827,7 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, gra
     ``grad_scale`` (0-d fp32, e.g. a clip coefficient; None: 1) first; the bias corrections use
     ``step + 1``, returned as ``new_step``. The inputs are only read. ``new_max_exp_avg_sqs`` is
     empty without ``amsgrad``. Cost: reads g, p, m, v; writes the updates and new m, v in one pass
-    (new tensors); no host sync (CUDA: copies + the in-place kernel + a subtraction).
+    (new tensors), on CPU and CUDA; no host sync.
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
