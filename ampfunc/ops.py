@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import os
 import re
 from typing import Sequence
@@ -49,6 +50,8 @@ __all__ = [
     "kernel_ready",
     "empty_cache",
     "pool_stats",
+    "grads_of",
+    "clear_grads",
 ]
 
 
@@ -105,6 +108,27 @@ def _call(name: str, *args):
         if out is not NotImplemented:
             return out
     return getattr(torch.ops.ampfunc, name)(*args)
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def grads_of(params: list) -> list:
+    """``[p.grad for p in params]`` (None where a param has none), read in C by the compiled
+    library when it is loaded. Cost: about 20 ns a param (0.2 us in Python); no host sync."""
+    door = _DIRECT[0]
+    return door.grads_of(params) if door is not None and type(params) is list else list(map(_GRAD, params))
+
+
+def clear_grads(params: list) -> None:
+    """``p.grad = None`` for every param, in C when the compiled library is loaded. Cost: as
+    :func:`grads_of`; no host sync."""
+    door = _DIRECT[0]
+    if door is not None and type(params) is list:
+        door.clear_grads(params)
+        return
+    for p in params:
+        p.grad = None
 
 
 def empty_cache() -> int:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ampfunc import ops
 from ampfunc.engine import Engine, MixedPrecisionState
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
@@ -46,7 +47,6 @@ class TrainerState(NamedTuple):
     skipped: Optional[torch.Tensor] = None
 
 
-_GRAD = operator.attrgetter("grad")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class ModuleTrainer:
 
     def _grads(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # map() reads 10,000 .grad attributes at C speed; the rare missing one is filled after.
-        grads = list(map(_GRAD, self._plist))
+        grads = ops.grads_of(self._plist)
         if any(map(operator.is_, grads, repeat(None))):
             grads = [torch.zeros_like(params[n]) if g is None else g for n, g in zip(self._names, grads)]
         if self._sharded:
@@ -194,8 +194,7 @@ class ModuleTrainer:
         _, mp = self._engine.step_(params, grads, mp, trust_grads=True)
         self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         if self.set_grads_to_none:
-            for p in self._plist:
-                p.grad = None
+            ops.clear_grads(self._plist)
         return mp.finite.clone()  # the state's flag is overwritten by the next step
 
     def state_dict(self) -> dict:

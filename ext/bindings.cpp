@@ -1712,6 +1712,32 @@ bool kernel_ready(const py::tuple& plain_types, int64_t where, bool grad_on, con
   return all_ok(fp32_lists, true) && all_ok(float_lists, false);
 }
 
+// [p.grad for p in params] and `for p in params: p.grad = None`, for ModuleTrainer: at C speed
+// (a Python attribute access on a Parameter costs ~0.2 us; 10,000 of them twice a step add up).
+py::list grads_of(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  py::list out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(params.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: grads_of takes a list of tensors");
+    const Tensor& g = THPVariable_Unpack(o).grad();
+    PyObject* w = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
+    if (!w) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), i, w);
+  }
+  return out;
+}
+
+void clear_grads(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(PyList_GET_ITEM(params.ptr(), i))) {
+      throw py::type_error("ampfunc: clear_grads takes a list of tensors");
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad().reset();
+}
+
 py::object pool_stats() {
   auto [cached, limit, hits, misses] = OutputPool::get().stats();
   py::dict d;
@@ -1814,6 +1840,8 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);
     m.def("kernel_ready", &direct::kernel_ready);
+    m.def("grads_of", &direct::grads_of);
+    m.def("clear_grads", &direct::clear_grads);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
     return m.release().ptr();

@@ -229,3 +229,19 @@ def test_AMPFUNC_CPU_POOL_MB_0_turns_the_pool_off():
     env = {**os.environ, "AMPFUNC_CPU_POOL_MB": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_grads_of_and_clear_grads_read_and_drop_dot_grad_as_python_does():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model(torch.randn(5, 3)).sum().backward()
+    params = list(model.parameters())
+    params[-1].grad = None
+    got = ops.grads_of(params)
+    assert [g is p.grad for g, p in zip(got, params)] == [True] * len(params)
+    assert got[-1] is None
+    ops.clear_grads(params)
+    assert all(p.grad is None for p in params)
+    with pytest.raises(TypeError):
+        ops.grads_of([params[0], 1.0])
+    with pytest.raises(TypeError):
+        ops.clear_grads([params[0], "x"])
