@@ -26,7 +26,9 @@ Sections:
           af.adamw().update + af.apply_updates (<= 1.5x), mixed_precision(...).step (<= 1.3x),
           .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
           clip against torch's AdamW(fused) + GradScaler + clip_grad_norm_ (>= 1.6x faster), and
-          10,000 tensors against 200 (step_ and update + apply_updates, <= 1.2x).
+          10,000 tensors against 200 (step_ and update + apply_updates, <= 1.2x). The rows are
+          timed round by round (each round times every row three times in a row), so drift in
+          the machine's speed hits every row alike.
 
     python benchmarks/bench_step.py --only e       # section (e) alone
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -81,6 +84,28 @@ class Timer:
             fn()
             self.sync()
             out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def interleaved(self, fns: dict, block: int = 3) -> dict:
+        """Times every function of ``fns`` ``block`` times in a row per round, round after round
+        (``reps`` rounds): a change in the machine's speed during the run (other jobs on shared
+        cores) hits every row alike, so the ratios between rows hold even when the absolute times
+        drift, while each row still runs a few steps back to back as a training loop does."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        self.sync()
+        out = {name: [] for name in fns}
+        for _ in range(self.reps):
+            for name, fn in fns.items():
+                # A full collection before each timed call (untimed): a row pays for the cyclic
+                # GC that its own allocations trigger, not for the garbage of the row before.
+                gc.collect()
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    fn()
+                    self.sync()
+                    out[name].append((time.perf_counter() - t0) * 1e3)
         return out
 
 
@@ -396,44 +421,52 @@ def main(argv=None):
 
 def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     """(e): every path of issue 8 against torch AdamW(fused=True).step() alone, same run."""
-    table.section(f"(e) every path, {n_few} tensors / {total / 2**20:.1f}M elements fp32; ratio = time / torch "
-                  f"AdamW(fused) alone")
     sizes = tree_sizes(total, n_few)
     params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
     fresh = lambda: {k: v.clone() for k, v in params.items()}  # noqa: E731
-    t0 = table.add("torch AdamW(fused=True).step() alone",
-                   timer(torch_step(params, grads, device, fused=True, clip=False, scaler=False)), floor_ms)
-
-    def row(name, times, target=None, vs=None, vs_name=""):
-        med = statistics.median(times)
-        note = f"{med / t0:5.2f}x torch alone"
-        if target is not None:
-            note += f" (target <= {target}x)"
-        if vs is not None:
-            note = f"{vs / med:5.2f}x faster than {vs_name} (target >= 1.6x)"
-        table.add(name, times, floor_ms, None, note)
-        return med
-
-    t_upd = row("af.adamw(1e-3).update + af.apply_updates (pure)", timer(pure_update_step(fresh(), grads)), 1.5)
-    row("mixed_precision(adamw, NoOpLossScale()).step (pure)", timer(mixed_step(fresh(), grads, False)), 1.3)
-    t_few = row("mixed_precision(adamw, NoOpLossScale()).step_ (in place)", timer(mixed_step(fresh(), grads, True)),
-                1.05)
-    row("ModuleTrainer(model, af.adamw(1e-3)).step()", timer(trainer_step(params, grads)), 1.1)
-    t_recipe = table.add("torch AdamW(fused) + GradScaler + clip_grad_norm_",
-                         timer(torch_step(params, grads, device, fused=True)), floor_ms, None,
-                         "the next row's baseline")
-    row("ModuleTrainer(chain(clip, adamw), loss_scale=DynamicLossScale)",
-        timer(trainer_step(params, grads, af.chain(af.clip_by_global_norm(MAX_NORM), af.adamw(LR)),
-                           af.DynamicLossScale(1.0, growth_interval=10**9))), vs=t_recipe, vs_name="torch's recipe")
-    del params, grads, fresh
-    sizes = tree_sizes(total, n_many)
-    params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
-    for name, fn, base in ((f".step_, {n_many} tensors", mixed_step(params, grads, True), t_few),
-                           (f"update + apply_updates, {n_many} tensors", pure_update_step(params, grads), t_upd)):
-        times = timer(fn)
-        table.add(name, times, floor_ms, None,
-                  f"{statistics.median(times) / base:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
-    del params, grads
+    many_sizes = tree_sizes(total, n_many)
+    mparams = make_tree(many_sizes, torch.float32, device)
+    mgrads = make_tree(many_sizes, torch.float32, device, seed=1)
+    # Every row in one round-robin: each round times each row once (see Timer.interleaved).
+    names = {
+        "torch": "torch AdamW(fused=True).step() alone",
+        "update": "af.adamw(1e-3).update + af.apply_updates (pure)",
+        "step": "mixed_precision(adamw, NoOpLossScale()).step (pure)",
+        "step_": "mixed_precision(adamw, NoOpLossScale()).step_ (in place)",
+        "trainer": "ModuleTrainer(model, af.adamw(1e-3)).step()",
+        "recipe": "torch AdamW(fused) + GradScaler + clip_grad_norm_",
+        "trainer_dls": "ModuleTrainer(chain(clip, adamw), loss_scale=DynamicLossScale)",
+        "many_step_": f".step_, {n_many} tensors",
+        "many_update": f"update + apply_updates, {n_many} tensors",
+    }
+    fns = {
+        "torch": torch_step(fresh(), grads, device, fused=True, clip=False, scaler=False),
+        "update": pure_update_step(fresh(), grads),
+        "step": mixed_step(fresh(), grads, False),
+        "step_": mixed_step(fresh(), grads, True),
+        "trainer": trainer_step(params, grads),
+        "recipe": torch_step(fresh(), grads, device, fused=True),
+        "trainer_dls": trainer_step(params, grads, af.chain(af.clip_by_global_norm(MAX_NORM), af.adamw(LR)),
+                                    af.DynamicLossScale(1.0, growth_interval=10**9)),
+        "many_step_": mixed_step(mparams, mgrads, True),
+        "many_update": pure_update_step({k: v.clone() for k, v in mparams.items()}, mgrads),
+    }
+    times = timer.interleaved(fns)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t0 = med["torch"]
+    table.section(f"(e) every path, {n_few} tensors / {total / 2**20:.1f}M elements fp32, rows interleaved round by "
+                  f"round; ratio = time / torch AdamW(fused) alone")
+    table.add(names["torch"], times["torch"], floor_ms)
+    for key, target in (("update", 1.5), ("step", 1.3), ("step_", 1.05), ("trainer", 1.1)):
+        table.add(names[key], times[key], floor_ms, None,
+                  f"{med[key] / t0:5.2f}x torch alone (target <= {target}x)")
+    table.add(names["recipe"], times["recipe"], floor_ms, None, "the next row's baseline")
+    table.add(names["trainer_dls"], times["trainer_dls"], floor_ms, None,
+              f"{med['recipe'] / med['trainer_dls']:5.2f}x faster than torch's recipe (target >= 1.6x)")
+    for key, base in (("many_step_", "step_"), ("many_update", "update")):
+        table.add(names[key], times[key], floor_ms, None,
+                  f"{med[key] / med[base]:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
+    del params, grads, mparams, mgrads, fns
 
 
 if __name__ == "__main__":
