@@ -341,9 +341,9 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
 
     def init() -> TrainState:
         if not ops._is_compiling():
-            # Load (build on first use) the compiled kernels now: a compiled step calls the ops
-            # directly, and whatever kernel is registered when the ops are first called serves
-            # them, so a step compiled before any eager op would run the reference kernels.
+            # Load (build on first use) the compiled kernels now, so the build is paid here and
+            # not inside the first run of a compiled step (whose first op call would otherwise
+            # load them: ops._loading_first).
             ops.load()
         params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))

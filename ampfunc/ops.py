@@ -172,13 +172,14 @@ def _ensure() -> None:
         load()
 
 
-def _as_list(xs) -> list:
-    return [] if xs is None else xs if type(xs) is list else list(xs)
-
-
 def _seq(xs):
     """A list or tuple as it is (the ops take either, and never keep it); anything else as a list."""
     return xs if type(xs) in (list, tuple) else list(xs)
+
+
+def _as_list(xs):
+    """:func:`_seq`, with None as the empty list (an optional list argument)."""
+    return [] if xs is None else _seq(xs)
 
 
 def _split_lr(lr):

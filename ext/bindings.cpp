@@ -1415,7 +1415,8 @@ class Args {
       ok = false;
       return nullptr;
     }
-    held_.push_back(py::reinterpret_borrow<py::object>(o));
+    Py_INCREF(o);
+    items_.push_back(o);
     any_tensor_ = true;
     return &THPVariable_Unpack(o);
   }
@@ -1488,8 +1489,7 @@ class Args {
   const py::args& a_;
   size_t i_ = 0;
   bool any_tensor_ = false;
-  std::vector<py::object> held_;
-  std::vector<PyObject*> items_;  // the list items held for the call
+  std::vector<PyObject*> items_;  // the tensors held for the call (one reference each)
 };
 
 void bump(const Tensors& ts) {
