@@ -34,7 +34,7 @@ import torch
 
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_unflatten
 
-__all__ = ["FlatTree", "flatten", "unflatten"]
+__all__ = ["FlatTree", "flatten", "unflatten", "zeros_packed"]
 
 
 class _Slot(NamedTuple):
@@ -168,3 +168,54 @@ def flatten(tree: PyTree) -> FlatTree:
 def unflatten(flat: FlatTree, buffers: Sequence[torch.Tensor] | None = None) -> PyTree:
     """``flat.unflatten(buffers)`` (``flat.tree`` when ``buffers`` is None)."""
     return flat.tree if buffers is None else flat.unflatten(buffers)
+
+
+# CPU views start on a 64-byte line: aligned vector loads and stores, and no line shared by two
+# leaves (two threads writing neighbouring leaves would contend for it). CUDA views tile their
+# buffer exactly, so that the CUDA glue can merge them back into one range.
+_CPU_ALIGN_ELEMS = 16
+
+
+def _packable(t) -> bool:
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() and t.layout == torch.strided
+            and t.is_contiguous() and t.device.type in ("cpu", "cuda")
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
+    """Zeros shaped like each float leaf of ``tree`` (in ``dtype``), as views of one new buffer
+    per device: an optimizer's moments laid out as one stream.
+
+    A kernel step over 10,000 separately allocated leaves reads each list as 10,000 short runs
+    scattered over the heap; over views of one buffer it reads one run. The views are ordinary
+    tensors (each its own version counter) that share one storage: ``torch.save`` of the whole
+    state stores it once, of a single leaf stores the whole buffer. Leaves that cannot be views
+    of a plain buffer (tensor subclasses such as ``DTensor``, ``torch.func`` wrappers,
+    non-contiguous or sparse tensors) and any leaf while a ``torch.compile`` trace or a
+    dispatch/function mode is active get their own ``torch.zeros_like``. Every leaf must be a
+    floating tensor (the optimizers validate their params first).
+
+    Returns:
+      The tree of zeros (same structure).
+
+    Cost: one allocation and one zero fill per device; no host sync.
+    """
+    leaves, spec = tree_flatten(tree)
+    modes = torch._C._is_torch_function_mode_enabled() or \
+        torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    packed = [not modes and isinstance(t, torch.Tensor) and _packable(t) for t in leaves]
+    totals: dict = {}
+    offsets: list = []
+    for t, ok in zip(leaves, packed):
+        if not ok:
+            offsets.append(None)
+            continue
+        align = _CPU_ALIGN_ELEMS if t.device.type == "cpu" else 1
+        at = totals.get(t.device, 0)
+        at = -(-at // align) * align
+        offsets.append(at)
+        totals[t.device] = at + t.numel()
+    buffers = {dev: torch.zeros(n, dtype=dtype, device=dev) for dev, n in totals.items()}
+    out = [buffers[t.device].narrow(0, off, t.numel()).view(t.shape) if off is not None
+           else torch.zeros_like(t, dtype=dtype) for t, off in zip(leaves, offsets)]
+    return tree_unflatten(spec, out)

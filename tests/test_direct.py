@@ -245,3 +245,25 @@ def test_grads_of_and_clear_grads_read_and_drop_dot_grad_as_python_does():
         ops.grads_of([params[0], 1.0])
     with pytest.raises(TypeError):
         ops.clear_grads([params[0], "x"])
+
+
+def test_new_optimizer_state_and_updates_are_views_of_one_block_per_list():
+    p, g = _tree(0), _tree(1)
+    m, v = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
+    one = torch.ones(())
+    updates, new_m, new_v, _, _ = ops.adam_update(p, g, m, v, None, torch.zeros(()), one, lr=1e-3)
+    for outs in (updates, new_m, new_v):
+        assert len({t.untyped_storage().data_ptr() for t in outs}) == 1  # one allocation per list
+        assert all(t.is_contiguous() and t.data_ptr() % 64 == 0 for t in outs)  # each on its own lines
+        assert [t.shape for t in outs] == [x.shape for x in p]
+    # ...yet each is a tensor of its own: writing one leaves its neighbours and their versions alone
+    before = [t.clone() for t in new_m]
+    versions = [t._version for t in new_m]
+    new_m[2].add_(1.0)
+    assert new_m[2]._version == versions[2] + 1
+    assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(new_m, before)) if i != 2)
+    assert [t._version for i, t in enumerate(new_m) if i != 2] == [x for i, x in enumerate(versions) if i != 2]
+    # the new params stay separate allocations (saving one param saves that param only)
+    new_p, *_ = ops.adam_step(p, g, m, v, None, None, torch.zeros(()), one, torch.ones((), dtype=torch.bool),
+                              lr=1e-3)
+    assert len({t.untyped_storage().data_ptr() for t in new_p}) == len(p)

@@ -92,3 +92,91 @@ def test_kernels_give_the_same_answer_on_a_buffer_and_on_its_views():
     views[321][-1] = float("nan")  # a view writes through to the buffer
     assert not bool(ops.check(flat.buffers)[0])
     assert ops.check(views, per_leaf=True)[2].nonzero().flatten().tolist() == [321]
+
+
+# -- optimizer state packed into one buffer (zeros_packed) --------------------------------------
+
+import io  # noqa: E402
+
+import ampfunc as af  # noqa: E402
+from ampfunc.flat import zeros_packed  # noqa: E402
+
+
+def _many(n=37):
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.w": torch.randn(3 + i % 5, 2 + i % 3, generator=g) for i in range(n)}
+
+
+def test_adam_moments_are_views_of_one_aligned_buffer_per_moment():
+    params = _many()
+    state = af.adamw(1e-3).init(params)
+    for moment in (state.exp_avg, state.exp_avg_sq):
+        leaves = list(moment.values())
+        assert all(float(t.abs().sum()) == 0.0 and t.dtype == torch.float32 for t in leaves)
+        assert [t.shape for t in leaves] == [p.shape for p in params.values()]
+        storage = {t.untyped_storage().data_ptr() for t in leaves}
+        assert len(storage) == 1  # one buffer
+        assert all(t.data_ptr() % 64 == 0 for t in leaves)  # every CPU view starts on a cache line
+    # the two moments are two buffers, not one
+    assert state.exp_avg["layer0.w"].untyped_storage().data_ptr() != \
+        state.exp_avg_sq["layer0.w"].untyped_storage().data_ptr()
+    # SGD's momentum buffers too
+    buf = af.sgd(0.1, momentum=0.9).init(params).momentum_buffer
+    assert len({t.untyped_storage().data_ptr() for t in buf.values()}) == 1
+
+
+def test_a_step_on_packed_moments_is_the_step_on_separate_ones_bit_for_bit():
+    params = _many()
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = af.mixed_precision(af.adamw(1e-2, weight_decay=0.1), af.NoOpLossScale())
+    packed = tx.init(params)
+    apart = tx.init(params)
+    apart = apart._replace(inner=apart.inner._replace(
+        exp_avg={k: v.clone() for k, v in packed.inner.exp_avg.items()},
+        exp_avg_sq={k: v.clone() for k, v in packed.inner.exp_avg_sq.items()}))
+    assert len({t.untyped_storage().data_ptr() for t in apart.inner.exp_avg.values()}) == len(params)
+    p1 = {k: v.clone() for k, v in params.items()}
+    p2 = {k: v.clone() for k, v in params.items()}
+    for _ in range(3):
+        tx.step_(p1, grads, packed)
+        tx.step_(p2, grads, apart)
+    assert all(torch.equal(p1[k], p2[k]) for k in params)
+    assert all(torch.equal(packed.inner.exp_avg_sq[k], apart.inner.exp_avg_sq[k]) for k in params)
+
+
+def test_packed_state_saves_once_and_resumes_bit_for_bit():
+    params = _many()
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = af.mixed_precision(af.adam(1e-2), af.NoOpLossScale())
+    state = tx.init(params)
+    params = {k: v.clone() for k, v in params.items()}
+    tx.step_(params, grads, state)
+    blob = io.BytesIO()
+    torch.save((params, state), blob)
+    blob.seek(0)
+    params2, state2 = torch.load(blob)
+    # still one buffer per moment after the round trip
+    assert len({t.untyped_storage().data_ptr() for t in state2.inner.exp_avg.values()}) == 1
+    tx.step_(params, grads, state)
+    tx.step_(params2, grads, state2)
+    assert all(torch.equal(params[k], params2[k]) for k in params)
+
+
+def test_leaves_that_cannot_be_views_of_a_plain_buffer_get_their_own_zeros():
+    w = torch.randn(4, 6)
+    tree = {"t": w.t(), "plain": torch.randn(5), "half": torch.randn(3, dtype=torch.float16)}
+    z = zeros_packed(tree)
+    assert z["t"].shape == (6, 4) and z["t"].stride() == w.t().stride()  # zeros_like keeps the layout
+    assert z["plain"].untyped_storage().data_ptr() == z["half"].untyped_storage().data_ptr()  # packed, fp32
+    assert z["half"].dtype == torch.float32
+    assert z["t"].untyped_storage().data_ptr() != z["plain"].untyped_storage().data_ptr()
+
+
+def test_init_under_vmap_gives_batched_zeros_not_a_shared_buffer():
+    params = {"w": torch.randn(5, 3), "b": torch.randn(5, 2)}  # a batch of 5 models
+    exp_avg = torch.func.vmap(lambda p: af.adam(1e-3).init(p).exp_avg)(params)
+    assert exp_avg["w"].shape == (5, 3) and exp_avg["b"].shape == (5, 2)
+    assert float(exp_avg["w"].abs().sum()) == 0.0
+    # a buffer made inside vmap would be unbatched and come back expanded (stride 0): every
+    # model's moments one shared memory
+    assert exp_avg["w"].stride()[0] != 0 and exp_avg["b"].stride()[0] != 0

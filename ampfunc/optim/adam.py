@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ampfunc import ops
+from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -100,7 +101,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
     def init(params):
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, kind)
-        zeros = lambda: tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)  # noqa: E731
+        zeros = lambda: zeros_packed(params)  # noqa: E731  (one buffer per moment: see zeros_packed)
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
@@ -210,7 +211,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def init(params):
         float_leaves_with_paths(params, "params")
-        zeros = lambda: tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)  # noqa: E731
+        zeros = lambda: zeros_packed(params)  # noqa: E731  (one buffer per moment: see zeros_packed)
         return AdamState(torch.zeros((), dtype=torch.float32, device=step_device(params)), zeros(), zeros(), None)
 
     def update(updates, state, params=None):

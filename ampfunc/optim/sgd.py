@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ampfunc import ops
+from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
     as_fp32,
     device_groups,
@@ -94,7 +95,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, "sgd")
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
-        buf = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params) if momentum != 0 else None
+        buf = zeros_packed(params) if momentum != 0 else None
         return SgdState(step, buf)
 
     def update(grads, state, params=None):
