@@ -28,13 +28,13 @@ kept as they are and appear unchanged in :attr:`FlatTree.tree`.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_unflatten
 
-__all__ = ["FlatTree", "flatten", "unflatten", "zeros_packed"]
+__all__ = ["FlatTree", "flatten", "unflatten", "zeros_packed", "copy_packed"]
 
 
 class _Slot(NamedTuple):
@@ -182,6 +182,30 @@ def _packable(t) -> bool:
             and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
+def _pack(leaves: list, dtypes: list, zeros: bool) -> list:
+    """Per leaf: a view of one new buffer per (device, dtype) (zero-filled, or uninitialized),
+    or None for a leaf that cannot be one (see :func:`zeros_packed`)."""
+    modes = torch._C._is_torch_function_mode_enabled() or \
+        torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    if modes:
+        return [None] * len(leaves)
+    totals: dict = {}
+    offsets: list = []
+    for t, dt in zip(leaves, dtypes):
+        if not (isinstance(t, torch.Tensor) and _packable(t)):
+            offsets.append(None)
+            continue
+        key = (t.device, dt)
+        align = _CPU_ALIGN_ELEMS if t.device.type == "cpu" else 1
+        at = -(-totals.get(key, 0) // align) * align
+        offsets.append(at)
+        totals[key] = at + t.numel()
+    new = torch.zeros if zeros else torch.empty
+    buffers = {key: new(n, dtype=key[1], device=key[0]) for key, n in totals.items()}
+    return [buffers[(t.device, dt)].narrow(0, off, t.numel()).view(t.shape) if off is not None else None
+            for t, dt, off in zip(leaves, dtypes, offsets)]
+
+
 def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
     """Zeros shaped like each float leaf of ``tree`` (in ``dtype``), as views of one new buffer
     per device: an optimizer's moments laid out as one stream.
@@ -198,24 +222,34 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
     Returns:
       The tree of zeros (same structure).
 
+    Example:
+      >>> state = zeros_packed({"w": torch.ones(2, 3), "b": torch.ones(3)})
+      >>> state["w"].untyped_storage().data_ptr() == state["b"].untyped_storage().data_ptr()
+      True
+
     Cost: one allocation and one zero fill per device; no host sync.
     """
     leaves, spec = tree_flatten(tree)
-    modes = torch._C._is_torch_function_mode_enabled() or \
-        torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
-    packed = [not modes and isinstance(t, torch.Tensor) and _packable(t) for t in leaves]
-    totals: dict = {}
-    offsets: list = []
-    for t, ok in zip(leaves, packed):
-        if not ok:
-            offsets.append(None)
-            continue
-        align = _CPU_ALIGN_ELEMS if t.device.type == "cpu" else 1
-        at = totals.get(t.device, 0)
-        at = -(-at // align) * align
-        offsets.append(at)
-        totals[t.device] = at + t.numel()
-    buffers = {dev: torch.zeros(n, dtype=dtype, device=dev) for dev, n in totals.items()}
-    out = [buffers[t.device].narrow(0, off, t.numel()).view(t.shape) if off is not None
-           else torch.zeros_like(t, dtype=dtype) for t, off in zip(leaves, offsets)]
+    views = _pack(leaves, [dtype] * len(leaves), zeros=True)
+    return tree_unflatten(spec, [v if v is not None else torch.zeros_like(t, dtype=dtype)
+                                 for t, v in zip(leaves, views)])
+
+
+def copy_packed(tree: PyTree, dtype_of: Callable[[torch.dtype], torch.dtype]) -> PyTree:
+    """A detached copy of every float leaf of ``tree`` in ``dtype_of(leaf.dtype)``, as views of
+    one new buffer per (device, dtype): fp32 master weights of fp16/bf16 params laid out as one
+    stream (see :func:`zeros_packed` for why and for the leaves that get their own copy).
+
+    Returns:
+      The tree of copies (same structure).
+
+    Cost: one allocation per (device, dtype) and one copy of every leaf; no host sync.
+    """
+    leaves, spec = tree_flatten(tree)
+    dtypes = [dtype_of(t.dtype) for t in leaves]
+    views = _pack(leaves, dtypes, zeros=False)
+    out = []
+    with torch.no_grad():
+        for t, dt, v in zip(leaves, dtypes, views):
+            out.append(v.copy_(t) if v is not None else t.detach().to(dt, copy=True))
     return tree_unflatten(spec, out)

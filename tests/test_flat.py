@@ -180,3 +180,17 @@ def test_init_under_vmap_gives_batched_zeros_not_a_shared_buffer():
     # a buffer made inside vmap would be unbatched and come back expanded (stride 0): every
     # model's moments one shared memory
     assert exp_avg["w"].stride()[0] != 0 and exp_avg["b"].stride()[0] != 0
+
+
+def test_copy_packed_copies_each_leaf_into_one_buffer_per_device_and_dtype():
+    from ampfunc.flat import copy_packed
+    tree = {"a": torch.randn(3, dtype=torch.float16), "b": torch.randn(5), "c": torch.randn(2, dtype=torch.float64),
+            "t": torch.randn(3, 2).t()}
+    out = copy_packed(tree, lambda d: torch.float32 if d.itemsize < 4 else d)
+    assert out["a"].dtype == torch.float32 and out["c"].dtype == torch.float64
+    assert all(torch.equal(out[k], tree[k].to(out[k].dtype)) for k in tree)
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()  # fp32 buffer
+    assert out["c"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()  # fp64 apart
+    assert out["t"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()  # non-contiguous apart
+    tree["b"].add_(1.0)
+    assert not torch.equal(out["b"], tree["b"])  # a copy, not a view of the input
