@@ -10,6 +10,16 @@ the way); fp32 grads are unscaled in place. apex's control flow is host-side (``
 and returns early on overflow), so with dynamic scaling each ``update_master_grads`` reads the
 one overflow flag back, as apex did. Checkpoints hold the scaler object with apex's attributes
 and load apex's (see :meth:`FP16_Optimizer.load_state_dict`).
+
+The fused step: when the wrapped optimizer is a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` whose
+settings the kernels follow (:func:`ampfunc.fused.plan_for_torch_group`), ``backward`` checks
+the fp16 grads read-only (:meth:`MasterWeights.check_model_grads`: same overflow flag, same
+scale update; no pass at all with a static scale) and leaves the master grads unwritten, and
+``step`` hands the engine (:func:`ampfunc.engine.torch_step_`) one pass per param group and
+device that reads the scaled fp16 grads and writes the masters, the optimizer's own state and
+the fp16 params. Asking for the master grads (``update_master_grads``, ``clip_master_grads``,
+``inspect_master_grad_data``, a closure, another ``backward(..., update_master_grads=False)``)
+writes them first, and the step is the wrapped optimizer's own, as before.
 """
 
 from __future__ import annotations
@@ -48,6 +58,10 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
       65536.0
 
     Cost: ``update_master_grads`` is one pass over the grads plus (dynamic scale) one host read.
+    With an SGD/Adam/AdamW the kernels follow (see the module docstring), ``backward`` costs one
+    read-only pass (dynamic scale; none for a static one) plus that host read, and ``step`` one
+    fused pass (read the fp16 grad, read and write the master and the optimizer state, write
+    the fp16 param) instead of a master-grad write, torch's step and a copy back.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -191,6 +205,10 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     def step(self, closure=None):
         """Updates the masters with the wrapped optimizer and copies them into the model params.
+
+        After a checked ``backward`` with an SGD/Adam/AdamW the kernels follow, one fused pass
+        per param group and device does both (torch's update, torch's state; the master grads
+        stay unwritten until asked for); otherwise the wrapped optimizer's own ``step``.
 
         After an overflow (dynamic scaling) prints ``Gradient overflow.  Skipping step,
         reducing loss scale to ...`` and returns ``None`` without touching params or optimizer
