@@ -709,9 +709,9 @@ def _plain_torch_step(optimizer) -> bool:
         return False
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False
-    glob = _torch_optimizer
-    return not (getattr(glob, "_global_optimizer_pre_hooks", None) or getattr(glob, "_global_optimizer_post_hooks",
-                                                                               None))
+    # torch's global hooks (register_optimizer_step_pre_hook / _post_hook) run for every optimizer.
+    return not any(getattr(_torch_optimizer, name, None)
+                   for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
 
 
 def torch_step_supported(optimizer) -> bool:

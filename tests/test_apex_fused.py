@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampfunc import ops
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer
@@ -342,6 +343,16 @@ def test_settings_the_kernels_do_not_follow_run_torchs_step(kernels, case):
         return model, FP16_Optimizer(inner, static_loss_scale=128.0, verbose=False)
 
     _fallback_equal(build, kernels)
+
+
+def test_a_global_optimizer_hook_runs_torchs_step(kernels):
+    seen = []
+    handle = register_optimizer_step_post_hook(lambda opt, *a: seen.append(opt))
+    try:
+        _fallback_equal(lambda: facade(torch.optim.AdamW, dict(lr=1e-2), dict(lr=1e-3)), kernels)
+    finally:
+        handle.remove()
+    assert len(seen) == 6  # the hook saw every step of both runs
 
 
 def test_asking_for_master_grads_materializes_them_and_runs_torchs_step(kernels):
