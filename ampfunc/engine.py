@@ -32,6 +32,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from ampfunc import ops
 from ampfunc.dist import agree_finite, any_dtensor
+from ampfunc.flat import copy_packed
 from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for, plan_for_torch_group
 from ampfunc.loss_scale import DynamicLossScale, LossScale
 from ampfunc.transform import GradientTransformation, apply_updates
@@ -341,7 +342,8 @@ class Engine:
                 raise ValueError(f"{self.where}.init: params leaf {path!r} is on the meta device (no data)")
         master = None
         if any(t.dtype != self.master_dtype_for(t.dtype) for t in leaves):
-            master = tree_map(lambda p: p.detach().to(self.master_dtype_for(p.dtype), copy=True), params)
+            # One buffer per (device, dtype): the step reads and writes the masters as one stream.
+            master = copy_packed(params, self.master_dtype_for)
         device = leaves[0].device if leaves else torch.device("cpu")
         inner_state = self.inner.init(master if master is not None else params)
         return MixedPrecisionState(master, inner_state, loss_scale.to(device), *skip_stats(device))
