@@ -1799,6 +1799,36 @@ void clear_grads(const py::list& params) {
   for (Py_ssize_t i = 0; i < n; ++i) THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad().reset();
 }
 
+// For ModuleTrainer(flat=True), every step: which params no longer have their view of the flat
+// buffer as data (`moved`: same data pointer, dtype and shape as `param_views[i]`, else moved
+// or converted behind the trainer's back) and which no longer have their grad view as .grad
+// (`unbound`: the same tensor as `grad_views[i]`). One C loop over the three lists.
+py::tuple check_bound(const py::list& params, const py::list& param_views, const py::list& grad_views) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(param_views.ptr()) != n || PyList_GET_SIZE(grad_views.ptr()) != n) {
+    throw py::value_error("ampfunc: check_bound takes three lists of one length");
+  }
+  py::list moved, unbound;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *o = PyList_GET_ITEM(params.ptr(), i), *v = PyList_GET_ITEM(param_views.ptr(), i),
+             *g = PyList_GET_ITEM(grad_views.ptr(), i);
+    if (!THPVariable_Check(o) || !THPVariable_Check(v) || !THPVariable_Check(g)) {
+      throw py::type_error("ampfunc: check_bound takes lists of tensors");
+    }
+    const Tensor& p = THPVariable_Unpack(o);
+    const Tensor& pv = THPVariable_Unpack(v);
+    if (!p.has_storage() || p.data_ptr() != pv.data_ptr() || p.scalar_type() != pv.scalar_type() ||
+        p.sizes() != pv.sizes() || p.strides() != pv.strides()) {
+      moved.append(i);
+    }
+    const Tensor& grad = p.grad();
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != THPVariable_Unpack(g).unsafeGetTensorImpl()) {
+      unbound.append(i);
+    }
+  }
+  return py::make_tuple(moved, unbound);
+}
+
 py::object pool_stats() {
   auto [cached, limit, hits, misses] = OutputPool::get().stats();
   py::dict d;
@@ -1903,6 +1933,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("kernel_ready", &direct::kernel_ready);
     m.def("grads_of", &direct::grads_of);
     m.def("clear_grads", &direct::clear_grads);
+    m.def("check_bound", &direct::check_bound);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
     return m.release().ptr();
