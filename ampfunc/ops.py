@@ -52,6 +52,7 @@ __all__ = [
     "pool_stats",
     "grads_of",
     "clear_grads",
+    "bound_signature",
     "check_bound",
 ]
 
@@ -132,18 +133,32 @@ def clear_grads(params: list) -> None:
         p.grad = None
 
 
-def check_bound(params: list, param_views: list, grad_views: list) -> tuple[list, list]:
-    """``(moved, unbound)``: the indices ``i`` where ``params[i]`` no longer has the data of
-    ``param_views[i]`` (the same data pointer, dtype, shape and strides) and where its ``.grad``
-    is not the tensor ``grad_views[i]``; ``ModuleTrainer(flat=True)``'s per-step look at its
-    params. In C when the compiled library is loaded. Cost: about 20 ns a param; no host sync."""
+def bound_signature(params: list):
+    """What ``ModuleTrainer(flat=True)`` checks its params against every step
+    (:func:`check_bound`): per param its data pointer, element count, dtype and ``.grad``,
+    recorded now. Cost: one C loop over the params (Python: ~1 us a param); no host sync."""
+    _ensure()  # the signature's form follows the door: load it now, not at the first step
     door = _DIRECT[0]
-    if door is not None and type(params) is list and type(param_views) is list and type(grad_views) is list:
-        moved, unbound = door.check_bound(params, param_views, grad_views)
+    if door is not None and type(params) is list:
+        return door.bound_signature(params)
+    return [(p.data_ptr(), p.numel(), p.dtype, p.grad) for p in params]
+
+
+def check_bound(params: list, signature) -> tuple[list, list]:
+    """``(moved, unbound)``: the indices of the params whose data (pointer, element count,
+    dtype) and whose ``.grad`` (the very tensor) differ from ``signature``
+    (:func:`bound_signature`). One C loop touching only the params when the compiled library
+    is loaded. Cost: about 0.1 us a param on a cold 10,000-param model; no host sync."""
+    door = _DIRECT[0]
+    if door is not None and type(params) is list and isinstance(signature, torch.Tensor):
+        moved, unbound = door.check_bound(params, signature)
         return list(moved), list(unbound)
-    moved = [i for i, (p, v) in enumerate(zip(params, param_views))
-             if p.data_ptr() != v.data_ptr() or p.dtype != v.dtype or p.shape != v.shape or p.stride() != v.stride()]
-    unbound = [i for i, (p, g) in enumerate(zip(params, grad_views)) if p.grad is not g]
+    moved, unbound = [], []
+    for i, (p, (ptr, numel, dtype, grad)) in enumerate(zip(params, signature)):
+        if p.data_ptr() != ptr or p.numel() != numel or p.dtype != dtype:
+            moved.append(i)
+        if p.grad is not grad:
+            unbound.append(i)
     return moved, unbound
 
 

@@ -68,8 +68,7 @@ class _Packed:
             groups.setdefault((p.device, p.dtype), []).append((name, p))
         self.names: list = []  # in the trainer's param order below
         self.params: list = []
-        self.param_views: list = []  # what each param's .data must stay
-        self.grad_views: list = []   # what each param's .grad must stay
+        self.grad_views: list = []  # what each param's .grad must stay (held: the signature names them)
         self.buffers: dict = {}      # key -> the params' buffer (what the engine steps)
         self.grad_buffers: dict = {}
         with torch.no_grad():
@@ -89,17 +88,17 @@ class _Packed:
                     p.grad = gview
                     self.names.append(name)
                     self.params.append(p)
-                    self.param_views.append(view)
                     self.grad_views.append(gview)
                     at += n
                 self.buffers[key] = buf
                 self.grad_buffers[key] = gbuf
+        self.signature = ops.bound_signature(self.params)
 
     def rebind(self, where: str) -> None:
         """Before a step: raises (nothing written) if a param's data left its buffer; a ``.grad``
         that is not its view (set to None by ``zero_grad()``, then made anew by backward, or
         assigned) is copied into the view (zeros for None) and the view put back."""
-        moved, unbound = ops.check_bound(self.params, self.param_views, self.grad_views)
+        moved, unbound = ops.check_bound(self.params, self.signature)
         if moved:
             raise RuntimeError(
                 f"{where}: parameter {self.names[moved[0]]!r} no longer lives in the trainer's flat buffer (the "

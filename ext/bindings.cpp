@@ -1799,32 +1799,52 @@ void clear_grads(const py::list& params) {
   for (Py_ssize_t i = 0; i < n; ++i) THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad().reset();
 }
 
-// For ModuleTrainer(flat=True), every step: which params no longer have their view of the flat
-// buffer as data (`moved`: same data pointer, dtype and shape as `param_views[i]`, else moved
-// or converted behind the trainer's back) and which no longer have their grad view as .grad
-// (`unbound`: the same tensor as `grad_views[i]`). One C loop over the three lists.
-py::tuple check_bound(const py::list& params, const py::list& param_views, const py::list& grad_views) {
+// For ModuleTrainer(flat=True). `bound_signature` records, per param, what its binding to the
+// flat buffers looks like (data pointer, element count, dtype, the TensorImpl of its .grad);
+// `check_bound`, every step, compares the params with it in one C loop that touches only the
+// params (their TensorImpls and autograd meta), not the views: `moved` lists the params whose
+// data is elsewhere (moved or converted behind the trainer's back), `unbound` those whose .grad
+// is no longer the view (set to None by zero_grad(), then made anew by backward, or assigned).
+namespace {
+constexpr int64_t kSigCols = 4;
+
+void signature_row(const Tensor& p, int64_t* row) {
+  row[0] = p.has_storage() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.data_ptr())) : 0;
+  row[1] = p.numel();
+  row[2] = static_cast<int64_t>(p.scalar_type());
+  const Tensor& g = p.grad();
+  row[3] = g.defined() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.unsafeGetTensorImpl())) : 0;
+}
+
+const Tensor& param_at(const py::list& params, Py_ssize_t i, const char* fn) {
+  PyObject* o = PyList_GET_ITEM(params.ptr(), i);
+  if (!THPVariable_Check(o)) throw py::type_error(std::string("ampfunc: ") + fn + " takes a list of tensors");
+  return THPVariable_Unpack(o);
+}
+}  // namespace
+
+Tensor bound_signature(const py::list& params) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
-  if (PyList_GET_SIZE(param_views.ptr()) != n || PyList_GET_SIZE(grad_views.ptr()) != n) {
-    throw py::value_error("ampfunc: check_bound takes three lists of one length");
+  Tensor sig = at::empty({static_cast<int64_t>(n), kSigCols}, at::TensorOptions().dtype(at::kLong));
+  int64_t* rows = sig.data_ptr<int64_t>();
+  for (Py_ssize_t i = 0; i < n; ++i) signature_row(param_at(params, i, "bound_signature"), rows + i * kSigCols);
+  return sig;
+}
+
+py::tuple check_bound(const py::list& params, const Tensor& signature) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (signature.dim() != 2 || signature.size(0) != n || signature.size(1) != kSigCols ||
+      signature.scalar_type() != at::kLong || !signature.is_cpu() || !signature.is_contiguous()) {
+    throw py::value_error("ampfunc: check_bound takes the params and their bound_signature");
   }
+  const int64_t* rows = signature.const_data_ptr<int64_t>();
   py::list moved, unbound;
+  int64_t now[kSigCols];
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject *o = PyList_GET_ITEM(params.ptr(), i), *v = PyList_GET_ITEM(param_views.ptr(), i),
-             *g = PyList_GET_ITEM(grad_views.ptr(), i);
-    if (!THPVariable_Check(o) || !THPVariable_Check(v) || !THPVariable_Check(g)) {
-      throw py::type_error("ampfunc: check_bound takes lists of tensors");
-    }
-    const Tensor& p = THPVariable_Unpack(o);
-    const Tensor& pv = THPVariable_Unpack(v);
-    if (!p.has_storage() || p.data_ptr() != pv.data_ptr() || p.scalar_type() != pv.scalar_type() ||
-        p.sizes() != pv.sizes() || p.strides() != pv.strides()) {
-      moved.append(i);
-    }
-    const Tensor& grad = p.grad();
-    if (!grad.defined() || grad.unsafeGetTensorImpl() != THPVariable_Unpack(g).unsafeGetTensorImpl()) {
-      unbound.append(i);
-    }
+    signature_row(param_at(params, i, "check_bound"), now);
+    const int64_t* want = rows + i * kSigCols;
+    if (now[0] != want[0] || now[1] != want[1] || now[2] != want[2]) moved.append(i);
+    if (now[3] != want[3]) unbound.append(i);
   }
   return py::make_tuple(moved, unbound);
 }
@@ -1933,6 +1953,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("kernel_ready", &direct::kernel_ready);
     m.def("grads_of", &direct::grads_of);
     m.def("clear_grads", &direct::clear_grads);
+    m.def("bound_signature", &direct::bound_signature);
     m.def("check_bound", &direct::check_bound);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
