@@ -219,6 +219,10 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
     dispatch/function mode is active get their own ``torch.zeros_like``. Every leaf must be a
     floating tensor (the optimizers validate their params first).
 
+    Args:
+      tree: a pytree of floating tensors (an optimizer's params).
+      dtype: the dtype of the zeros (the moments' dtype: float32).
+
     Returns:
       The tree of zeros (same structure).
 
@@ -240,8 +244,18 @@ def copy_packed(tree: PyTree, dtype_of: Callable[[torch.dtype], torch.dtype]) ->
     one new buffer per (device, dtype): fp32 master weights of fp16/bf16 params laid out as one
     stream (see :func:`zeros_packed` for why and for the leaves that get their own copy).
 
+    Args:
+      tree: a pytree of floating tensors (the params).
+      dtype_of: the copy's dtype for a leaf of a given dtype (the engine's master dtype rule).
+
     Returns:
       The tree of copies (same structure).
+
+    Example:
+      >>> half = {"w": torch.ones(2, 3, dtype=torch.float16), "b": torch.ones(3, dtype=torch.float16)}
+      >>> masters = copy_packed(half, lambda dt: torch.float32)
+      >>> masters["w"].dtype, masters["w"].untyped_storage().data_ptr() == masters["b"].untyped_storage().data_ptr()
+      (torch.float32, True)
 
     Cost: one allocation per (device, dtype) and one copy of every leaf; no host sync.
     """
