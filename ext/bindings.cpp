@@ -872,6 +872,9 @@ void update_scale__cpu(const Tensor& scale, const Tensor& growth_tracker, const 
 
 #ifdef AMPFUNC_WITH_CUDA
 
+// The launchers' signatures and meanings this glue was written for (ext/cuda/ampfunc_cuda.h).
+static_assert(AMPFUNC_CUDA_ABI_VERSION == 3, "ext/cuda/ampfunc_cuda.h changed its ABI: update the CUDA glue");
+
 int cuda_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return AMPFUNC_FP32;
@@ -940,8 +943,12 @@ std::vector<std::pair<Key, Packed>> packed_groups(const std::vector<const Tensor
   return packs;
 }
 
+// The read-only pass of check / check_norm on CUDA: (finite, fp32 sum of squares or, with
+// `norm`, the fp32 norm, per-leaf flags). The launcher sums without overflow while every value
+// is finite and combines the dtype groups in double (a running sum at the front of the one
+// workspace, shared by the groups' calls in stream order); its last call rounds the result.
 std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList tensors, bool per_leaf,
-                                                   const Tensor* inv_scale) {
+                                                   const Tensor* inv_scale, bool norm) {
   TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
   const at::Device dev = tensors[0].device();
   if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
@@ -952,47 +959,58 @@ std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList te
   Work w(tensors);
   auto opts = at::TensorOptions().device(dev);
   Tensor finite = at::empty({}, opts.dtype(at::kBool));
-  Tensor sumsq = at::empty({}, opts.dtype(at::kFloat));
+  Tensor result = at::empty({}, opts.dtype(at::kFloat));
   Tensor leaf = at::zeros({per_leaf ? n : 0}, opts.dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(n, [&](int64_t i) { return w.tensors[i].scalar_type(); });
-  bool first = true;
-  for (auto& [dtype, idx] : groups) {
-    Packed pk = pack({&w.tensors}, idx, /*merge=*/!per_leaf);
+  std::vector<std::pair<size_t, Packed>> packs;  // (index in groups, its pointers)
+  int64_t ws_bytes = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Packed pk = pack({&w.tensors}, groups[gi].second, /*merge=*/!per_leaf);
     if (pk.numels.empty()) continue;
+    ws_bytes = std::max(ws_bytes, ampfunc_cuda_check_workspace_bytes(static_cast<int>(pk.numels.size()),
+                                                                      pk.numels.data()));
+    packs.emplace_back(gi, std::move(pk));
+  }
+  if (packs.empty()) {  // every tensor was empty
+    finite.fill_(true);
+    result.zero_();
+    return {finite, result, leaf};
+  }
+  // [double running sum][the partials of one group's call]: at::empty's blocks are 8-byte aligned.
+  Tensor ws = at::empty({static_cast<int64_t>(sizeof(double)) + ws_bytes}, opts.dtype(at::kByte));
+  double* sumsq = reinterpret_cast<double*>(ws.data_ptr());
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [gi, pk] = packs[k];
+    const auto& [dtype, idx] = groups[gi];
+    const bool last = k + 1 == packs.size();
     const int m = static_cast<int>(pk.numels.size());
-    const int64_t ws_bytes = ampfunc_cuda_check_workspace_bytes(m, pk.numels.data());
-    Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, opts.dtype(at::kByte));
     Tensor group_leaf = per_leaf ? at::empty({m}, opts.dtype(at::kBool)) : Tensor();
     cuda_ok(op, ampfunc_cuda_check(m, pk.ptrs[0].data(), pk.numels.data(), cuda_dtype(dtype),
-                                        inv_scale ? inv_scale->data_ptr<float>() : nullptr,
-                                        reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq.data_ptr<float>(),
-                                        per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
-                                        ws.data_ptr(), ws_bytes, first ? 0 : 1, stream.stream()));
-    first = false;
+                                   inv_scale ? inv_scale->data_ptr<float>() : nullptr,
+                                   reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq,
+                                   last && !norm ? result.data_ptr<float>() : nullptr,
+                                   last && norm ? result.data_ptr<float>() : nullptr,
+                                   per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
+                                   sumsq + 1, ws_bytes, k == 0 ? 0 : 1, stream.stream()));
     if (per_leaf) {
       std::vector<int64_t> nonempty;
       for (int64_t i : idx) if (w.tensors[i].numel() > 0) nonempty.push_back(i);
       leaf.index_copy_(0, at::tensor(nonempty, at::kLong).to(dev, /*non_blocking=*/true), group_leaf);
     }
   }
-  if (first) {  // every tensor was empty
-    finite.fill_(true);
-    sumsq.zero_();
-  }
-  return {finite, sumsq, leaf};
+  return {finite, result, leaf};
 }
 
 std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf) {
-  return check_pass_cuda("check", tensors, per_leaf, nullptr);
+  return check_pass_cuda("check", tensors, per_leaf, nullptr, /*norm=*/false);
 }
 
-// On CUDA the launcher accumulates the (unscaled) squares in fp32: the norm is robust to the
-// loss scale (the squares are of x * inv_scale) but not to an unscaled norm beyond ~1.8e19.
+// The norm from the launcher's double sum: finite whenever every (unscaled) element is finite
+// and the norm itself fits in fp32, as on the CPU.
 std::tuple<Tensor, Tensor, Tensor> check_norm_cuda(TensorList tensors, const std::optional<Tensor>& inv_scale,
                                                    bool per_leaf) {
   const Tensor* inv = inv_scale.has_value() && inv_scale->defined() ? &*inv_scale : nullptr;
-  auto [finite, sumsq, leaf] = check_pass_cuda("check_norm", tensors, per_leaf, inv);
-  return {finite, sumsq.sqrt(), leaf};
+  return check_pass_cuda("check_norm", tensors, per_leaf, inv, /*norm=*/true);
 }
 
 Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
