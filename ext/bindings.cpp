@@ -1144,14 +1144,50 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
 // The pure steps and updates on CUDA: one pass each, the launchers' out-of-place and delta
 // modes (ext/cuda/optim.cu), which run the in-place kernels' per-element code with other
 // destinations. Inputs are only read (non-contiguous ones through a contiguous copy); every
-// output is a new contiguous tensor from at::empty, never a copy of an input. A skipped step
-// (finite false, decided on the device) writes the inputs to the outputs and the old step.
+// output is new and contiguous, never a copy of an input: new params one at::empty each, each
+// new state list and the updates views of one block per list (packed_empty_like_cuda). A
+// skipped step (finite false, decided on the device) writes the inputs to the outputs and the
+// old step.
 
 // New contiguous tensors on the tensors' device, shaped like `ts`, in `dtype` (else each one's).
 std::vector<Tensor> empty_outputs(const Tensors& ts, std::optional<at::ScalarType> dtype = std::nullopt) {
   std::vector<Tensor> out;
   out.reserve(ts.size());
   for (const Tensor& t : ts) out.push_back(at::empty(t.sizes(), t.options().dtype(dtype.value_or(t.scalar_type()))));
+  return out;
+}
+
+// New contiguous tensors shaped like `ts`, in `dtype`, on their device, as views that tile ONE
+// new block of the CUDA caching allocator exactly, in list order (no padding): the new optimizer
+// state and the updates of the pure steps (new params stay separate tensors). One allocation per
+// list instead of one per leaf, and since the views tile their block like ampfunc.flat's CUDA
+// views, pack() merges a list of them back into one range wherever the other lists of the call
+// are adjacent too (the next step reading this state, a flat buffer of gradients): 10,000
+// leaves become a few launch entries, each starting at the block's (256-byte aligned) base,
+// so the kernels' 16-byte vector loads hold for every chunk. A view not merged (gradients
+// allocated one by one) that starts off a 16-byte boundary takes the kernels' scalar path for
+// that leaf; padding each view to 16 bytes instead would split the ranges at every leaf whose
+// size is not a multiple of 4 and break the merge with state laid out by ampfunc.flat. Each
+// view is its own TensorImpl (its own version counter) sharing the block's storage.
+std::vector<Tensor> packed_empty_like_cuda(const Tensors& ts, at::ScalarType dtype) {
+  std::vector<Tensor> out;
+  if (ts.empty()) return out;
+  int64_t total = 0;
+  for (size_t i = 0; i < ts.size(); ++i) total += ts.numel(i);
+  const Tensor block = at::empty({total}, at::TensorOptions().device(ts[0].device()).dtype(dtype));
+  const c10::Storage& storage = block.storage();
+  const auto meta = caffe2::TypeMeta::fromScalarType(dtype);
+  const c10::DispatchKeySet keys(c10::DispatchKey::CUDA);
+  out.reserve(ts.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, meta);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    impl->set_sizes_contiguous(ts[i].sizes());
+    impl->set_storage_offset(offset);
+    out.push_back(std::move(t));
+    offset += ts.numel(i);
+  }
   return out;
 }
 
@@ -1168,7 +1204,7 @@ SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_bu
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList()), m(model_params);
-  std::vector<Tensor> p_out = empty_outputs(p.tensors), b_out = empty_outputs(b.tensors),
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), b_out = packed_empty_like_cuda(b.tensors, at::kFloat),
                       m_out = empty_outputs(m.tensors);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors p_o(p_out), b_o(b_out), m_o(m_out);
@@ -1215,9 +1251,9 @@ AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs,
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
       m(model_params);
-  std::vector<Tensor> p_out = empty_outputs(p.tensors), m1_out = empty_outputs(m1.tensors),
-                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors),
-                      m_out = empty_outputs(m.tensors);
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), m1_out = packed_empty_like_cuda(m1.tensors, at::kFloat),
+                      m2_out = packed_empty_like_cuda(m2.tensors, at::kFloat),
+                      vmax_out = packed_empty_like_cuda(vmax.tensors, at::kFloat), m_out = empty_outputs(m.tensors);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors p_o(p_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out), m_o(m_out);
   const bool has_model = !m.tensors.empty();
@@ -1269,7 +1305,8 @@ SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList mom
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList());
   const bool has_p = !p.tensors.empty();
-  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), b_out = empty_outputs(b.tensors);
+  std::vector<Tensor> d_out = packed_empty_like_cuda(g.tensors, at::kFloat),
+                      b_out = packed_empty_like_cuda(b.tensors, at::kFloat);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors d_o(d_out), b_o(b_out);
   AmpfuncSgdHyper h{lr, momentum, dampening, weight_decay, nesterov ? 1 : 0, maximize ? 1 : 0};
@@ -1307,8 +1344,10 @@ AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList e
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList());
   const bool has_p = !p.tensors.empty();
-  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), m1_out = empty_outputs(m1.tensors),
-                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors);
+  std::vector<Tensor> d_out = packed_empty_like_cuda(g.tensors, at::kFloat),
+                      m1_out = packed_empty_like_cuda(m1.tensors, at::kFloat),
+                      m2_out = packed_empty_like_cuda(m2.tensors, at::kFloat),
+                      vmax_out = packed_empty_like_cuda(vmax.tensors, at::kFloat);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors d_o(d_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out);
   AmpfuncAdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay ? 1 : 0, amsgrad ? 1 : 0,

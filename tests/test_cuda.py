@@ -1820,6 +1820,102 @@ def test_cuda_pure_sgd_step_and_update_are_the_in_place_step_bit_for_bit(cuda_ba
     assert float(step) == 2.0
 
 
+# The pure steps' new state lists and updates on CUDA: each list one block of the caching
+# allocator, its views tiling it exactly in list order (no padding: the layout of
+# ampfunc.flat's CUDA views, so the glue merges them back into one range next step); new
+# params stay separate tensors; every view its own version counter.
+
+PACK_SHAPES = [(0,), (1,), (7,), (33, 5), (3 * CHUNK + 17,), (2,), (4, 4)]
+
+
+def _assert_packed(ts, dtype=torch.float32):
+    base = ts[0].untyped_storage().data_ptr()
+    offset = 0
+    for t, shape in zip(ts, PACK_SHAPES, strict=True):
+        assert t.device.type == "cuda" and t.dtype == dtype and t.shape == shape and t.is_contiguous()
+        assert t.untyped_storage().data_ptr() == base and t.storage_offset() == offset
+        offset += t.numel()
+    assert ts[0].untyped_storage().nbytes() == offset * ts[0].element_size()  # tiles it exactly
+    return base
+
+
+def _assert_own_versions(ts):
+    before = [t._version for t in ts]
+    ts[2].add_(0.0)
+    assert [t._version for t in ts] == [v + (i == 2) for i, v in enumerate(before)]
+
+
+def _assert_separate(ts):
+    ptrs = [t.untyped_storage().data_ptr() for t in ts]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cuda_pure_adam_state_and_updates_are_one_block_per_list(cuda_backend, amsgrad):
+    g = torch.Generator().manual_seed(41)
+    cpu = dict(p=[torch.randn(s, generator=g) for s in PACK_SHAPES],
+               g=[torch.randn(s, generator=g).to(torch.bfloat16) for s in PACK_SHAPES],
+               m=[torch.randn(s, generator=g) * 0.01 for s in PACK_SHAPES],
+               v=[torch.rand(s, generator=g) * 0.01 for s in PACK_SHAPES],
+               vmax=[torch.rand(s, generator=g) * 0.02 for s in PACK_SHAPES])
+    gpu = {k: [t.cuda() for t in ts] for k, ts in cpu.items()}
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, decoupled_weight_decay=True)
+    one = torch.tensor(True)
+    step, gs = torch.tensor(3.0), torch.tensor(0.5)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        d["step"] = ops.adam_step(d["p"], d["g"], d["m"], d["v"], d["vmax"] if amsgrad else None, None,
+                                  step.to(dev), gs.to(dev), one.to(dev), **kw)
+        d["update"] = ops.adam_update(d["p"], d["g"], d["m"], d["v"], d["vmax"] if amsgrad else None, step.to(dev),
+                                      gs.to(dev), **kw)
+    new_p, new_m, new_v, new_vmax, _, _ = gpu["step"]
+    lists = [new_m, new_v] + ([new_vmax] if amsgrad else [])
+    upd = gpu["update"]
+    lists += [upd[0], upd[1], upd[2]] + ([upd[3]] if amsgrad else [])
+    blocks = [_assert_packed(ts) for ts in lists]
+    assert len(set(blocks)) == len(blocks)  # one block per list
+    _assert_separate(new_p)                   # new params: separate tensors
+    for ts in lists:
+        _assert_own_versions(ts)
+    # values against the CPU kernels (fp32 rounding apart), the second step reading the packed
+    # state (its lists merge into one range) included
+    for got, want in zip(gpu["step"][:3] + gpu["update"][:3], cpu["step"][:3] + cpu["update"][:3]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        p1, m1, v1, vm1 = d["step"][:4]
+        d["again"] = ops.adam_step(p1, d["g"], m1, v1, vm1 if amsgrad else None, None, d["step"][5], gs.to(dev),
+                                   one.to(dev), **kw)
+    for got, want in zip(gpu["again"][:3], cpu["again"][:3]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+    _assert_packed(gpu["again"][1])
+
+
+@needs_cuda
+def test_cuda_pure_sgd_state_and_updates_are_one_block_per_list(cuda_backend):
+    g = torch.Generator().manual_seed(42)
+    cpu = dict(p=[torch.randn(s, generator=g) for s in PACK_SHAPES],
+               g=[torch.randn(s, generator=g).to(torch.float16) for s in PACK_SHAPES],
+               b=[torch.randn(s, generator=g) * 0.1 for s in PACK_SHAPES])
+    gpu = {k: [t.cuda() for t in ts] for k, ts in cpu.items()}
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
+    one, step, gs = torch.tensor(True), torch.tensor(3.0), torch.tensor(0.5)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        d["step"] = ops.sgd_step(d["p"], d["g"], d["b"], None, step.to(dev), gs.to(dev), one.to(dev), **kw)
+        d["update"] = ops.sgd_update(d["p"], d["g"], d["b"], step.to(dev), gs.to(dev), **kw)
+    new_p, new_b, _, _ = gpu["step"]
+    upd, upd_b, _ = gpu["update"]
+    blocks = [_assert_packed(ts) for ts in (new_b, upd, upd_b)]
+    assert len(set(blocks)) == 3
+    _assert_separate(new_p)
+    for ts in (new_b, upd, upd_b):
+        _assert_own_versions(ts)
+    for got, want in zip(gpu["step"][:2] + gpu["update"][:2], cpu["step"][:2] + cpu["update"][:2]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+
+
 @needs_cuda
 def test_cuda_pure_skipped_step_returns_the_inputs_bit_for_bit(cuda_backend):
     gen = _gen(23)
