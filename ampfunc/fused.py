@@ -34,7 +34,7 @@ from ampfunc.dist import agree_finite
 from ampfunc.optim.base import lr_at
 from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
 
-__all__ = ["FusedPlan", "plan_for", "KERNEL_GRAD_DTYPES"]
+__all__ = ["FusedPlan", "plan_for", "plan_for_torch_group", "KERNEL_GRAD_DTYPES"]
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 # What the optimizer kernels read as gradients. float64 gradients take the generic path (the
@@ -193,6 +193,23 @@ class FusedPlan:
                 new_slots = [m1, m2, vmax] if kw["amsgrad"] else [m1, m2]
         return new_ref, (new_model if model is not None else None), new_slots, new_step, finite
 
+    def kernel_step_(self, ref: list, grads: list, model: list | None, slots: list, step: torch.Tensor,
+                     grad_scale: torch.Tensor, finite: torch.Tensor) -> None:
+        """The optimizer pass alone, in place, for a caller that did its own check: ``ref``,
+        ``slots``, ``model`` and ``step`` are written (nothing when ``finite`` is false); the
+        plan's ``lr`` must be a number. Serves :func:`ampfunc.engine.torch_step_` (a torch
+        optimizer's param group, whose overflow the apex facade decides on the host).
+        Cost: one kernel pass; no host sync."""
+        lr = self.hparams["lr"]
+        with torch.no_grad():
+            if self.kind == "sgd":
+                ops.sgd_step_(ref, grads, slots[0] if slots else None, model, step, grad_scale, finite,
+                              **self._sgd_kwargs(lr))
+            else:
+                kw = self._adam_kwargs(lr)
+                ops.adam_step_(ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, step,
+                               grad_scale, finite, **kw)
+
 
 def plan_for(inner) -> FusedPlan | None:
     """The :class:`FusedPlan` for ``inner`` (a ``GradientTransformation``), or None when the
@@ -219,3 +236,49 @@ def plan_for(inner) -> FusedPlan | None:
             return None
         max_norm = float(specs[0].hparams["max_norm"])
     return FusedPlan(kind, hparams, max_norm, chained=chained, names=names)
+
+
+# -- torch.optim param groups (the apex facades' master weights) -----------------------------------
+
+_TORCH_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def plan_for_torch_group(optimizer, group: dict) -> FusedPlan | None:
+    """The :class:`FusedPlan` that runs one param group of ``optimizer`` with the numbers of
+    torch's own single-tensor step, or None when the kernels cannot.
+
+    Served: an optimizer whose class is exactly ``torch.optim.SGD``, ``Adam`` or ``AdamW``, with
+    number hyper-parameters (``lr``, ``weight_decay``, ``momentum``, ``dampening``, ``betas``,
+    ``eps``; a tensor ``lr`` or ``betas`` rounds differently in torch), any ``nesterov``,
+    ``amsgrad``, ``maximize``, ``foreach`` and ``decoupled_weight_decay``, and none of
+    ``fused``, ``capturable``, ``differentiable`` (torch's fused kernels round differently;
+    capturable keeps the step counts on the device; differentiable steps are autograd
+    graphs). The group is read when called: call it every step (an LR scheduler changes
+    ``group['lr']``). Cost: a few dictionary reads; no host sync.
+    """
+    kind = _TORCH_KINDS.get(type(optimizer))
+    if kind is None or group.get("fused") or group.get("capturable") or group.get("differentiable"):
+        return None
+    lr, wd, maximize = group.get("lr"), group.get("weight_decay", 0), group.get("maximize", False)
+    if not (_number(lr) and _number(wd) and isinstance(maximize, bool)):
+        return None
+    if kind == "sgd":
+        momentum, dampening, nesterov = group.get("momentum", 0), group.get("dampening", 0), group.get("nesterov")
+        if not (_number(momentum) and _number(dampening) and isinstance(nesterov, bool)):
+            return None
+        return FusedPlan("sgd", dict(lr=float(lr), weight_decay=float(wd), momentum=float(momentum),
+                                     dampening=float(dampening), nesterov=nesterov, maximize=maximize))
+    betas, eps, amsgrad = group.get("betas"), group.get("eps"), group.get("amsgrad", False)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_number, betas)) and _number(eps)
+            and isinstance(amsgrad, bool)):
+        return None
+    decoupled = group.get("decoupled_weight_decay", kind == "adamw")
+    if not isinstance(decoupled, bool):
+        return None
+    return FusedPlan("adamw" if decoupled else "adam",
+                     dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
+                          weight_decay=float(wd), amsgrad=amsgrad, maximize=maximize))

@@ -52,6 +52,7 @@ __all__ = [
     "pool_stats",
     "grads_of",
     "clear_grads",
+    "check_bound",
 ]
 
 
@@ -129,6 +130,21 @@ def clear_grads(params: list) -> None:
         return
     for p in params:
         p.grad = None
+
+
+def check_bound(params: list, param_views: list, grad_views: list) -> tuple[list, list]:
+    """``(moved, unbound)``: the indices ``i`` where ``params[i]`` no longer has the data of
+    ``param_views[i]`` (the same data pointer, dtype, shape and strides) and where its ``.grad``
+    is not the tensor ``grad_views[i]``; ``ModuleTrainer(flat=True)``'s per-step look at its
+    params. In C when the compiled library is loaded. Cost: about 20 ns a param; no host sync."""
+    door = _DIRECT[0]
+    if door is not None and type(params) is list and type(param_views) is list and type(grad_views) is list:
+        moved, unbound = door.check_bound(params, param_views, grad_views)
+        return list(moved), list(unbound)
+    moved = [i for i, (p, v) in enumerate(zip(params, param_views))
+             if p.data_ptr() != v.data_ptr() or p.dtype != v.dtype or p.shape != v.shape or p.stride() != v.stride()]
+    unbound = [i for i, (p, g) in enumerate(zip(params, grad_views)) if p.grad is not g]
+    return moved, unbound
 
 
 def empty_cache() -> int:

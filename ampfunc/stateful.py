@@ -49,6 +49,80 @@ class TrainerState(NamedTuple):
 
 
 
+class _Packed:
+    """A module's trainable params packed into one buffer per (device, dtype), each param's
+    ``.data`` a view of it, and a zero-filled gradient buffer of the same layout whose views are
+    the params' ``.grad`` (autograd adds into an existing ``.grad`` in place, so backward writes
+    straight into it). The engine then steps one tensor per buffer instead of one per param."""
+
+    def __init__(self, named: list, where: str):
+        groups: dict = {}
+        for name, p in named:
+            if type(p) not in (torch.nn.Parameter, torch.Tensor):
+                raise TypeError(f"{where}: parameter {name!r} is a {type(p).__name__}; flat=True packs plain "
+                                "tensors (not DTensor/FSDP2 shards or other subclasses): leave flat off")
+            if p.layout != torch.strided or not p.is_contiguous():
+                raise ValueError(f"{where}: parameter {name!r} is not a contiguous dense tensor (strides "
+                                 f"{tuple(p.stride())}); flat=True packs contiguous params only: make it "
+                                 "contiguous first, or leave flat off")
+            groups.setdefault((p.device, p.dtype), []).append((name, p))
+        self.names: list = []  # in the trainer's param order below
+        self.params: list = []
+        self.param_views: list = []  # what each param's .data must stay
+        self.grad_views: list = []   # what each param's .grad must stay
+        self.buffers: dict = {}      # key -> the params' buffer (what the engine steps)
+        self.grad_buffers: dict = {}
+        with torch.no_grad():
+            for (device, dtype), members in groups.items():
+                key = f"{str(dtype).removeprefix('torch.')}@{device}"
+                total = sum(p.numel() for _, p in members)
+                buf = torch.empty(total, dtype=dtype, device=device)
+                gbuf = torch.zeros(total, dtype=dtype, device=device)
+                at = 0
+                for name, p in members:
+                    n = p.numel()
+                    view, gview = buf[at:at + n].view(p.shape), gbuf[at:at + n].view(p.shape)
+                    view.copy_(p)
+                    if p.grad is not None:
+                        gview.copy_(p.grad)
+                    p.data = view
+                    p.grad = gview
+                    self.names.append(name)
+                    self.params.append(p)
+                    self.param_views.append(view)
+                    self.grad_views.append(gview)
+                    at += n
+                self.buffers[key] = buf
+                self.grad_buffers[key] = gbuf
+
+    def rebind(self, where: str) -> None:
+        """Before a step: raises (nothing written) if a param's data left its buffer; a ``.grad``
+        that is not its view (set to None by ``zero_grad()``, then made anew by backward, or
+        assigned) is copied into the view (zeros for None) and the view put back."""
+        moved, unbound = ops.check_bound(self.params, self.param_views, self.grad_views)
+        if moved:
+            raise RuntimeError(
+                f"{where}: parameter {self.names[moved[0]]!r} no longer lives in the trainer's flat buffer (the "
+                "module was moved or converted, or its .data replaced, after the trainer was made); make the "
+                "trainer after model.to(...)/.half(), or leave flat off")
+        if unbound:
+            with torch.no_grad():
+                for i in unbound:
+                    p, view = self.params[i], self.grad_views[i]
+                    g = p.grad
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    p.grad = view
+
+    def zero_grads(self) -> None:
+        """The gradients zeroed in place (one fill per buffer); the views stay the ``.grad``."""
+        with torch.no_grad():
+            for gbuf in self.grad_buffers.values():
+                gbuf.zero_()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     # DTensor (FSDP2): the local shard, which aliases the parameter's storage, so an in-place
     # write into it updates the sharded parameter.
@@ -78,7 +152,16 @@ class ModuleTrainer:
       loss_scale: default :class:`NoOpLossScale`.
       group: a ``torch.distributed`` process group whose ranks agree on skipping.
       master_dtype: the master dtype for parameters narrower than it.
-      set_grads_to_none: clear ``.grad`` after each step (as ``zero_grad(set_to_none=True)``).
+      set_grads_to_none: clear ``.grad`` after each step (as ``zero_grad(set_to_none=True)``;
+        with ``flat=True`` the gradients are zeroed in place instead).
+      flat: pack the trainable params into one buffer per (device, dtype) (each param's
+        ``.data`` becomes a view of it) and keep their ``.grad`` as views of one zeroed
+        gradient buffer, and step the buffers: a model of 10,000 small tensors then costs what
+        one tensor of the same size costs. Needs a kernel-backed elementwise ``tx`` (``sgd``/
+        ``adam``/``adamw``, optionally after ``clip_by_global_norm``) and contiguous plain-tensor
+        params (not FSDP2); the state is kept per buffer (keys like ``"float32@cpu"``), and
+        ``.grad`` is zeroed rather than set to None. Make the trainer after ``model.to(...)``:
+        a param moved afterwards is refused, naming it.
 
     Example::
 
@@ -90,7 +173,8 @@ class ModuleTrainer:
     """
 
     def __init__(self, model: torch.nn.Module, tx: GradientTransformation, *, loss_scale: LossScale | None = None,
-                 group=None, master_dtype: torch.dtype = torch.float32, set_grads_to_none: bool = True):
+                 group=None, master_dtype: torch.dtype = torch.float32, set_grads_to_none: bool = True,
+                 flat: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ModuleTrainer: model must be a torch.nn.Module, got {type(model).__name__}")
         check_optimizer_transform(tx, "ModuleTrainer")
@@ -115,6 +199,16 @@ class ModuleTrainer:
         self._sharded = any(hasattr(p, "to_local") for p in self._plist)
         self._param_dict = None if self._sharded else dict(self._named)
         self._engine = Engine(tx, master_dtype=master_dtype, group=group, where="ModuleTrainer.step")
+        self._packed = None
+        if flat:
+            if self._engine.plan is None:
+                raise ValueError("ModuleTrainer(flat=True): tx must be a kernel-backed elementwise optimizer "
+                                 "(sgd/adam/adamw, optionally after clip_by_global_norm): its state is kept per "
+                                 "flat buffer, not per parameter; leave flat off for other transforms")
+            if self._sharded:
+                raise TypeError("ModuleTrainer(flat=True): the params are DTensors (FSDP2); leave flat off")
+            self._packed = _Packed(self._named, "ModuleTrainer(flat=True)")
+            self._param_dict = self._packed.buffers
         st = self._engine.init(self._params(), loss_scale)
         self._state = TrainerState(st.master, st.inner, st.loss_scale, st.finite, st.skipped)
 
@@ -188,13 +282,20 @@ class ModuleTrainer:
         """
         st = self._state
         params = self._params()
-        grads = self._grads(params)
+        if self._packed is not None:
+            self._packed.rebind("ModuleTrainer.step")
+            grads = self._packed.grad_buffers
+        else:
+            grads = self._grads(params)
         mp = MixedPrecisionState(st.master, st.opt_state, st.loss_scale, st.finite, st.skipped)
         # autograd gives every .grad its param's shape: no per-leaf shape check needed.
         _, mp = self._engine.step_(params, grads, mp, trust_grads=True)
         self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         if self.set_grads_to_none:
-            ops.clear_grads(self._plist)
+            if self._packed is not None:
+                self._packed.zero_grads()
+            else:
+                ops.clear_grads(self._plist)
         return mp.finite.clone()  # the state's flag is overwritten by the next step
 
     def state_dict(self) -> dict:

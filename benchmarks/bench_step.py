@@ -16,7 +16,8 @@ Sections:
           GradScaler + clip_grad_norm_.
   (b)     fp16 model params and grads, fp32 master weights: ampfunc vs the apex FP16_Optimizer
           recipe written with torch (fp16 grads -> fp32 master grads, unscale, clip, fused AdamW on
-          the master, copy back to fp16).
+          the master, copy back to fp16), and ampfunc.compat.apex's FP16_Optimizer(AdamW) itself
+          (fused step; and forced to materialize its master grads). ``--only b``: this section.
   (c)     the bookkeeping alone: ampfunc's read-only check + scale update, ampfunc's out-of-place
           unscale_and_check, vs GradScaler.unscale_ + update.
   (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
@@ -26,7 +27,8 @@ Sections:
           af.adamw().update + af.apply_updates (<= 1.5x), mixed_precision(...).step (<= 1.3x),
           .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
           clip against torch's AdamW(fused) + GradScaler + clip_grad_norm_ (>= 1.6x faster), and
-          10,000 tensors against 200 (step_ and update + apply_updates, <= 1.2x). The rows are
+          10,000 tensors against 200 (step_, update + apply_updates and ModuleTrainer(flat=True),
+          <= 1.2x). The rows are
           timed round by round (each round times every row three times in a row), so drift in
           the machine's speed hits every row alike.
 
@@ -55,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
 from ampfunc import ops  # noqa: E402
+from ampfunc.compat.apex.fp16_utils import FP16_Optimizer  # noqa: E402
 from ampfunc.flat import flatten  # noqa: E402
 
 MAX_NORM = 1e9  # clipping computed and applied, coefficient 1: values stay put between repeats
@@ -200,6 +203,48 @@ def apex_style_step(params16, grads16, device):
     return run
 
 
+def fp16_optimizer_step(params16, grads16, fused: bool = True):
+    """ampfunc.compat.apex FP16_Optimizer(AdamW) with a dynamic scale: what runs after backward.
+
+    ``fused``: the facade's default loop (a read-only check of the fp16 grads, then one fused
+    pass per group); else its materializing path (fp32 master grads, then torch's own AdamW
+    step, single-tensor on CPU, and the copy back). A 1-element param stands in for the
+    network: its backward is what makes the facade check the fixed fp16 grads."""
+    model = [p.clone().requires_grad_(True) for p in params16.values()]
+    for p, g in zip(model, grads16.values()):
+        p.grad = g
+    tiny = torch.zeros(1, dtype=model[0].dtype, device=model[0].device, requires_grad=True)
+    opt = FP16_Optimizer(torch.optim.AdamW(model + [tiny], lr=LR), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 1.0, "scale_window": 10**9}, verbose=False)
+
+    def run():
+        loss = tiny.float().sum() * 0.0
+        if fused:
+            opt.backward(loss)
+        else:
+            opt.backward(loss, update_master_grads=False)
+            opt.update_master_grads()
+        opt.step()
+    return run
+
+
+def master_section(table, timer, device, sizes, total, bw_rw):
+    """(b): fp16 params and grads, fp32 master weights."""
+    master_floor = (2 + 28 + 2) * total / (bw_rw * 1e9) * 1e3  # + read fp16 g (check), write fp16 p
+    table.section(f"(b) fp16 params and grads, fp32 master weights (x floor: {master_floor:.1f} ms = 32 B/elem)")
+    p16, g16 = make_tree(sizes, torch.float16, device), make_tree(sizes, torch.float16, device, seed=1)
+    t_apex = table.add("apex FP16_Optimizer recipe with torch (fused AdamW on master)",
+                       timer(apex_style_step(p16, g16, device)), master_floor)
+    table.add("ampfunc mixed_precision(clip+adamw).step_ (master in state)",
+              timer(ampfunc_step({k: v.clone() for k, v in p16.items()}, g16)), master_floor, t_apex)
+    table.add("ampfunc.compat.apex FP16_Optimizer(AdamW), fused step (no clip)",
+              timer(fp16_optimizer_step(p16, g16)), master_floor, t_apex, "check pass + 1 fused pass")
+    table.add("  same facade, master grads materialized (torch's AdamW step)",
+              timer(fp16_optimizer_step(p16, g16, fused=False)), master_floor, t_apex,
+              "unscale pass + single-tensor AdamW")
+    del p16, g16
+
+
 def pure_update_step(params, grads, tx=None):
     """The README's first optimizer loop: ``updates, state = tx.update(...)``; ``apply_updates``."""
     tx = tx or af.adamw(LR)
@@ -239,6 +284,17 @@ def trainer_step(params, grads, tx=None, loss_scale=None):
             p.grad = g
         trainer.step()
     return run
+
+
+def flat_trainer_step(params, grads, tx=None):
+    """``ModuleTrainer(model, tx, flat=True).step()``: the grads are copied once into the
+    trainer's gradient views and kept (``set_grads_to_none=False``: backward would write them)."""
+    model = _Leaves(params)
+    trainer = af.ModuleTrainer(model, tx or af.adamw(LR), flat=True, set_grads_to_none=False)
+    with torch.no_grad():
+        for p, g in zip(model.leaves, grads.values()):
+            p.grad.copy_(g)
+    return trainer.step
 
 
 def ampfunc_bookkeeping(grads, device, out_of_place=False):
@@ -315,7 +371,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--paths-elements", type=int, default=None,
                     help="total elements of section (e) (default 16M; 1M with --quick)")
-    ap.add_argument("--only", default="abcde", help="'e': section (e) alone; anything else runs every section")
+    ap.add_argument("--only", default="abcde",
+                    help="'e' or 'b': that section alone (after the floor); anything else runs every section")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -350,6 +407,11 @@ def main(argv=None):
 
     sizes = tree_sizes(total, args.tensors)
 
+    if args.only == "b":
+        master_section(table, timer, device, sizes, total, bw_rw)
+        print()
+        table.print()
+        return
     if "e" in args.only:
         paths_total = args.paths_elements or (2**20 if args.quick else 16 * 2**20)
         paths_section(table, timer, device, paths_total, args.tensors, args.many,
@@ -388,14 +450,7 @@ def main(argv=None):
     del params, grads
 
     # (b) fp16 + fp32 master ----------------------------------------------------------------
-    master_floor = (2 + 28 + 2) * total / (bw_rw * 1e9) * 1e3  # + read fp16 g (check), write fp16 p
-    table.section(f"(b) fp16 params and grads, fp32 master weights (x floor: {master_floor:.1f} ms = 32 B/elem)")
-    p16, g16 = make_tree(sizes, torch.float16, device), make_tree(sizes, torch.float16, device, seed=1)
-    t_apex = table.add("apex FP16_Optimizer recipe with torch (fused AdamW on master)",
-                       timer(apex_style_step(p16, g16, device)), master_floor)
-    table.add("ampfunc mixed_precision(clip+adamw).step_ (master in state)",
-              timer(ampfunc_step({k: v.clone() for k, v in p16.items()}, g16)), master_floor, t_apex)
-    del p16, g16
+    master_section(table, timer, device, sizes, total, bw_rw)
 
     # (d) many small tensors ----------------------------------------------------------------
     table.section(f"(d) {args.many} small tensors vs {args.tensors} large, same {total / 2**20:.1f}M elements")
@@ -438,6 +493,8 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
         "trainer_dls": "ModuleTrainer(chain(clip, adamw), loss_scale=DynamicLossScale)",
         "many_step_": f".step_, {n_many} tensors",
         "many_update": f"update + apply_updates, {n_many} tensors",
+        "flat_trainer": f"ModuleTrainer(model, af.adamw(1e-3), flat=True).step(), {n_few} tensors",
+        "many_flat_trainer": f"ModuleTrainer(..., flat=True).step(), {n_many} tensors",
     }
     fns = {
         "torch": torch_step(fresh(), grads, device, fused=True, clip=False, scaler=False),
@@ -450,6 +507,8 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
                                     af.DynamicLossScale(1.0, growth_interval=10**9)),
         "many_step_": mixed_step(mparams, mgrads, True),
         "many_update": pure_update_step({k: v.clone() for k, v in mparams.items()}, mgrads),
+        "flat_trainer": flat_trainer_step(params, grads),
+        "many_flat_trainer": flat_trainer_step(mparams, mgrads),
     }
     times = timer.interleaved(fns)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -466,6 +525,10 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     for key, base in (("many_step_", "step_"), ("many_update", "update")):
         table.add(names[key], times[key], floor_ms, None,
                   f"{med[key] / med[base]:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
+    table.add(names["flat_trainer"], times["flat_trainer"], floor_ms, None,
+              f"{med['flat_trainer'] / t0:5.2f}x torch alone (grads kept on the views)")
+    table.add(names["many_flat_trainer"], times["many_flat_trainer"], floor_ms, None,
+              f"{med['many_flat_trainer'] / med['flat_trainer']:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
     del params, grads, mparams, mgrads, fns
 
 

@@ -126,8 +126,14 @@ bool dt_ok(Dt d, at::ScalarType t) {
 
 // One list of a call: its name in the schema, the dtypes it takes, whether the op writes it.
 struct ListSpec {
+  // Refers to the caller's list (no copy of its 10,000 pointers and descriptors)...
+  ListSpec(const char* n, const Tensors& t, Dt d, bool w) : name(n), ts(t), dt(d), written(w) {}
+  // ...or, given a TensorList (the CUDA glue), owns its Tensors view.
+  ListSpec(const char* n, at::TensorList t, Dt d, bool w)
+      : name(n), owned(std::make_shared<const Tensors>(t)), ts(*owned), dt(d), written(w) {}
   const char* name;
-  Tensors ts;
+  std::shared_ptr<const Tensors> owned;
+  const Tensors& ts;
   Dt dt;
   bool written;
 };
@@ -252,6 +258,15 @@ inline void prefetch(const Tensors& ts, size_t i) {
   }
 }
 
+// Whether two descriptors have the same shape for sure (false: compare the tensors' sizes).
+inline bool same_shape(const Tensors::Desc& a, const Tensors::Desc& b) {
+  if (a.ndim < 0 || a.ndim != b.ndim) return false;
+  for (int k = 0; k < a.ndim; ++k) {
+    if (a.dims[k] != b.dims[k]) return false;
+  }
+  return true;
+}
+
 // The one validation of a list op: lists[0] is the reference list (its shapes are the ones the
 // others must have); every tensor is defined, dense, on `dev`, of an accepted dtype; written
 // tensors neither overlap themselves nor each other (nor the written 0-d `scalars`).
@@ -268,21 +283,26 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
                       ref.name, " has ", ref.ts.size(), " (", op, ")");
   }
   bool any_written = !written_scalars.empty();
+  // The descriptors decide; a tensor is looked at itself only when its descriptor does not
+  // settle the question (then check_tensor raises the error naming it, or lets it pass).
   for (size_t i = 0; i < ref.ts.size(); ++i) {
+    const Tensors::Desc& r = ref.ts.desc(i);
     for (size_t l = 0; l < lists.size(); ++l) {
       const ListSpec& L = lists[l];
-      prefetch(L.ts, i);
-      const Tensor& t = L.ts[i];
-      check_tensor(op, L.name, static_cast<int64_t>(i), t, L.dt, dev);
-      if (l > 0) {
+      const Tensors::Desc& d = L.ts.desc(i);
+      if (!(d.dense && d.device == dev && dt_ok(L.dt, d.dtype))) {
+        check_tensor(op, L.name, static_cast<int64_t>(i), L.ts[i], L.dt, dev);
+      }
+      if (l > 0 && !same_shape(d, r)) {
+        const Tensor& t = L.ts[i];
         TORCH_CHECK_VALUE(t.sizes() == ref.ts[i].sizes(), "ampfunc: ", L.name, "[", i, "] has shape ",
                           shape_str(t.sizes()), " but ", ref.name, "[", i, "] has shape ",
                           shape_str(ref.ts[i].sizes()), " (", op, ")");
       }
       if (L.written) {
-        TORCH_CHECK_VALUE(!self_overlaps(t), "ampfunc: ", L.name, "[", i, "] has elements that share memory ",
-                          "(an expand()ed or stride-0 view); an in-place op needs distinct elements: clone it (",
-                          op, ")");
+        TORCH_CHECK_VALUE(d.contiguous || !self_overlaps(L.ts[i]), "ampfunc: ", L.name, "[", i,
+                          "] has elements that share memory (an expand()ed or stride-0 view); an in-place op ",
+                          "needs distinct elements: clone it (", op, ")");
         add_span(spans, L.ts, i, static_cast<int>(l), L.name);
         any_written = true;
       }
@@ -1476,6 +1496,18 @@ class Args {
     out.reserve(static_cast<size_t>(n));
     items_.reserve(items_.size() + static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
+      // The Python objects, their TensorImpls and storages are cold on a large tree: ask for
+      // each a few items ahead, in the order the reads below need them.
+      if (i + 8 < n) __builtin_prefetch(items[i + 8]);
+      if (i + 4 < n && THPVariable_Check(items[i + 4])) {
+        const char* impl = reinterpret_cast<const char*>(THPVariable_Unpack(items[i + 4]).unsafeGetTensorImpl());
+        __builtin_prefetch(impl);
+        __builtin_prefetch(impl + 64);
+        __builtin_prefetch(impl + 128);
+      }
+      if (i + 2 < n && THPVariable_Check(items[i + 2])) {
+        __builtin_prefetch(THPVariable_Unpack(items[i + 2]).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+      }
       PyObject* o = items[i];
       if (!THPVariable_Check(o)) {
         ok = false;
@@ -1824,6 +1856,36 @@ void clear_grads(const py::list& params) {
   for (Py_ssize_t i = 0; i < n; ++i) THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad().reset();
 }
 
+// For ModuleTrainer(flat=True), every step: which params no longer have their view of the flat
+// buffer as data (`moved`: same data pointer, dtype and shape as `param_views[i]`, else moved
+// or converted behind the trainer's back) and which no longer have their grad view as .grad
+// (`unbound`: the same tensor as `grad_views[i]`). One C loop over the three lists.
+py::tuple check_bound(const py::list& params, const py::list& param_views, const py::list& grad_views) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(param_views.ptr()) != n || PyList_GET_SIZE(grad_views.ptr()) != n) {
+    throw py::value_error("ampfunc: check_bound takes three lists of one length");
+  }
+  py::list moved, unbound;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *o = PyList_GET_ITEM(params.ptr(), i), *v = PyList_GET_ITEM(param_views.ptr(), i),
+             *g = PyList_GET_ITEM(grad_views.ptr(), i);
+    if (!THPVariable_Check(o) || !THPVariable_Check(v) || !THPVariable_Check(g)) {
+      throw py::type_error("ampfunc: check_bound takes lists of tensors");
+    }
+    const Tensor& p = THPVariable_Unpack(o);
+    const Tensor& pv = THPVariable_Unpack(v);
+    if (!p.has_storage() || p.data_ptr() != pv.data_ptr() || p.scalar_type() != pv.scalar_type() ||
+        p.sizes() != pv.sizes() || p.strides() != pv.strides()) {
+      moved.append(i);
+    }
+    const Tensor& grad = p.grad();
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != THPVariable_Unpack(g).unsafeGetTensorImpl()) {
+      unbound.append(i);
+    }
+  }
+  return py::make_tuple(moved, unbound);
+}
+
 py::object pool_stats() {
   auto [cached, limit, hits, misses] = OutputPool::get().stats();
   py::dict d;
@@ -1928,6 +1990,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("kernel_ready", &direct::kernel_ready);
     m.def("grads_of", &direct::grads_of);
     m.def("clear_grads", &direct::clear_grads);
+    m.def("check_bound", &direct::check_bound);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
     return m.release().ptr();

@@ -194,3 +194,12 @@ def test_copy_packed_copies_each_leaf_into_one_buffer_per_device_and_dtype():
     assert out["t"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()  # non-contiguous apart
     tree["b"].add_(1.0)
     assert not torch.equal(out["b"], tree["b"])  # a copy, not a view of the input
+
+
+def test_the_engine_keeps_fp32_masters_of_half_params_in_one_buffer():
+    params = {k: v.half() for k, v in _many().items()}
+    state = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()).init(params)
+    masters = list(state.master.values())
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(torch.equal(m, p.float()) for m, p in zip(masters, params.values()))
+    assert len({m.untyped_storage().data_ptr() for m in masters}) == 1

@@ -59,11 +59,19 @@ class Recycled {
 // direct door holds) or to a Work copy.
 class Tensors {
  public:
+  static constexpr int kInlineDims = 4;
+  // What the kernels and the validation of a call read of each tensor: taken in the one pass
+  // that builds the list, so validation walks these (sequential memory) instead of the cold
+  // tensors again.
   struct Desc {
     char* data;  // nullptr for a tensor without storage (validation refuses those)
     int64_t numel;
     at::ScalarType dtype;
     bool contiguous;
+    bool dense;  // defined and not sparse / mkldnn (validation looks closer at the others)
+    at::Device device;
+    int8_t ndim;  // -1: more than kInlineDims dims (validation compares the tensors' sizes)
+    int64_t dims[kInlineDims];
   };
 
   class iterator {
@@ -130,11 +138,23 @@ class Tensors {
 
  private:
   static Desc describe(const at::Tensor& t) {
-    if (!t.defined()) return {nullptr, 0, at::kFloat, true};
+    Desc d{nullptr, 0, at::kFloat, true, false, at::Device(at::kCPU), -1, {0, 0, 0, 0}};
+    if (!t.defined()) return d;
     // data_ptr() (not const_data_ptr()): the kernels may write, which must materialize a
     // copy-on-write storage first. Layouts without storage (sparse) get none; validation refuses them.
     const bool has_data = t.layout() == at::kStrided && t.has_storage();
-    return {has_data ? static_cast<char*>(t.data_ptr()) : nullptr, t.numel(), t.scalar_type(), t.is_contiguous()};
+    d.data = has_data ? static_cast<char*>(t.data_ptr()) : nullptr;
+    d.numel = t.numel();
+    d.dtype = t.scalar_type();
+    d.contiguous = t.is_contiguous();
+    d.dense = !(t.is_sparse() || t.is_sparse_csr() || t.is_mkldnn());
+    d.device = t.device();
+    const auto sizes = t.sizes();
+    if (sizes.size() <= static_cast<size_t>(kInlineDims)) {
+      d.ndim = static_cast<int8_t>(sizes.size());
+      for (size_t k = 0; k < sizes.size(); ++k) d.dims[k] = sizes[k];
+    }
+    return d;
   }
   void borrow(const at::Tensor* ts, size_t n) {
     reserve(n);

@@ -5,7 +5,9 @@ here both facades hold a :class:`MasterWeights`. It swaps each trainable fp16/bf
 optimizer's groups for an fp32 copy (moving any per-param state to it and recasting that state
 to fp32), turns the model's scaled low-precision gradients into unscaled fp32 master gradients
 in one pass per device (:func:`ampfunc.ops.unscale`, which also yields the finiteness flag), and
-copies the updated masters back into the model (one ``_foreach_copy_`` per call).
+copies the updated masters back into the model (one ``_foreach_copy_`` per call). For a fused
+step it checks the model grads without writing master grads (:meth:`MasterWeights.check_model_grads`)
+and lists what :func:`ampfunc.engine.torch_step_` updates in one pass (:meth:`MasterWeights.step_lists`).
 """
 
 from __future__ import annotations
@@ -86,21 +88,69 @@ class MasterWeights:
         return [p for g in self.fp32_from_fp32_groups for p in g]
 
     @torch.no_grad()
-    def grads_to_masters(self, scaler: LossScaler, accumulate: bool) -> torch.Tensor | None:
+    def grads_to_masters(self, scaler: LossScaler, accumulate: bool, inv_scales: dict | None = None
+                         ) -> torch.Tensor | None:
         """Master grads = model grads / scale in fp32; returns their finiteness (``None``: no grads).
 
         ``accumulate=True`` adds to master grads already there (amp's gradient accumulation
-        across backward passes); ``False`` overwrites them (``FP16_Optimizer``). One read of the
-        model grads and one fp32 write per device; no host sync.
+        across backward passes); ``False`` overwrites them (``FP16_Optimizer``). ``inv_scales``
+        (device -> 0-d fp32 ``1 / scale``) overrides the scaler's current scale: the one a
+        deferred check saw (:meth:`check_model_grads`). One read of the model grads and one
+        fp32 write per device; no host sync.
         """
         pairs = [(p.grad, m) for p, m in zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
                  if p.grad is not None]
         if not pairs:
             return None
-        outs, finite = ops.unscale([g for g, _ in pairs], scaler.inv_scale(pairs[0][0].device))
+        dev = pairs[0][0].device
+        inv = inv_scales[dev] if inv_scales is not None else scaler.inv_scale(dev)
+        outs, finite = ops.unscale([g for g, _ in pairs], inv)
         for (_, master), out in zip(pairs, outs):
             master.grad = out if (master.grad is None or not accumulate) else master.grad.add_(out)
         return finite
+
+    @torch.no_grad()
+    def check_model_grads(self, scaler: LossScaler, check: bool) -> tuple[torch.Tensor | None, dict]:
+        """``(finite, inv_scales)`` of the model's low-precision grads, leaving the master grads
+        unwritten (the fused step reads the model grads itself): ``finite`` from one read-only
+        pass per device (:func:`ampfunc.ops.check`; ``None`` without grads or with
+        ``check=False``, a static scale that never skips), ``inv_scales`` the scaler's current
+        ``1 / scale`` per device, for the step that follows. No host sync."""
+        by_dev: dict = {}
+        for p in self.all_fp16_params:
+            if p.grad is not None:
+                by_dev.setdefault(p.grad.device, []).append(p.grad)
+        inv_scales = {dev: scaler.inv_scale(dev) for dev in by_dev}
+        flags = [ops.check(grads)[0] for grads in by_dev.values()] if check else []
+        return all_finite_flags(flags), inv_scales
+
+    def step_lists(self, inv_scales: dict) -> list | None:
+        """Per param group, the segments :func:`ampfunc.engine.torch_step_` takes: the masters
+        whose model param has a grad (the model grads, scaled by ``inv_scales``, and the model
+        params to write) and the fp32 params with a grad (already unscaled). None when the
+        optimizer's groups are not the ones ingested, or when a master holds a grad while its
+        model param has none (torch's step would use that stale grad)."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.fp16_groups):
+            return None
+        grad_scale = inv_scales.__getitem__
+        out = []
+        for fp16, masters, fp32 in zip(self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups):
+            m_list, g_list, p_list = [], [], []
+            for p, m in zip(fp16, masters):
+                g = p.grad
+                if g is None:
+                    if m.grad is not None:
+                        return None
+                    continue
+                if g.device not in inv_scales:
+                    return None
+                m_list.append(m)
+                g_list.append(g)
+                p_list.append(p)
+            with_grad = [p for p in fp32 if p.grad is not None]
+            out.append([(m_list, g_list, p_list, grad_scale), (with_grad, [p.grad for p in with_grad], None, None)])
+        return out
 
     @torch.no_grad()
     def masters_to_model(self) -> None:

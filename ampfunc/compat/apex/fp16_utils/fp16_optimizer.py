@@ -10,12 +10,23 @@ the way); fp32 grads are unscaled in place. apex's control flow is host-side (``
 and returns early on overflow), so with dynamic scaling each ``update_master_grads`` reads the
 one overflow flag back, as apex did. Checkpoints hold the scaler object with apex's attributes
 and load apex's (see :meth:`FP16_Optimizer.load_state_dict`).
+
+The fused step: when the wrapped optimizer is a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` whose
+settings the kernels follow (:func:`ampfunc.fused.plan_for_torch_group`), ``backward`` checks
+the fp16 grads read-only (:meth:`MasterWeights.check_model_grads`: same overflow flag, same
+scale update; no pass at all with a static scale) and leaves the master grads unwritten, and
+``step`` hands the engine (:func:`ampfunc.engine.torch_step_`) one pass per param group and
+device that reads the scaled fp16 grads and writes the masters, the optimizer's own state and
+the fp16 params. Asking for the master grads (``update_master_grads``, ``clip_master_grads``,
+``inspect_master_grad_data``, a closure, another ``backward(..., update_master_grads=False)``)
+writes them first, and the step is the wrapped optimizer's own, as before.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ampfunc import engine
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler as AmpLossScaler
 from ampfunc.compat.apex.fp16_utils.fp16util import clip_grad_norm
@@ -47,6 +58,10 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
       65536.0
 
     Cost: ``update_master_grads`` is one pass over the grads plus (dynamic scale) one host read.
+    With an SGD/Adam/AdamW the kernels follow (see the module docstring), ``backward`` costs one
+    read-only pass (dynamic scale; none for a static one) plus that host read, and ``step`` one
+    fused pass (read the fp16 grad, read and write the master and the optimizer state, write
+    the fp16 param) instead of a master-grad write, torch's step and a copy back.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -81,6 +96,9 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+        # After a backward checked for the fused step: device -> the 1/scale the model grads carry
+        # (the master grads are not written then); None once they are (or without a check).
+        self._deferred: dict | None = None
 
     # apex's attribute names for the master lists.
     fp16_groups = property(lambda self: self.masters.fp16_groups)
@@ -118,9 +136,36 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         :meth:`update_master_grads` once. After this the model's ``.grad`` are scaled; only the
         master grads (:meth:`inspect_master_grad_data`) are meaningful.
         """
+        if not update_master_grads:
+            # The checked grads become master grads before more are accumulated on the model.
+            self._materialize_master_grads()
         self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
         if update_master_grads:
-            self.update_master_grads()
+            if engine.torch_step_supported(self.optimizer):
+                self._check_grads()
+            else:
+                self.update_master_grads()
+
+    @torch.no_grad()
+    def _check_grads(self) -> None:
+        """:meth:`update_master_grads` for the fused step: the same overflow flag and scale
+        update, from a read-only check of the model grads (none for a static scale, which never
+        skips); the master grads are written later only if asked for (:meth:`inspect_master_grad_data`,
+        :meth:`clip_master_grads`, or a step that cannot run fused)."""
+        scaler = self.loss_scaler
+        scaler.clear_overflow_state()
+        finite16, inv_scales = self.masters.check_model_grads(scaler, check=scaler.dynamic)
+        fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
+        scaler.unscale(fp32_grads, fp32_grads)
+        finite = self.masters.finite_of([finite16, scaler._finite])
+        self.overflow = scaler.update_scale(finite)
+        self._deferred = inv_scales
+
+    def _materialize_master_grads(self) -> None:
+        """Writes the master grads a deferred check left in the model grads (no scale update)."""
+        if self._deferred is not None:
+            inv_scales, self._deferred = self._deferred, None
+            self.masters.grads_to_masters(self.loss_scaler, accumulate=False, inv_scales=inv_scales)
 
     @torch.no_grad()
     def update_master_grads(self) -> None:
@@ -130,6 +175,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         advanced; with a static scale ``overflow`` stays ``False`` and the scaler counts the
         step (apex's rule).
         """
+        self._deferred = None
         scaler = self.loss_scaler
         scaler.clear_overflow_state()
         flags = [self.masters.grads_to_masters(scaler, accumulate=False)]
@@ -144,12 +190,14 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow state.  "
                   "Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
             return None
+        self._materialize_master_grads()
         return [[None if p.grad is None else p.grad.data for p in g["params"]] for g in self.optimizer.param_groups]
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total norm, or -1 after an overflow."""
         if self.overflow:
             return -1
+        self._materialize_master_grads()
         return self.clip_grad_norm([p for g in self.optimizer.param_groups for p in g["params"]],
                                    max_norm, norm_type)
 
@@ -157,6 +205,10 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     def step(self, closure=None):
         """Updates the masters with the wrapped optimizer and copies them into the model params.
+
+        After a checked ``backward`` with an SGD/Adam/AdamW the kernels follow, one fused pass
+        per param group and device does both (torch's update, torch's state; the master grads
+        stay unwritten until asked for); otherwise the wrapped optimizer's own ``step``.
 
         After an overflow (dynamic scaling) prints ``Gradient overflow.  Skipping step,
         reducing loss scale to ...`` and returns ``None`` without touching params or optimizer
@@ -168,6 +220,13 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         if self.overflow:
             print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
             return None
+        if closure is None and self._deferred is not None:
+            lists = self.masters.step_lists(self._deferred)
+            if lists is not None and engine.torch_step_(self.optimizer, lists):
+                # One pass per group and device wrote the masters, the optimizer state and the
+                # model params. The model grads stay the unmaterialized master grads.
+                return None
+        self._materialize_master_grads()
         retval = self._step_with_closure(closure) if closure is not None else self.optimizer.step()
         self._master_params_to_model_params()
         return retval
@@ -180,7 +239,9 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
                 # The optimizer may re-evaluate the closure after moving the masters: the model
                 # must see the moved weights.
                 self._master_params_to_model_params()
-            return closure()
+            loss = closure()
+            self._materialize_master_grads()  # the wrapped optimizer reads the master grads
+            return loss
 
         retval = self.optimizer.step(wrapped_closure)
         self.first_closure_call_this_step = True
