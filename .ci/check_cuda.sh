@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA kernels (ext/cuda/*.cu) for sm_80 and sm_90 with plain nvcc:
-# no GPU needed, no torch headers involved. Exits non-zero when any file fails to compile;
+# no GPU needed, no torch headers involved; then a syntax check of the CUDA glue in
+# ext/bindings.cpp (torch headers, when torch is importable). Exits non-zero when any file fails to compile;
 # skips (exit 0, with a message) when nvcc is not on the machine.
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,5 +57,30 @@ if command -v "${CXX:-g++}" >/dev/null 2>&1 && [ -f "$cuda_inc/cuda_runtime.h" ]
     cat "$tmp/h.log" >&2
     status=1
   fi
+fi
+# The CUDA glue (ext/bindings.cpp with AMPFUNC_WITH_CUDA) must compile against the launchers'
+# header: syntax only, with torch's headers (a CPU-only torch lacks one generated CUDA macro
+# header, stood in for here). Skipped without python/torch; AMPFUNC_CHECK_GLUE=0 skips it.
+if [ "${AMPFUNC_CHECK_GLUE:-1}" != 0 ] && [ -f "$cuda_inc/cuda_runtime.h" ] && command -v "${CXX:-g++}" >/dev/null 2>&1 \
+   && incs="$("${PYTHON:-python3}" -c 'import sysconfig
+from torch.utils.cpp_extension import include_paths
+print("\n".join(include_paths() + [sysconfig.get_paths()["include"]]))' 2>/dev/null)"; then
+  glue_flags=(-std=c++20 -fsyntax-only -DAMPFUNC_WITH_CUDA -I "$root/ext" -I "$cuda_inc")
+  while IFS= read -r inc; do glue_flags+=(-I "$inc"); done <<<"$incs"
+  first_inc="$(head -1 <<<"$incs")"
+  if [ ! -f "$first_inc/c10/cuda/impl/cuda_cmake_macros.h" ]; then
+    mkdir -p "$tmp/stub/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$tmp/stub/c10/cuda/impl/cuda_cmake_macros.h"
+    glue_flags+=(-I "$tmp/stub")
+  fi
+  if "${CXX:-g++}" "${glue_flags[@]}" "$root/ext/bindings.cpp" 2>"$tmp/glue.log"; then
+    echo "check_cuda: ok     ext/bindings.cpp with AMPFUNC_WITH_CUDA (host C++, syntax)"
+  else
+    echo "check_cuda: FAILED ext/bindings.cpp does not compile with AMPFUNC_WITH_CUDA" >&2
+    grep -E "error" "$tmp/glue.log" | head -40 >&2
+    status=1
+  fi
+else
+  echo "check_cuda: ext/bindings.cpp with AMPFUNC_WITH_CUDA not checked (needs g++, the CUDA headers and torch)"
 fi
 exit $status

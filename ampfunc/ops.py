@@ -695,8 +695,8 @@ def check_norm(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None =
     ``check_norm(unscale(scaled, inv_scale)[0])`` are the same number (the same products, the
     same sums), so a fused clip and the generic one agree. ``finite`` is judged on the inputs.
     With ``per_leaf=True`` a third result flags the tensors holding a non-finite value.
-    Cost: one read pass, no writes, no host sync (CUDA: the squares are summed in fp32 on the
-    device, robust to the loss scale but not to an unscaled norm above ~1.8e19).
+    Cost: one read pass, no writes, no host sync (CUDA: the same sums on the device, fp32
+    blocks, an overflowing block re-read once and summed in double, combined in double).
     """
     tensors = list(tensors)
     if not tensors:

@@ -4,7 +4,9 @@
 #   2. puts this checkout on PYTHONPATH,
 #   3. builds the extension with its CUDA kernels (AMPFUNC_REQUIRE_EXT=1: a failed build fails),
 #   4. runs tests/test_cuda.py (its pure step/update tests: one-pass CUDA kernels bit for bit
-#      the in-place step's numbers) and the CUDA tests of the other test files (-k cuda),
+#      the in-place step's numbers; the pure steps' new state and updates one block per list;
+#      check_norm finite past fp32's range of the sum, as on the CPU) and the CUDA tests of the
+#      other test files (-k cuda),
 #   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every path of
 #      issue 8 against torch's fused AdamW, and 10,000 tensors against 200),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with

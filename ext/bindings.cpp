@@ -892,6 +892,9 @@ void update_scale__cpu(const Tensor& scale, const Tensor& growth_tracker, const 
 
 #ifdef AMPFUNC_WITH_CUDA
 
+// The launchers' signatures and meanings this glue was written for (ext/cuda/ampfunc_cuda.h).
+static_assert(AMPFUNC_CUDA_ABI_VERSION == 3, "ext/cuda/ampfunc_cuda.h changed its ABI: update the CUDA glue");
+
 int cuda_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return AMPFUNC_FP32;
@@ -960,8 +963,12 @@ std::vector<std::pair<Key, Packed>> packed_groups(const std::vector<const Tensor
   return packs;
 }
 
+// The read-only pass of check / check_norm on CUDA: (finite, fp32 sum of squares or, with
+// `norm`, the fp32 norm, per-leaf flags). The launcher sums without overflow while every value
+// is finite and combines the dtype groups in double (a running sum at the front of the one
+// workspace, shared by the groups' calls in stream order); its last call rounds the result.
 std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList tensors, bool per_leaf,
-                                                   const Tensor* inv_scale) {
+                                                   const Tensor* inv_scale, bool norm) {
   TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
   const at::Device dev = tensors[0].device();
   if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
@@ -972,47 +979,58 @@ std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList te
   Work w(tensors);
   auto opts = at::TensorOptions().device(dev);
   Tensor finite = at::empty({}, opts.dtype(at::kBool));
-  Tensor sumsq = at::empty({}, opts.dtype(at::kFloat));
+  Tensor result = at::empty({}, opts.dtype(at::kFloat));
   Tensor leaf = at::zeros({per_leaf ? n : 0}, opts.dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(n, [&](int64_t i) { return w.tensors[i].scalar_type(); });
-  bool first = true;
-  for (auto& [dtype, idx] : groups) {
-    Packed pk = pack({&w.tensors}, idx, /*merge=*/!per_leaf);
+  std::vector<std::pair<size_t, Packed>> packs;  // (index in groups, its pointers)
+  int64_t ws_bytes = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Packed pk = pack({&w.tensors}, groups[gi].second, /*merge=*/!per_leaf);
     if (pk.numels.empty()) continue;
+    ws_bytes = std::max(ws_bytes, ampfunc_cuda_check_workspace_bytes(static_cast<int>(pk.numels.size()),
+                                                                      pk.numels.data()));
+    packs.emplace_back(gi, std::move(pk));
+  }
+  if (packs.empty()) {  // every tensor was empty
+    finite.fill_(true);
+    result.zero_();
+    return {finite, result, leaf};
+  }
+  // [double running sum][the partials of one group's call]: at::empty's blocks are 8-byte aligned.
+  Tensor ws = at::empty({static_cast<int64_t>(sizeof(double)) + ws_bytes}, opts.dtype(at::kByte));
+  double* sumsq = reinterpret_cast<double*>(ws.data_ptr());
+  for (size_t k = 0; k < packs.size(); ++k) {
+    const auto& [gi, pk] = packs[k];
+    const auto& [dtype, idx] = groups[gi];
+    const bool last = k + 1 == packs.size();
     const int m = static_cast<int>(pk.numels.size());
-    const int64_t ws_bytes = ampfunc_cuda_check_workspace_bytes(m, pk.numels.data());
-    Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, opts.dtype(at::kByte));
     Tensor group_leaf = per_leaf ? at::empty({m}, opts.dtype(at::kBool)) : Tensor();
     cuda_ok(op, ampfunc_cuda_check(m, pk.ptrs[0].data(), pk.numels.data(), cuda_dtype(dtype),
-                                        inv_scale ? inv_scale->data_ptr<float>() : nullptr,
-                                        reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq.data_ptr<float>(),
-                                        per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
-                                        ws.data_ptr(), ws_bytes, first ? 0 : 1, stream.stream()));
-    first = false;
+                                   inv_scale ? inv_scale->data_ptr<float>() : nullptr,
+                                   reinterpret_cast<uint8_t*>(finite.data_ptr<bool>()), sumsq,
+                                   last && !norm ? result.data_ptr<float>() : nullptr,
+                                   last && norm ? result.data_ptr<float>() : nullptr,
+                                   per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
+                                   sumsq + 1, ws_bytes, k == 0 ? 0 : 1, stream.stream()));
     if (per_leaf) {
       std::vector<int64_t> nonempty;
       for (int64_t i : idx) if (w.tensors[i].numel() > 0) nonempty.push_back(i);
       leaf.index_copy_(0, at::tensor(nonempty, at::kLong).to(dev, /*non_blocking=*/true), group_leaf);
     }
   }
-  if (first) {  // every tensor was empty
-    finite.fill_(true);
-    sumsq.zero_();
-  }
-  return {finite, sumsq, leaf};
+  return {finite, result, leaf};
 }
 
 std::tuple<Tensor, Tensor, Tensor> check_cuda(TensorList tensors, bool per_leaf) {
-  return check_pass_cuda("check", tensors, per_leaf, nullptr);
+  return check_pass_cuda("check", tensors, per_leaf, nullptr, /*norm=*/false);
 }
 
-// On CUDA the launcher accumulates the (unscaled) squares in fp32: the norm is robust to the
-// loss scale (the squares are of x * inv_scale) but not to an unscaled norm beyond ~1.8e19.
+// The norm from the launcher's double sum: finite whenever every (unscaled) element is finite
+// and the norm itself fits in fp32, as on the CPU.
 std::tuple<Tensor, Tensor, Tensor> check_norm_cuda(TensorList tensors, const std::optional<Tensor>& inv_scale,
                                                    bool per_leaf) {
   const Tensor* inv = inv_scale.has_value() && inv_scale->defined() ? &*inv_scale : nullptr;
-  auto [finite, sumsq, leaf] = check_pass_cuda("check_norm", tensors, per_leaf, inv);
-  return {finite, sumsq.sqrt(), leaf};
+  return check_pass_cuda("check_norm", tensors, per_leaf, inv, /*norm=*/true);
 }
 
 Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
@@ -1146,14 +1164,50 @@ void adam_step__cuda(TensorList params, TensorList grads, TensorList exp_avgs, T
 // The pure steps and updates on CUDA: one pass each, the launchers' out-of-place and delta
 // modes (ext/cuda/optim.cu), which run the in-place kernels' per-element code with other
 // destinations. Inputs are only read (non-contiguous ones through a contiguous copy); every
-// output is a new contiguous tensor from at::empty, never a copy of an input. A skipped step
-// (finite false, decided on the device) writes the inputs to the outputs and the old step.
+// output is new and contiguous, never a copy of an input: new params one at::empty each, each
+// new state list and the updates views of one block per list (packed_empty_like_cuda). A
+// skipped step (finite false, decided on the device) writes the inputs to the outputs and the
+// old step.
 
 // New contiguous tensors on the tensors' device, shaped like `ts`, in `dtype` (else each one's).
 std::vector<Tensor> empty_outputs(const Tensors& ts, std::optional<at::ScalarType> dtype = std::nullopt) {
   std::vector<Tensor> out;
   out.reserve(ts.size());
   for (const Tensor& t : ts) out.push_back(at::empty(t.sizes(), t.options().dtype(dtype.value_or(t.scalar_type()))));
+  return out;
+}
+
+// New contiguous tensors shaped like `ts`, in `dtype`, on their device, as views that tile ONE
+// new block of the CUDA caching allocator exactly, in list order (no padding): the new optimizer
+// state and the updates of the pure steps (new params stay separate tensors). One allocation per
+// list instead of one per leaf, and since the views tile their block like ampfunc.flat's CUDA
+// views, pack() merges a list of them back into one range wherever the other lists of the call
+// are adjacent too (the next step reading this state, a flat buffer of gradients): 10,000
+// leaves become a few launch entries, each starting at the block's (256-byte aligned) base,
+// so the kernels' 16-byte vector loads hold for every chunk. A view not merged (gradients
+// allocated one by one) that starts off a 16-byte boundary takes the kernels' scalar path for
+// that leaf; padding each view to 16 bytes instead would split the ranges at every leaf whose
+// size is not a multiple of 4 and break the merge with state laid out by ampfunc.flat. Each
+// view is its own TensorImpl (its own version counter) sharing the block's storage.
+std::vector<Tensor> packed_empty_like_cuda(const Tensors& ts, at::ScalarType dtype) {
+  std::vector<Tensor> out;
+  if (ts.empty()) return out;
+  int64_t total = 0;
+  for (size_t i = 0; i < ts.size(); ++i) total += ts.numel(i);
+  const Tensor block = at::empty({total}, at::TensorOptions().device(ts[0].device()).dtype(dtype));
+  const c10::Storage& storage = block.storage();
+  const auto meta = caffe2::TypeMeta::fromScalarType(dtype);
+  const c10::DispatchKeySet keys(c10::DispatchKey::CUDA);
+  out.reserve(ts.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, meta);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    impl->set_sizes_contiguous(ts[i].sizes());
+    impl->set_storage_offset(offset);
+    out.push_back(std::move(t));
+    offset += ts.numel(i);
+  }
   return out;
 }
 
@@ -1170,7 +1224,7 @@ SgdOut sgd_step_cuda(TensorList params, TensorList grads, TensorList momentum_bu
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList()), m(model_params);
-  std::vector<Tensor> p_out = empty_outputs(p.tensors), b_out = empty_outputs(b.tensors),
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), b_out = packed_empty_like_cuda(b.tensors, at::kFloat),
                       m_out = empty_outputs(m.tensors);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors p_o(p_out), b_o(b_out), m_o(m_out);
@@ -1217,9 +1271,9 @@ AdamOut adam_step_cuda(TensorList params, TensorList grads, TensorList exp_avgs,
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList()),
       m(model_params);
-  std::vector<Tensor> p_out = empty_outputs(p.tensors), m1_out = empty_outputs(m1.tensors),
-                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors),
-                      m_out = empty_outputs(m.tensors);
+  std::vector<Tensor> p_out = empty_outputs(p.tensors), m1_out = packed_empty_like_cuda(m1.tensors, at::kFloat),
+                      m2_out = packed_empty_like_cuda(m2.tensors, at::kFloat),
+                      vmax_out = packed_empty_like_cuda(vmax.tensors, at::kFloat), m_out = empty_outputs(m.tensors);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors p_o(p_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out), m_o(m_out);
   const bool has_model = !m.tensors.empty();
@@ -1271,7 +1325,8 @@ SgdUpdateOut sgd_update_cuda(TensorList params, TensorList grads, TensorList mom
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), b(has_buf ? momentum_buffers : TensorList());
   const bool has_p = !p.tensors.empty();
-  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), b_out = empty_outputs(b.tensors);
+  std::vector<Tensor> d_out = packed_empty_like_cuda(g.tensors, at::kFloat),
+                      b_out = packed_empty_like_cuda(b.tensors, at::kFloat);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors d_o(d_out), b_o(b_out);
   AmpfuncSgdHyper h{lr, momentum, dampening, weight_decay, nesterov ? 1 : 0, maximize ? 1 : 0};
@@ -1309,8 +1364,10 @@ AdamUpdateOut adam_update_cuda(TensorList params, TensorList grads, TensorList e
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : TensorList());
   const bool has_p = !p.tensors.empty();
-  std::vector<Tensor> d_out = empty_outputs(g.tensors, at::kFloat), m1_out = empty_outputs(m1.tensors),
-                      m2_out = empty_outputs(m2.tensors), vmax_out = empty_outputs(vmax.tensors);
+  std::vector<Tensor> d_out = packed_empty_like_cuda(g.tensors, at::kFloat),
+                      m1_out = packed_empty_like_cuda(m1.tensors, at::kFloat),
+                      m2_out = packed_empty_like_cuda(m2.tensors, at::kFloat),
+                      vmax_out = packed_empty_like_cuda(vmax.tensors, at::kFloat);
   Tensor step_out = at::empty(step.sizes(), step.options());
   const Tensors d_o(d_out), m1_o(m1_out), m2_o(m2_out), vmax_o(vmax_out);
   AmpfuncAdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay ? 1 : 0, amsgrad ? 1 : 0,

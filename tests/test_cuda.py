@@ -443,12 +443,15 @@ class _Abi:
     def workspace_bytes(self, ts):
         return self.lib.ampfunc_cuda_check_workspace_bytes(len(ts), _numels(ts))
 
-    def check(self, ts, *, finite=None, sumsq=None, leaf=None, scale=None, accumulate=0, ws_bytes=None, dtype=None):
+    def check(self, ts, *, finite=None, sumsq=None, sumsq_f32=None, norm=None, leaf=None, scale=None, accumulate=0,
+              ws_bytes=None, dtype=None, ws=None):
+        """`sumsq`: the double running sum; `ws`: a workspace to keep (to read its partials)."""
         ws_bytes = self.workspace_bytes(ts) if ws_bytes is None else ws_bytes
-        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8)
+        ws = torch.empty(max(ws_bytes, 8), dtype=torch.uint8) if ws is None else ws  # torch: 64-byte aligned
         code = _CODE[ts[0].dtype] if dtype is None else dtype
         return self.lib.ampfunc_cuda_check(len(ts), _ptrs(ts), _numels(ts), code, _p(scale), _p(finite), _p(sumsq),
-                                           _p(leaf), _p(ws), ctypes.c_int64(ws_bytes), accumulate, None)
+                                           _p(sumsq_f32), _p(norm), _p(leaf), _p(ws), ctypes.c_int64(ws_bytes),
+                                           accumulate, None)
 
     def unscale_(self, ts, inv, finite, accumulate=0):
         return self.lib.ampfunc_cuda_unscale_(len(ts), _ptrs(ts), _numels(ts), _CODE[ts[0].dtype], _p(inv),
@@ -527,6 +530,44 @@ def _cpu_gen(seed):
     return _gen(seed, "cpu")
 
 
+FINAL_THREADS = 1024  # kFinalThreads in ext/cuda/check.cu
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_outputs():
+    """finite, the double running sum, the fp32 sum and the norm, each filled with junk."""
+    return (torch.zeros((), dtype=torch.bool), torch.full((), -1.0, dtype=torch.float64), torch.full((), -1.0),
+            torch.full((), -1.0))
+
+
+def _partials(ws, blocks):
+    """The check's workspace after a call: each block's partial (double) and non-finite flag."""
+    return ws[:8 * blocks].view(torch.float64), ws[8 * blocks:12 * blocks].view(torch.float32)
+
+
+def _final_order_sum(partials):
+    """The partials added as check_finalize_kernel adds them (strided runs per thread, then a
+    fixed tree), in Python floats (doubles): the launcher's double total, bit for bit."""
+    runs = [0.0] * FINAL_THREADS
+    for i, v in enumerate(partials.tolist()):
+        runs[i % FINAL_THREADS] += v
+    stride = FINAL_THREADS // 2
+    while stride:
+        for t in range(stride):
+            runs[t] += runs[t + stride]
+        stride //= 2
+    return runs[0]
+
+
+def _exact_sumsq(tensors, scale=None):
+    """The squares of fp32(x * scale), as the kernels take them, summed exactly enough (float64)."""
+    total = 0.0
+    for t in tensors:
+        y = t.float() if scale is None else t.float() * scale
+        total += float(y.double().square().sum())
+    return total
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_emulated_check_flags_and_sum_of_squares(emu, dtype, poisoned):
@@ -536,18 +577,134 @@ def test_emulated_check_flags_and_sum_of_squares(emu, dtype, poisoned):
     if poisoned:
         _poison(tensors[3], gen, 2)
     before = [t.clone() for t in tensors]
-    finite, sumsq = torch.zeros((), dtype=torch.bool), torch.full((), -1.0)
+    finite, sumsq, sumsq32, norm = _check_outputs()
     leaf = torch.full((len(tensors),), True)
-    assert emu.check(tensors, finite=finite, sumsq=sumsq, leaf=leaf) == 0
+    assert emu.check(tensors, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32, norm=norm, leaf=leaf) == 0
     expected_leaf = torch.tensor([not bool(torch.isfinite(t).all()) for t in tensors])
     assert torch.equal(leaf, expected_leaf) and bool(finite) == (not poisoned)
     if poisoned:
-        assert not torch.isfinite(sumsq)
+        assert not torch.isfinite(sumsq) and not torch.isfinite(sumsq32) and not torch.isfinite(norm)
     else:
-        exact = sum(float(t.double().square().sum()) for t in tensors)
+        exact = _exact_sumsq(tensors)
         assert float(sumsq) == pytest.approx(exact, rel=1e-6)
+        _same_bits(sumsq32, sumsq.float())
+        _same_bits(norm, sumsq.sqrt().float())
     for t, b in zip(tensors, before):
         _same_bits(t, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_check_normal_values_keep_the_fp32_block_sums(emu, dtype):
+    # Without overflow every block partial is the fp32 block sum (the hot loop stays fp32; no
+    # second read), and the total is those partials added in double in the final kernel's
+    # order: exactly what the fp32-partial kernel before this one summed, so its fp32 result
+    # (then fp32(double sum of fp32 partials)) is unchanged bit for bit.
+    gen = _cpu_gen(5)
+    tensors = [_rand(n, dtype, gen, 2.0) for n in (3, 2 * CHUNK + 5, 4099)]
+    tensors[1] = tensors[1][1:]  # misaligned: the scalar path
+    blocks = emu.workspace_bytes(tensors) // 12
+    assert blocks == 1 + 3 + 1
+    ws = torch.empty(emu.workspace_bytes(tensors), dtype=torch.uint8)
+    finite, sumsq, sumsq32, norm = _check_outputs()
+    scale = torch.tensor(0.75)
+    assert emu.check(tensors, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32, norm=norm, scale=scale, ws=ws) == 0
+    partials, bad = _partials(ws, blocks)
+    assert torch.equal(partials.float().double(), partials)  # fp32 values
+    assert not bad.any() and bool(finite)
+    assert float(sumsq) == _final_order_sum(partials)
+    _same_bits(sumsq32, sumsq.float())
+    _same_bits(norm, sumsq.sqrt().float())
+    assert float(sumsq) == pytest.approx(_exact_sumsq(tensors, 0.75), rel=1e-6)
+
+
+# name -> (dtype, values, scale): the README's example and its relatives. Every element is
+# finite, the fp32 sum of squares overflows, the norm fits in fp32.
+OVERFLOW_CASES = {
+    "readme-20x1e20": (torch.float32, lambda g: torch.full((20,), 1e20), None),
+    "scaled-by-2**16": (torch.float32, lambda g: torch.full((20,), 1e20) * 2.0**16, 2.0**-16),
+    "misaligned-4-blocks": (torch.float32, lambda g: (torch.rand(3 * CHUNK + 18, generator=g) + 0.5)[1:] * 1e18,
+                            None),
+    "bf16": (torch.bfloat16, lambda g: (torch.rand(CHUNK + 9, generator=g) * 1e19).to(torch.bfloat16), None),
+    "fp16-times-2**70": (torch.float16, lambda g: (torch.rand(5000, generator=g) * 6e4).to(torch.float16),
+                         2.0**70),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOW_CASES))
+def test_emulated_check_norm_survives_fp32_overflow_of_the_sum(emu, case):
+    dtype, make, scale = OVERFLOW_CASES[case]
+    x = make(_cpu_gen(6)).to(dtype)
+    small = _rand(2 * CHUNK, torch.float32, _cpu_gen(7)).to(dtype)  # blocks that do not overflow
+    tensors = [small, x] if dtype != torch.float16 else [x]
+    s = None if scale is None else torch.tensor(scale)
+    exact = _exact_sumsq(tensors, scale)
+    assert exact > FP32_MAX and exact**0.5 < FP32_MAX
+    blocks = emu.workspace_bytes(tensors) // 12
+    ws = torch.empty(emu.workspace_bytes(tensors), dtype=torch.uint8)
+    finite, sumsq, sumsq32, norm = _check_outputs()
+    assert emu.check(tensors, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32, norm=norm, scale=s, ws=ws) == 0
+    assert bool(finite) and torch.isfinite(norm)
+    assert abs(float(norm) / exact**0.5 - 1) < 1e-6
+    assert float(sumsq) == pytest.approx(exact, rel=1e-6)
+    assert float(sumsq32) == float("inf")  # fp32(total), as the CPU's check returns it
+    partials, _ = _partials(ws, blocks)
+    redone = (partials > FP32_MAX).tolist()
+    assert any(redone)  # some block summed in double ...
+    assert torch.equal(partials[~(partials > FP32_MAX)].float().double(), partials[~(partials > FP32_MAX)])
+    if dtype != torch.float16:
+        assert not any(redone[:2])  # ... and only those that overflowed (`small` did not)
+    again = torch.full((), -1.0)
+    assert emu.check(tensors, norm=again, scale=s) == 0
+    _same_bits(again, norm)  # deterministic, the rare path included
+
+
+def test_emulated_check_non_finite_element_is_not_summed_away(emu):
+    # A block holding an inf next to huge finite values: not "an overflow of finite values",
+    # so no double recompute hides it: finite is False and the sums are not finite.
+    gen = _cpu_gen(8)
+    x = torch.full((CHUNK + 100,), 1e20)
+    x[CHUNK + 50] = float("inf")
+    ys = [_rand(300, torch.float32, gen), x, torch.full((20,), 1e20)]
+    ys[2][3] = float("nan")
+    for tensors, bad in (([ys[0], x], [False, True]), ([ys[0], ys[2]], [False, True]), ([x, ys[0], ys[2]],
+                                                                                       [True, False, True])):
+        finite, sumsq, sumsq32, norm = _check_outputs()
+        leaf = torch.zeros(len(tensors), dtype=torch.bool)
+        assert emu.check(tensors, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32, norm=norm, leaf=leaf) == 0
+        assert not bool(finite) and leaf.tolist() == bad
+        assert not torch.isfinite(sumsq) and not torch.isfinite(norm) and not torch.isfinite(sumsq32)
+
+
+def test_emulated_check_norm_over_mixed_dtype_groups_with_accumulate(emu):
+    # One call per dtype group, as the glue makes them: the running sum is a double, so the
+    # groups combine without overflow; the last call rounds the norm (and the fp32 sum) once.
+    gen = _cpu_gen(9)
+    groups = [[_rand(n, torch.float16, gen, 100.0) for n in (5, CHUNK + 3)],
+              [torch.full((20,), 1e20), _rand(9, torch.float32, gen)],
+              [_rand(2 * CHUNK + 1, torch.bfloat16, gen, 1e18)]]
+    scale = torch.tensor(0.5)
+    finite, sumsq, sumsq32, norm = _check_outputs()
+    for k, g in enumerate(groups):
+        last = k == len(groups) - 1
+        assert emu.check(g, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32 if last else None,
+                         norm=norm if last else None, scale=scale, accumulate=int(k > 0)) == 0
+    exact = sum(_exact_sumsq(g, 0.5) for g in groups)
+    assert bool(finite) and exact > FP32_MAX
+    assert abs(float(norm) / exact**0.5 - 1) < 1e-6 and float(sumsq32) == float("inf")
+    # normal values: the fp32 sum of every group, from the last call
+    small = [groups[0], [_rand(9, torch.float32, gen)], [_rand(7, torch.bfloat16, gen)]]
+    for k, g in enumerate(small):
+        assert emu.check(g, finite=finite, sumsq=sumsq, sumsq_f32=sumsq32, norm=norm, accumulate=int(k > 0)) == 0
+    exact = sum(_exact_sumsq(g) for g in small)
+    assert float(sumsq32) == pytest.approx(exact, rel=1e-6) and float(norm) == pytest.approx(exact**0.5, rel=1e-6)
+    _same_bits(sumsq32, sumsq.float())
+    # a non-finite group anywhere keeps the flag false through the later groups
+    _poison(small[1][0], gen, 0)
+    for k, g in enumerate(small):
+        assert emu.check(g, finite=finite, sumsq=sumsq, norm=norm, accumulate=int(k > 0)) == 0
+    assert not bool(finite) and not torch.isfinite(norm)
+    # combining needs the running double sum
+    assert emu.check(small[0], norm=norm, accumulate=1) == CUDA_INVALID_VALUE
 
 
 def test_emulated_check_accumulates_scales_and_is_deterministic(emu):
@@ -555,30 +712,32 @@ def test_emulated_check_accumulates_scales_and_is_deterministic(emu):
     a = [_rand(n, torch.float16, gen) for n in (5, CHUNK + 3)]
     b = [_rand(n, torch.float32, gen) for n in (2 * CHUNK + 1, 9)]
     scale = torch.tensor(0.5)
-    finite, sumsq = torch.zeros((), dtype=torch.bool), torch.full((), 123.0)
+    finite, sumsq = torch.zeros((), dtype=torch.bool), torch.full((), 123.0, dtype=torch.float64)
     assert emu.check(a, finite=finite, sumsq=sumsq, scale=scale) == 0  # overwrites
     first = sumsq.clone()
     assert emu.check(b, finite=finite, sumsq=sumsq, scale=scale, accumulate=1) == 0  # adds
     exact = sum(float((t.double() * 0.5).square().sum()) for t in a + b)
     assert bool(finite) and float(sumsq) == pytest.approx(exact, rel=1e-6)
-    again = torch.full((), 7.0)
+    again = torch.full((), 7.0, dtype=torch.float64)
     assert emu.check(a, sumsq=again, scale=scale) == 0
     _same_bits(again, first)
     _poison(b[1], gen, 0)
     assert emu.check(b, finite=finite, sumsq=sumsq, accumulate=1) == 0 and not bool(finite)
     assert emu.check(a, finite=finite, accumulate=1) == 0 and not bool(finite)  # AND keeps it false
     assert emu.check(a, finite=finite) == 0 and bool(finite)                      # overwrite resets
-    empty_finite, empty_sum = torch.zeros((), dtype=torch.bool), torch.full((), 5.0)
-    assert emu.check([torch.empty(0)], finite=empty_finite, sumsq=empty_sum) == 0
-    assert bool(empty_finite) and float(empty_sum) == 0.0
+    empty_finite, empty_sum, empty_norm = torch.zeros((), dtype=torch.bool), torch.full((), 5.0), torch.full((), 5.0)
+    assert emu.check([torch.empty(0)], finite=empty_finite, sumsq_f32=empty_sum, norm=empty_norm) == 0
+    assert bool(empty_finite) and float(empty_sum) == 0.0 and float(empty_norm) == 0.0
 
 
 def test_emulated_check_refuses_bad_arguments(emu):
     ts = [torch.ones(CHUNK + 1)]
-    assert emu.workspace_bytes(ts) == 2 * 2 * 4  # two chunks, two floats each
+    assert emu.workspace_bytes(ts) == 2 * (8 + 4)  # two chunks: a double partial and a float flag each
     finite = torch.zeros((), dtype=torch.bool)
     assert emu.check(ts, finite=finite, ws_bytes=8) == CUDA_INVALID_VALUE
     assert emu.check(ts, finite=finite, dtype=7) == CUDA_INVALID_VALUE
+    ws = torch.empty(64, dtype=torch.uint8)
+    assert emu.check(ts, finite=finite, ws=ws[4:], ws_bytes=24) == CUDA_INVALID_VALUE  # partials need 8-byte alignment
     assert b"" != emu.lib.ampfunc_cuda_error_string(CUDA_INVALID_VALUE)
 
 
@@ -979,7 +1138,7 @@ def test_emulated_pure_adam_step_with_every_list_spans_several_launches(emu):
 
 
 def test_emulated_pure_launchers_refuse_bad_arguments(emu):
-    assert emu.lib.ampfunc_cuda_abi_version() == 2
+    assert emu.lib.ampfunc_cuda_abi_version() == 3
     x = [torch.ones(5)]
     g, step, one, yes = [torch.ones(5)], torch.zeros(()), torch.ones(()), torch.tensor(True)
     outs = ([torch.empty(5)], [torch.empty(5)], [torch.empty(5)], None, None)
@@ -1495,6 +1654,39 @@ def test_cuda_check_norm_matches_the_cpu_and_survives_fp32_overflow_of_the_sum()
 
 
 @needs_cuda
+def test_cuda_check_norm_readme_example():
+    scaled = [torch.full((20,), 1e20, device="cuda") * 2.0**16]  # fp32 gradients of 1e20 under a scale of 2**16
+    finite, norm = ops.check_norm(scaled, torch.tensor(2.0**-16, device="cuda"))
+    assert bool(finite) and abs(float(norm) / (20**0.5 * 1e20) - 1) < 1e-6
+
+
+@needs_cuda
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_cuda_check_norm_over_dtype_groups_matches_the_cpu(cuda_backend, poisoned):
+    # Three dtype groups (three launcher calls combined through the double running sum), one
+    # of them far beyond fp32's range when squared, per-leaf flags: as the CPU kernel.
+    g = torch.Generator().manual_seed(31)
+    cpu = [torch.full((20,), 1e20), (torch.rand(CHUNK + 9, generator=g) * 1e19).to(torch.bfloat16),
+           torch.randn(300, generator=g).to(torch.float16), torch.randn(2 * CHUNK + 3, generator=g)[1:],
+           torch.empty(0)]
+    if poisoned:
+        cpu[2][17] = float("inf")
+    gpu = [t.cuda() for t in cpu]
+    inv = torch.tensor(0.5)
+    want = ops.check_norm(cpu, inv, per_leaf=True)
+    got = ops.check_norm(gpu, inv.cuda(), per_leaf=True)
+    assert bool(got[0]) == bool(want[0]) == (not poisoned)
+    assert torch.equal(got[2].cpu(), want[2])
+    exact = sum(float((t.float() * 0.5).double().square().sum()) for t in cpu) ** 0.5
+    if poisoned:
+        assert not torch.isfinite(got[1]) and not torch.isfinite(want[1])
+    else:
+        assert abs(float(got[1]) / exact - 1) < 1e-6 and abs(float(want[1]) / exact - 1) < 1e-6
+        assert float(ops.check(gpu)[1]) == float(ops.check(cpu)[1]) == float("inf")  # fp32(sum), as on the CPU
+        _gpu_same_bits([ops.check_norm(gpu, inv.cuda())[1]], [got[1]])  # deterministic
+
+
+@needs_cuda
 @pytest.mark.parametrize("with_params", [True, False])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
 def test_cuda_pure_updates_match_the_cpu_kernels(kind, with_params):
@@ -1626,6 +1818,102 @@ def test_cuda_pure_sgd_step_and_update_are_the_in_place_step_bit_for_bit(cuda_ba
             _gpu_same_bits(d0 + b0, Z + (BZ or []))
         p, bufs, model, step = new[0], new[1] if mom else None, new[2], new[3]
     assert float(step) == 2.0
+
+
+# The pure steps' new state lists and updates on CUDA: each list one block of the caching
+# allocator, its views tiling it exactly in list order (no padding: the layout of
+# ampfunc.flat's CUDA views, so the glue merges them back into one range next step); new
+# params stay separate tensors; every view its own version counter.
+
+PACK_SHAPES = [(0,), (1,), (7,), (33, 5), (3 * CHUNK + 17,), (2,), (4, 4)]
+
+
+def _assert_packed(ts, dtype=torch.float32):
+    base = ts[0].untyped_storage().data_ptr()
+    offset = 0
+    for t, shape in zip(ts, PACK_SHAPES, strict=True):
+        assert t.device.type == "cuda" and t.dtype == dtype and t.shape == shape and t.is_contiguous()
+        assert t.untyped_storage().data_ptr() == base and t.storage_offset() == offset
+        offset += t.numel()
+    assert ts[0].untyped_storage().nbytes() == offset * ts[0].element_size()  # tiles it exactly
+    return base
+
+
+def _assert_own_versions(ts):
+    before = [t._version for t in ts]
+    ts[2].add_(0.0)
+    assert [t._version for t in ts] == [v + (i == 2) for i, v in enumerate(before)]
+
+
+def _assert_separate(ts):
+    ptrs = [t.untyped_storage().data_ptr() for t in ts]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cuda_pure_adam_state_and_updates_are_one_block_per_list(cuda_backend, amsgrad):
+    g = torch.Generator().manual_seed(41)
+    cpu = dict(p=[torch.randn(s, generator=g) for s in PACK_SHAPES],
+               g=[torch.randn(s, generator=g).to(torch.bfloat16) for s in PACK_SHAPES],
+               m=[torch.randn(s, generator=g) * 0.01 for s in PACK_SHAPES],
+               v=[torch.rand(s, generator=g) * 0.01 for s in PACK_SHAPES],
+               vmax=[torch.rand(s, generator=g) * 0.02 for s in PACK_SHAPES])
+    gpu = {k: [t.cuda() for t in ts] for k, ts in cpu.items()}
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, decoupled_weight_decay=True)
+    one = torch.tensor(True)
+    step, gs = torch.tensor(3.0), torch.tensor(0.5)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        d["step"] = ops.adam_step(d["p"], d["g"], d["m"], d["v"], d["vmax"] if amsgrad else None, None,
+                                  step.to(dev), gs.to(dev), one.to(dev), **kw)
+        d["update"] = ops.adam_update(d["p"], d["g"], d["m"], d["v"], d["vmax"] if amsgrad else None, step.to(dev),
+                                      gs.to(dev), **kw)
+    new_p, new_m, new_v, new_vmax, _, _ = gpu["step"]
+    lists = [new_m, new_v] + ([new_vmax] if amsgrad else [])
+    upd = gpu["update"]
+    lists += [upd[0], upd[1], upd[2]] + ([upd[3]] if amsgrad else [])
+    blocks = [_assert_packed(ts) for ts in lists]
+    assert len(set(blocks)) == len(blocks)  # one block per list
+    _assert_separate(new_p)                   # new params: separate tensors
+    for ts in lists:
+        _assert_own_versions(ts)
+    # values against the CPU kernels (fp32 rounding apart), the second step reading the packed
+    # state (its lists merge into one range) included
+    for got, want in zip(gpu["step"][:3] + gpu["update"][:3], cpu["step"][:3] + cpu["update"][:3]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        p1, m1, v1, vm1 = d["step"][:4]
+        d["again"] = ops.adam_step(p1, d["g"], m1, v1, vm1 if amsgrad else None, None, d["step"][5], gs.to(dev),
+                                   one.to(dev), **kw)
+    for got, want in zip(gpu["again"][:3], cpu["again"][:3]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
+    _assert_packed(gpu["again"][1])
+
+
+@needs_cuda
+def test_cuda_pure_sgd_state_and_updates_are_one_block_per_list(cuda_backend):
+    g = torch.Generator().manual_seed(42)
+    cpu = dict(p=[torch.randn(s, generator=g) for s in PACK_SHAPES],
+               g=[torch.randn(s, generator=g).to(torch.float16) for s in PACK_SHAPES],
+               b=[torch.randn(s, generator=g) * 0.1 for s in PACK_SHAPES])
+    gpu = {k: [t.cuda() for t in ts] for k, ts in cpu.items()}
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
+    one, step, gs = torch.tensor(True), torch.tensor(3.0), torch.tensor(0.5)
+    for dev, d in (("cpu", cpu), ("cuda", gpu)):
+        d["step"] = ops.sgd_step(d["p"], d["g"], d["b"], None, step.to(dev), gs.to(dev), one.to(dev), **kw)
+        d["update"] = ops.sgd_update(d["p"], d["g"], d["b"], step.to(dev), gs.to(dev), **kw)
+    new_p, new_b, _, _ = gpu["step"]
+    upd, upd_b, _ = gpu["update"]
+    blocks = [_assert_packed(ts) for ts in (new_b, upd, upd_b)]
+    assert len(set(blocks)) == 3
+    _assert_separate(new_p)
+    for ts in (new_b, upd, upd_b):
+        _assert_own_versions(ts)
+    for got, want in zip(gpu["step"][:2] + gpu["update"][:2], cpu["step"][:2] + cpu["update"][:2]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

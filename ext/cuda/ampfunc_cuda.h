@@ -28,7 +28,8 @@
  * sum added) so that a caller can cover several (dtype) groups with several calls.
  *
  * Arithmetic: everything in fp32 ("opmath"), in the order of torch.optim's single-tensor
- * implementations (see each launcher); bias corrections in double from the fp32 step count.
+ * implementations (see each launcher); bias corrections in double from the fp32 step count;
+ * the check's sums of squares combined in double (see ampfunc_cuda_check).
  */
 #ifndef AMPFUNC_CUDA_H
 #define AMPFUNC_CUDA_H
@@ -48,9 +49,11 @@ extern "C" {
 /* Elements per multi-tensor-apply chunk (one thread block per chunk). */
 #define AMPFUNC_CUDA_CHUNK 65536
 
-/* Version of this ABI; bumped only by backward-compatible additions.
- * 2: the out-of-place steps and the pure updates (ampfunc_cuda_*_step_out, ampfunc_cuda_*_update). */
-#define AMPFUNC_CUDA_ABI_VERSION 2
+/* Version of this ABI (the glue static_asserts the one it was written for).
+ * 2: the out-of-place steps and the pure updates (ampfunc_cuda_*_step_out, ampfunc_cuda_*_update).
+ * 3: ampfunc_cuda_check sums without overflow: double `sumsq` accumulator, fp32 `sumsq_f32` and
+ *    `norm` outputs, double partials in the workspace (an incompatible change of that launcher). */
+#define AMPFUNC_CUDA_ABI_VERSION 3
 int ampfunc_cuda_abi_version(void);
 
 const char* ampfunc_cuda_error_string(int status);
@@ -59,23 +62,34 @@ const char* ampfunc_cuda_error_string(int status);
  * Read-only check: non-finite flag and sum of squares in one read of the tensors.
  *
  * For each element x (of dtype `dtype`), in fp32: y = scale ? x * (*scale) : x; sums y*y and
- * notes whether x is finite. Block partials (fp32) land in `workspace`; one final kernel adds
- * them in a fixed order (in double, rounded once to fp32), so the result is deterministic
- * run to run (no atomics).
+ * notes whether x is finite. The sum cannot overflow while every x is finite (it may exceed
+ * fp32's range: e.g. 20 values of 1e20): each block sums its 64K-element chunk in fp32, and a
+ * block whose fp32 sum overflows while its elements are all finite sums the chunk again in
+ * double (a second read of that chunk only). The block partials (double) land in `workspace`;
+ * one final kernel adds them in a fixed order in double, so the result is deterministic run to
+ * run (no atomics), and rounds the fp32 results once from the double total.
  *   finite          out, 1 byte (may be NULL)   all elements finite        (accumulate rule)
- *   sumsq           out, fp32 (may be NULL)     sum of squares             (accumulate rule)
+ *   sumsq           out, double (may be NULL)   sum of squares             (accumulate rule)
+ *   sumsq_f32       out, fp32 (may be NULL)     fp32(total)                (always overwritten)
+ *   norm            out, fp32 (may be NULL)     fp32(sqrt(total))          (always overwritten)
+ *                   total = the double sum of this call, plus *sumsq when `accumulate`; so a
+ *                   caller covering several groups gets the fp32 sum or the norm of all of
+ *                   them from its last call. With `accumulate`, sumsq_f32 or norm need sumsq.
  *   leaf_nonfinite  out, n bytes (may be NULL)  1 where leaf i holds a non-finite value, else 0
  *                                               (always overwritten, whatever `accumulate`)
- *   workspace       scratch on the device, at least ampfunc_cuda_check_workspace_bytes() bytes
- *                   (needs no initialisation; may be NULL when that size is 0)
- * Cost: one read of every element, a few bytes per 64K-element chunk, two launches + one per
- * argument block.
+ *   workspace       scratch on the device, 8-byte aligned, at least
+ *                   ampfunc_cuda_check_workspace_bytes() bytes (needs no initialisation; may be
+ *                   NULL when that size is 0). After the call it holds each block's partial
+ *                   (double, in block order) and then each block's non-finite flag (float).
+ * Cost: one read of every element (two for a block whose fp32 sum overflows), 12 bytes per
+ * 64K-element chunk, two launches + one per argument block.
  * ------------------------------------------------------------------------------------------ */
 int64_t ampfunc_cuda_check_workspace_bytes(int n, const int64_t* numels);
 
 int ampfunc_cuda_check(int n, const void* const* tensors, const int64_t* numels, int dtype,
-                       const float* scale, uint8_t* finite, float* sumsq, uint8_t* leaf_nonfinite,
-                       void* workspace, int64_t workspace_bytes, int accumulate, cudaStream_t stream);
+                       const float* scale, uint8_t* finite, double* sumsq, float* sumsq_f32, float* norm,
+                       uint8_t* leaf_nonfinite, void* workspace, int64_t workspace_bytes, int accumulate,
+                       cudaStream_t stream);
 
 /* ------------------------------------------------------------------------------------------
  * Unscale, as torch._amp_foreach_non_finite_check_and_unscale_ (bf16 included):
