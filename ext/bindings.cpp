@@ -1463,8 +1463,10 @@ bool plain_cpu(const Tensor& t) {
                                             c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
                                             c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  // Grad mode first: under no_grad (every step) a view's autograd meta, a separate cold object,
+  // is never read.
   return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(blocked) &&
-         !(t.requires_grad() && at::GradMode::is_enabled());
+         !(at::GradMode::is_enabled() && t.requires_grad());
 }
 
 // The positional arguments of one call, read in order; `ok` turns false at the first argument
