@@ -109,7 +109,26 @@ def _call(name: str, *args):
         out = getattr(door, name)(*args)
         if out is not NotImplemented:
             return out
+        if name in _PACKING_OPS and _plain_cuda(args[0] or args[1]):
+            # An eager CUDA call: its new state lists may be views of one block each (packed
+            # outputs); a compiled graph's calls never set this (its outputs may not alias).
+            prev = door.pack_outputs(True)
+            try:
+                return getattr(torch.ops.ampfunc, name)(*args)
+            finally:
+                door.pack_outputs(prev)
     return getattr(torch.ops.ampfunc, name)(*args)
+
+
+# The out-of-place optimizer ops whose new state lists and updates come back packed in eager mode.
+_PACKING_OPS = frozenset({"adam_step", "sgd_step", "adam_update", "sgd_update"})
+
+
+def _plain_cuda(tensors) -> bool:
+    """Whether an op's first list holds plain CUDA tensors and no dispatch mode is active."""
+    t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda and not torch._is_functional_tensor(t)
+            and torch._C._len_torch_dispatch_stack() == 0)
 
 
 _GRAD = operator.attrgetter("grad")

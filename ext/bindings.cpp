@@ -631,6 +631,21 @@ std::vector<Tensor> empty_like_list(const Tensors& ts) {
   return out;
 }
 
+// Whether the running call may hand back new state lists whose tensors share one block (the
+// packed outputs below). Only eager calls set it (the direct door; ops._call around an eager
+// torch.ops call on CUDA): a custom op that a compiled graph calls must return outputs that
+// alias nothing, each other included (torch checks this at run time and will refuse it), so
+// there every output is its own allocation.
+thread_local bool t_pack_outputs = false;
+
+struct PackOutputs {
+  explicit PackOutputs(bool on) : prev(t_pack_outputs) { t_pack_outputs = on; }
+  ~PackOutputs() { t_pack_outputs = prev; }
+  PackOutputs(const PackOutputs&) = delete;
+  PackOutputs& operator=(const PackOutputs&) = delete;
+  bool prev;
+};
+
 // New contiguous tensors shaped like `ts`, in `dtype`, as views of ONE new storage (each view
 // starting on a 64-byte line): the new optimizer state and the updates of the out-of-place
 // steps. One allocation instead of one per leaf, and the next step reads each list as one run
@@ -639,6 +654,11 @@ std::vector<Tensor> empty_like_list(const Tensors& ts) {
 std::vector<Tensor> packed_empty_like(const Tensors& ts, at::ScalarType dtype) {
   std::vector<Tensor> out;
   if (ts.empty()) return out;
+  if (!t_pack_outputs) {  // called by the dispatcher (a compiled graph): one allocation each
+    out.reserve(ts.size());
+    for (const Tensor& t : ts) out.push_back(pooled_empty(t.sizes(), dtype));
+    return out;
+  }
   OutputPool& pool = OutputPool::get();
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t bytes = 0;
@@ -1192,6 +1212,7 @@ std::vector<Tensor> empty_outputs(const Tensors& ts, std::optional<at::ScalarTyp
 std::vector<Tensor> packed_empty_like_cuda(const Tensors& ts, at::ScalarType dtype) {
   std::vector<Tensor> out;
   if (ts.empty()) return out;
+  if (!t_pack_outputs) return empty_outputs(ts, dtype);  // not an eager call (see t_pack_outputs)
   int64_t total = 0;
   for (size_t i = 0; i < ts.size(); ++i) total += ts.numel(i);
   const Tensor block = at::empty({total}, at::TensorOptions().device(ts[0].device()).dtype(dtype));
@@ -1635,6 +1656,7 @@ py::object run(const char* op, Fn&& fn) {
     {
       py::gil_scoped_release no_gil;
       RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      PackOutputs pack(true);  // an eager call
       fn();
     }
     return py::none();
@@ -1643,6 +1665,7 @@ py::object run(const char* op, Fn&& fn) {
     {
       py::gil_scoped_release no_gil;
       RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      PackOutputs pack(true);  // an eager call
       out.emplace(fn());
     }
     return py::cast(std::move(*out));
@@ -2013,6 +2036,12 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("grads_of", &direct::grads_of);
     m.def("clear_grads", &direct::clear_grads);
     m.def("bound_signature", &direct::bound_signature);
+    // ops._call around an eager torch.ops call (CUDA): returns the previous setting.
+    m.def("pack_outputs", [](bool on) {
+      const bool prev = t_pack_outputs;
+      t_pack_outputs = on;
+      return prev;
+    });
     m.def("check_bound", &direct::check_bound);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);

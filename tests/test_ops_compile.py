@@ -99,3 +99,31 @@ def test_a_graph_compiled_before_any_eager_call_runs_the_compiled_kernels():
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_compiled_pure_step_returns_new_state_that_aliases_nothing():
+    # Eager, the pure steps hand back each new state list as views of one block; a custom op
+    # that a compiled graph calls must return outputs aliasing nothing (torch checks at run time,
+    # warns now and will refuse), so there each output is its own allocation, with the same values.
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    p, g = [torch.randn(n, generator=gen) for n in (3, 5, 7)], [torch.randn(n, generator=gen) for n in (3, 5, 7)]
+    m, v = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
+    one = torch.ones(())
+
+    def update(p, g, m, v, step):
+        return ops.adam_update(p, g, m, v, None, step, one, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+
+    ops.load()
+    eager = update(p, g, m, v, torch.zeros(()))
+    compiled = torch.compile(update, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*alias.*")
+        out = compiled(p, g, m, v, torch.zeros(()))
+    for lst in out[:3]:
+        assert len({t.untyped_storage().data_ptr() for t in lst}) == len(lst)
+    for a, b in zip(eager[:3], out[:3]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if ops._DIRECT[0] is not None:  # eager through the direct door: packed
+        assert len({t.untyped_storage().data_ptr() for t in eager[1]}) == 1
