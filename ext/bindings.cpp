@@ -290,8 +290,10 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
     for (size_t l = 0; l < lists.size(); ++l) {
       const ListSpec& L = lists[l];
       const Tensors::Desc& d = L.ts.desc(i);
-      if (!(d.dense && d.device == dev && dt_ok(L.dt, d.dtype))) {
+      if (!(d.dense && d.device == dev && dt_ok(L.dt, d.dtype) && (d.data != nullptr || d.numel == 0))) {
         check_tensor(op, L.name, static_cast<int64_t>(i), L.ts[i], L.dt, dev);
+        TORCH_CHECK_VALUE(d.data != nullptr || d.numel == 0 || dev.is_meta(), "ampfunc: ", item_name(L.name, i),
+                          " has no data (a tensor without storage) (", op, ")");
       }
       if (l > 0 && !same_shape(d, r)) {
         const Tensor& t = L.ts[i];
