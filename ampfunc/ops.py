@@ -54,6 +54,7 @@ __all__ = [
     "clear_grads",
     "bound_signature",
     "check_bound",
+    "set_grads",
 ]
 
 
@@ -150,6 +151,17 @@ def clear_grads(params: list) -> None:
         return
     for p in params:
         p.grad = None
+
+
+def set_grads(params: list, grads: list) -> None:
+    """``p.grad = g`` for every pair (same shapes, dtypes and devices), in C when the compiled
+    library is loaded. Cost: about 20 ns a param; no host sync."""
+    door = _DIRECT[0]
+    if door is not None and type(params) is list and type(grads) is list:
+        door.set_grads(params, grads)
+        return
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
 
 
 def bound_signature(params: list):

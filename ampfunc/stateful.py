@@ -19,6 +19,7 @@ on the local shards, so its optimizer state is sharded too; clip with
 from __future__ import annotations
 
 import operator
+import warnings
 from itertools import repeat
 from typing import Any, NamedTuple, Optional
 
@@ -93,6 +94,7 @@ class _Packed:
                 self.buffers[key] = buf
                 self.grad_buffers[key] = gbuf
         self.signature = ops.bound_signature(self.params)
+        self._warned = False  # the one warning about grads replaced on every step
 
     def rebind(self, where: str) -> None:
         """Before a step: raises (nothing written) if a param's data left its buffer; a ``.grad``
@@ -105,15 +107,23 @@ class _Packed:
                 "module was moved or converted, or its .data replaced, after the trainer was made); make the "
                 "trainer after model.to(...)/.half(), or leave flat off")
         if unbound:
+            if len(unbound) == len(self.params) and not self._warned:
+                self._warned = True
+                warnings.warn(f"{where}: every .grad was replaced since the last step (model.zero_grad() sets "
+                              "them to None, and backward then makes new ones), so each step copies them into "
+                              "the trainer's gradient views: drop the zero_grad() call, the flat trainer zeroes "
+                              "the gradients itself after each step", stacklevel=3)
+            params = [self.params[i] for i in unbound]
+            views = [self.grad_views[i] for i in unbound]
+            grads = ops.grads_of(params)
+            pairs = [(v, g) for v, g in zip(views, grads) if g is not None]
+            empty = [v for v, g in zip(views, grads) if g is None]
             with torch.no_grad():
-                for i in unbound:
-                    p, view = self.params[i], self.grad_views[i]
-                    g = p.grad
-                    if g is None:
-                        view.zero_()
-                    else:
-                        view.copy_(g)
-                    p.grad = view
+                if pairs:
+                    torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+                if empty:
+                    torch._foreach_zero_(empty)
+            ops.set_grads(params, views)
 
     def zero_grads(self) -> None:
         """The gradients zeroed in place (one fill per buffer); the views stay the ``.grad``."""

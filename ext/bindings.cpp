@@ -1933,6 +1933,27 @@ py::tuple check_bound(const py::list& params, const Tensor& signature) {
   return py::make_tuple(moved, unbound);
 }
 
+// `params[i].grad = grads[i]` for every i, at C speed (ModuleTrainer(flat=True) putting its
+// gradient views back). Shapes, dtypes and devices must match, as Python's .grad setter demands.
+void set_grads(const py::list& params, const py::list& grads) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(grads.ptr()) != n) throw py::value_error("ampfunc: set_grads takes two lists of one length");
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *o = PyList_GET_ITEM(params.ptr(), i), *g = PyList_GET_ITEM(grads.ptr(), i);
+    if (!THPVariable_Check(o) || !THPVariable_Check(g)) throw py::type_error("ampfunc: set_grads takes lists of tensors");
+    const Tensor& p = THPVariable_Unpack(o);
+    const Tensor& gt = THPVariable_Unpack(g);
+    if (gt.sizes() != p.sizes() || gt.scalar_type() != p.scalar_type() || gt.device() != p.device()) {
+      throw py::value_error("ampfunc: set_grads: grads[" + std::to_string(i) + "] does not match its param's shape, " +
+                            "dtype and device");
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad() =
+        THPVariable_Unpack(PyList_GET_ITEM(grads.ptr(), i));
+  }
+}
+
 py::object pool_stats() {
   auto [cached, limit, hits, misses] = OutputPool::get().stats();
   py::dict d;
@@ -2045,6 +2066,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
       return prev;
     });
     m.def("check_bound", &direct::check_bound);
+    m.def("set_grads", &direct::set_grads);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
     return m.release().ptr();

@@ -85,7 +85,11 @@ def test_zero_grad_to_none_between_steps_and_unused_params_still_give_the_same_n
             _backward(model, trainer, step)
             if step == 2:
                 model[0].bias.grad = None  # an unused param: a zero gradient, in both trainers
-            trainer.step()
+            if trainer is flat and step == 0:
+                with pytest.warns(UserWarning, match="drop the zero_grad"):  # said once
+                    trainer.step()
+            else:
+                trainer.step()
         assert _params_equal(a, b), step
     assert all(p.grad.untyped_storage().data_ptr() == a[0].weight.grad.untyped_storage().data_ptr()
                for p in a.parameters())  # the views are back
