@@ -1481,7 +1481,7 @@ namespace direct {
 
 namespace py = pybind11;
 
-bool plain_cpu(const Tensor& t) {
+bool plain_cpu(const Tensor& t, bool grad_on = at::GradMode::is_enabled()) {
   static const c10::DispatchKeySet blocked({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
                                             c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
@@ -1489,7 +1489,7 @@ bool plain_cpu(const Tensor& t) {
   // Grad mode first: under no_grad (every step) a view's autograd meta, a separate cold object,
   // is never read.
   return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(blocked) &&
-         !(at::GradMode::is_enabled() && t.requires_grad());
+         !(grad_on && t.requires_grad());
 }
 
 // The positional arguments of one call, read in order; `ok` turns false at the first argument
@@ -1518,34 +1518,28 @@ class Args {
     // references rather than a tuple copy: no Python allocation, nothing for the cyclic GC.
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
-    out.reserve(static_cast<size_t>(n));
     items_.reserve(items_.size() + static_cast<size_t>(n));
+    // The Python objects, on this thread (they are the interpreter's): type, reference, tensor.
+    thread_local std::vector<const Tensor*> tensors;
+    tensors.clear();
+    tensors.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
-      // The Python objects, their TensorImpls and storages are cold on a large tree: ask for
-      // each a few items ahead, in the order the reads below need them.
-      if (i + 8 < n) __builtin_prefetch(items[i + 8]);
-      if (i + 4 < n && THPVariable_Check(items[i + 4])) {
-        const char* impl = reinterpret_cast<const char*>(THPVariable_Unpack(items[i + 4]).unsafeGetTensorImpl());
-        __builtin_prefetch(impl);
-        __builtin_prefetch(impl + 64);
-        __builtin_prefetch(impl + 128);
-      }
-      if (i + 2 < n && THPVariable_Check(items[i + 2])) {
-        __builtin_prefetch(THPVariable_Unpack(items[i + 2]).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
-      }
+      if (i + 8 < n) __builtin_prefetch(items[i + 8]);  // cold on a large tree: ask ahead
       PyObject* o = items[i];
       if (!THPVariable_Check(o)) {
         ok = false;
         return out;
       }
-      const Tensor& t = THPVariable_Unpack(o);
-      if (!plain_cpu(t)) {
-        ok = false;
-        return out;
-      }
       Py_INCREF(o);
       items_.push_back(o);
-      out.push_back(&t);
+      tensors.push_back(&THPVariable_Unpack(o));
+    }
+    // The tensors themselves (TensorImpls, storages): checked and described on every core
+    // when the list is long. Grad mode is this thread's, read here once.
+    const bool grad_on = at::GradMode::is_enabled();
+    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); })) {
+      ok = false;
+      return out;
     }
     any_tensor_ = any_tensor_ || n > 0;
     return out;

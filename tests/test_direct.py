@@ -267,3 +267,27 @@ def test_new_optimizer_state_and_updates_are_views_of_one_block_per_list():
     new_p, *_ = ops.adam_step(p, g, m, v, None, None, torch.zeros(()), one, torch.ones((), dtype=torch.bool),
                               lr=1e-3)
     assert len({t.untyped_storage().data_ptr() for t in new_p}) == len(p)
+
+
+@pytest.mark.parametrize("n", [3, 5000])  # described on one thread, and on every core
+def test_copy_on_write_params_are_materialized_before_an_in_place_step_writes(n):
+    base = [torch.ones(4) for _ in range(n)]
+    params = [torch._lazy_clone(b) for b in base]  # share base's data until written
+    grads = [torch.full((4,), 2.0) for _ in range(n)]
+    m, v = [torch.zeros(4) for _ in range(n)], [torch.zeros(4) for _ in range(n)]
+    ops.adam_step_(params, grads, m, v, None, None, torch.zeros(()), torch.ones(()),
+                   torch.ones((), dtype=torch.bool), lr=0.1)
+    assert all(torch.equal(b, torch.ones(4)) for b in base)
+    assert all(float(p[0]) < 1.0 for p in params)
+
+
+def test_a_long_list_with_one_tensor_the_door_cannot_take_goes_to_the_dispatcher():
+    n = 5000  # long enough to be described on every core
+    p = [torch.randn(3) for _ in range(n)]
+    p[4321] = torch.randn(3, requires_grad=True)  # grad mode is on: the door must hand it back
+    u = [torch.randn(3) for _ in range(n)]
+    with torch.no_grad():
+        want = [a + b for a, b in zip(p, u)]
+    assert DOOR.apply_updates(p, u) is NotImplemented
+    out = ops.apply_updates(p, u)
+    assert all(torch.equal(o, w) for o, w in zip(out, want))

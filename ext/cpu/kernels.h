@@ -9,7 +9,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/impl/COW.h>
 
+#include <atomic>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -69,7 +72,7 @@ class Tensors {
     at::ScalarType dtype;
     bool contiguous;
     bool dense;  // defined and not sparse / mkldnn (validation looks closer at the others)
-    at::Device device;
+    at::Device device = at::Device(at::kCPU);
     int8_t ndim;  // -1: more than kInlineDims dims (validation compares the tensors' sizes)
     int64_t dims[kInlineDims];
   };
@@ -122,6 +125,36 @@ class Tensors {
     p_.push_back(t);
     d_.push_back(d);
   }
+  // Takes `n` tensors at once, describing them on every core when there are many (their
+  // TensorImpls and storages are cold on a large tree, and the misses overlap across cores);
+  // `ok(t)` is asked of each tensor on the way, and the result is whether it held for all.
+  // A copy-on-write storage is materialized afterwards on this thread (describe() writes).
+  template <typename Ok>
+  bool take_all(const at::Tensor* const* ts, size_t n, Ok ok) {
+    reserve(n);
+    p_.assign(ts, ts + n);
+    d_.resize(n);
+    std::atomic<bool> all_ok{true}, any_cow{false};
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const at::Tensor& t = *p_[i];
+        if (!ok(t)) all_ok.store(false, std::memory_order_relaxed);
+        d_[i] = describe(t, /*materialize=*/false);
+        if (d_[i].data == kCow) any_cow.store(true, std::memory_order_relaxed);
+      }
+    };
+    if (n >= kParallelTake) {
+      at::parallel_for(0, static_cast<int64_t>(n), kParallelTake / 4, run);
+    } else {
+      run(0, static_cast<int64_t>(n));
+    }
+    if (any_cow.load()) {
+      for (size_t i = 0; i < n; ++i) {
+        if (d_[i].data == kCow) d_[i] = describe(*p_[i]);
+      }
+    }
+    return all_ok.load();
+  }
   size_t size() const { return p_.size(); }
   bool empty() const { return p_.empty(); }
   const at::Tensor& operator[](size_t i) const { return *p_[i]; }
@@ -137,12 +170,20 @@ class Tensors {
   iterator end() const { return iterator(p_.data() + p_.size()); }
 
  private:
-  static Desc describe(const at::Tensor& t) {
+  static constexpr size_t kParallelTake = 4096;
+  // A marker, never dereferenced: the tensor's storage is copy-on-write (see take_all).
+  static inline char* const kCow = reinterpret_cast<char*>(uintptr_t{1});
+
+  static Desc describe(const at::Tensor& t, bool materialize = true) {
     Desc d{nullptr, 0, at::kFloat, true, false, at::Device(at::kCPU), -1, {0, 0, 0, 0}};
     if (!t.defined()) return d;
     // data_ptr() (not const_data_ptr()): the kernels may write, which must materialize a
     // copy-on-write storage first. Layouts without storage (sparse) get none; validation refuses them.
     const bool has_data = t.layout() == at::kStrided && t.has_storage();
+    if (has_data && !materialize && c10::impl::cow::is_cow_data_ptr(t.storage().data_ptr())) {
+      d.data = kCow;
+      return d;
+    }
     d.data = has_data ? static_cast<char*>(t.data_ptr()) : nullptr;
     d.numel = t.numel();
     d.dtype = t.scalar_type();
