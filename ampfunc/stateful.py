@@ -27,6 +27,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.engine import Engine, MixedPrecisionState
+from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.transform import GradientTransformation
@@ -57,7 +58,6 @@ class _Packed:
     straight into it). The engine then steps one tensor per buffer instead of one per param."""
 
     def __init__(self, named: list, where: str):
-        groups: dict = {}
         for name, p in named:
             if type(p) not in (torch.nn.Parameter, torch.Tensor):
                 raise TypeError(f"{where}: parameter {name!r} is a {type(p).__name__}; flat=True packs plain "
@@ -66,33 +66,21 @@ class _Packed:
                 raise ValueError(f"{where}: parameter {name!r} is not a contiguous dense tensor (strides "
                                  f"{tuple(p.stride())}); flat=True packs contiguous params only: make it "
                                  "contiguous first, or leave flat off")
-            groups.setdefault((p.device, p.dtype), []).append((name, p))
-        self.names: list = []  # in the trainer's param order below
-        self.params: list = []
-        self.grad_views: list = []  # what each param's .grad must stay (held: the signature names them)
-        self.buffers: dict = {}      # key -> the params' buffer (what the engine steps)
-        self.grad_buffers: dict = {}
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        flat = flatten(self.params)  # one buffer per (device, dtype), the params copied in
+        keys = [f"{str(dtype).removeprefix('torch.')}@{device}" for device, dtype in flat.keys]
+        grad_buffers = flat.zeros_like()
+        # what each param's .grad must stay (held: the signature names them)
+        self.grad_views: list = flat.leaves(grad_buffers)
+        self.buffers = dict(zip(keys, flat.buffers))  # what the engine steps
+        self.grad_buffers = dict(zip(keys, grad_buffers))
         with torch.no_grad():
-            for (device, dtype), members in groups.items():
-                key = f"{str(dtype).removeprefix('torch.')}@{device}"
-                total = sum(p.numel() for _, p in members)
-                buf = torch.empty(total, dtype=dtype, device=device)
-                gbuf = torch.zeros(total, dtype=dtype, device=device)
-                at = 0
-                for name, p in members:
-                    n = p.numel()
-                    view, gview = buf[at:at + n].view(p.shape), gbuf[at:at + n].view(p.shape)
-                    view.copy_(p)
-                    if p.grad is not None:
-                        gview.copy_(p.grad)
-                    p.data = view
-                    p.grad = gview
-                    self.names.append(name)
-                    self.params.append(p)
-                    self.grad_views.append(gview)
-                    at += n
-                self.buffers[key] = buf
-                self.grad_buffers[key] = gbuf
+            for p, view, gview in zip(self.params, flat.leaves(), self.grad_views):
+                if p.grad is not None:
+                    gview.copy_(p.grad)
+                p.data = view
+                p.grad = gview
         self.signature = ops.bound_signature(self.params)
         self._warned = False  # the one warning about grads replaced on every step
 

@@ -625,11 +625,12 @@ void check_adam_args(const char* op, const Tensors& params, const Tensors& grads
   }
 }
 
-// New contiguous tensors shaped and typed like `ts` (the outputs of the out-of-place steps).
-std::vector<Tensor> empty_like_list(const Tensors& ts) {
+// New contiguous tensors shaped like `ts`, in `dtype` (else each one's), one pooled allocation each
+// (the outputs of the out-of-place steps).
+std::vector<Tensor> empty_like_list(const Tensors& ts, std::optional<at::ScalarType> dtype = std::nullopt) {
   std::vector<Tensor> out;
   out.reserve(ts.size());
-  for (const Tensor& t : ts) out.push_back(pooled_empty(t.sizes(), t.scalar_type()));
+  for (const Tensor& t : ts) out.push_back(pooled_empty(t.sizes(), dtype.value_or(t.scalar_type())));
   return out;
 }
 
@@ -648,6 +649,27 @@ struct PackOutputs {
   bool prev;
 };
 
+// Contiguous tensors shaped like `ts`, of `meta`'s dtype and with `keys`, as views of `storage`,
+// laid out in list order, each view starting at a multiple of `align` bytes (1: tiling exactly).
+// Returns the bytes the layout needs when `storage` is null (the first of the two calls).
+int64_t views_of(const c10::Storage* storage, const Tensors& ts, caffe2::TypeMeta meta, c10::DispatchKeySet keys,
+                 int64_t align, std::vector<Tensor>* out) {
+  const int64_t item = static_cast<int64_t>(meta.itemsize());
+  int64_t at = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    at = (at + align - 1) / align * align;
+    if (storage) {
+      Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(*storage), keys, meta);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      impl->set_sizes_contiguous(ts[i].sizes());
+      impl->set_storage_offset(at / item);
+      out->push_back(std::move(t));
+    }
+    at += ts.numel(i) * item;
+  }
+  return at;
+}
+
 // New contiguous tensors shaped like `ts`, in `dtype`, as views of ONE new storage (each view
 // starting on a 64-byte line): the new optimizer state and the updates of the out-of-place
 // steps. One allocation instead of one per leaf, and the next step reads each list as one run
@@ -656,30 +678,15 @@ struct PackOutputs {
 std::vector<Tensor> packed_empty_like(const Tensors& ts, at::ScalarType dtype) {
   std::vector<Tensor> out;
   if (ts.empty()) return out;
-  if (!t_pack_outputs) {  // called by the dispatcher (a compiled graph): one allocation each
-    out.reserve(ts.size());
-    for (const Tensor& t : ts) out.push_back(pooled_empty(t.sizes(), dtype));
-    return out;
-  }
+  if (!t_pack_outputs) return empty_like_list(ts, dtype);  // a compiled graph's call: one allocation each
   OutputPool& pool = OutputPool::get();
-  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  int64_t bytes = 0;
-  for (size_t i = 0; i < ts.size(); ++i) bytes = ((bytes + 63) & ~int64_t{63}) + ts.numel(i) * item;
-  c10::Allocator* alloc = pool.enabled() ? static_cast<c10::Allocator*>(&pool) : c10::GetCPUAllocator();
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, alloc, /*resizable=*/true);
   const auto meta = caffe2::TypeMeta::fromScalarType(dtype);
   const c10::DispatchKeySet keys(c10::DispatchKey::CPU);
+  const int64_t bytes = views_of(nullptr, ts, meta, keys, 64, nullptr);
+  c10::Allocator* alloc = pool.enabled() ? static_cast<c10::Allocator*>(&pool) : c10::GetCPUAllocator();
+  const c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, alloc, /*resizable=*/true);
   out.reserve(ts.size());
-  int64_t at = 0;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    at = (at + 63) & ~int64_t{63};
-    Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, meta);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    impl->set_sizes_contiguous(ts[i].sizes());
-    impl->set_storage_offset(at / item);
-    out.push_back(std::move(t));
-    at += ts.numel(i) * item;
-  }
+  views_of(&storage, ts, meta, keys, 64, &out);
   return out;
 }
 
@@ -1215,22 +1222,13 @@ std::vector<Tensor> packed_empty_like_cuda(const Tensors& ts, at::ScalarType dty
   std::vector<Tensor> out;
   if (ts.empty()) return out;
   if (!t_pack_outputs) return empty_outputs(ts, dtype);  // not an eager call (see t_pack_outputs)
-  int64_t total = 0;
-  for (size_t i = 0; i < ts.size(); ++i) total += ts.numel(i);
-  const Tensor block = at::empty({total}, at::TensorOptions().device(ts[0].device()).dtype(dtype));
-  const c10::Storage& storage = block.storage();
   const auto meta = caffe2::TypeMeta::fromScalarType(dtype);
   const c10::DispatchKeySet keys(c10::DispatchKey::CUDA);
+  const int64_t bytes = views_of(nullptr, ts, meta, keys, 1, nullptr);
+  const Tensor block = at::empty({bytes / static_cast<int64_t>(meta.itemsize())},
+                                 at::TensorOptions().device(ts[0].device()).dtype(dtype));
   out.reserve(ts.size());
-  int64_t offset = 0;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, meta);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    impl->set_sizes_contiguous(ts[i].sizes());
-    impl->set_storage_offset(offset);
-    out.push_back(std::move(t));
-    offset += ts.numel(i);
-  }
+  views_of(&block.storage(), ts, meta, keys, 1, &out);
   return out;
 }
 
@@ -1887,7 +1885,7 @@ namespace {
 constexpr int64_t kSigCols = 4;
 
 void signature_row(const Tensor& p, int64_t* row) {
-  row[0] = p.has_storage() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.data_ptr())) : 0;
+  row[0] = p.has_storage() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.const_data_ptr())) : 0;
   row[1] = p.numel();
   row[2] = static_cast<int64_t>(p.scalar_type());
   const Tensor& g = p.grad();
