@@ -703,12 +703,18 @@ class _Call(NamedTuple):
     grad_scale: Any
 
 
-def _plain_torch_step(optimizer) -> bool:
-    """Whether ``optimizer.step()`` is torch's own, with no hooks: an instance ``step`` is
-    allowed only when it is an LR scheduler's counting wrapper."""
-    own = optimizer.__dict__.get("step")
-    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
-        return False
+def _plain_torch_step(optimizer, instead_of=None) -> bool:
+    """Whether the step the caller replaces (``instead_of``, else ``optimizer.step``) is torch's
+    own, with no hooks: besides torch's bound step, only an LR scheduler's counting wrapper of it."""
+    if instead_of is None:
+        own = optimizer.__dict__.get("step")
+    else:  # a facade that patched optimizer.step names the step it wrapped
+        bound = getattr(instead_of, "__self__", None) is optimizer and \
+            getattr(instead_of, "__func__", None) is type(optimizer).step
+        own = None if bound else instead_of
+    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
+                                and getattr(own, "__wrapped__", type(optimizer).step) is type(optimizer).step):
+        return False  # a scheduler's wrapper counts only around torch's step, not around a patch
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False
     # torch's global hooks (register_optimizer_step_pre_hook / _post_hook) run for every optimizer.
@@ -716,10 +722,11 @@ def _plain_torch_step(optimizer) -> bool:
                    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
 
 
-def torch_step_supported(optimizer) -> bool:
+def torch_step_supported(optimizer, *, instead_of=None) -> bool:
     """Whether :func:`torch_step_` may run ``optimizer``'s step (its class, flags and hooks; the
-    state is judged when stepping). Cost: a few dictionary reads per param group."""
-    return _plain_torch_step(optimizer) and all(
+    state is judged when stepping; ``instead_of`` as there). Cost: a few dictionary reads per
+    param group."""
+    return _plain_torch_step(optimizer, instead_of) and all(
         plan_for_torch_group(optimizer, g) is not None for g in optimizer.param_groups)
 
 
@@ -755,7 +762,7 @@ def _torch_slots(plan: FusedPlan, state, p):
     return (slots, step, None) if all(_fp32_like(s, p) for s in slots) else None
 
 
-def torch_step_(optimizer, lists: list) -> bool:
+def torch_step_(optimizer, lists: list, *, instead_of=None) -> bool:
     """One ``optimizer.step()`` of a ``torch.optim`` SGD/Adam/AdamW, fused, on its own state.
 
     ``lists[i]`` holds, for ``optimizer.param_groups[i]``, segments ``(params, grads,
@@ -768,6 +775,10 @@ def torch_step_(optimizer, lists: list) -> bool:
     update bit for bit on CPU, with torch's lazy state (zero moments, ``step`` tensors on the
     CPU, SGD's momentum buffer from the first gradient) and per-param ``step`` counts advanced.
     The caller decided the step is applied (the facade's overflow check), so nothing is skipped.
+    ``instead_of`` is the step the caller would run otherwise, when not ``optimizer.step`` (a
+    facade that patched ``optimizer.step`` passes the step it wrapped): it must be torch's own
+    step of ``optimizer``, or an LR scheduler's wrapper of it (then ``_opt_called`` is recorded
+    as that wrapper would).
 
     Returns False, having written nothing, when the kernels cannot reproduce the torch step
     (see :func:`plan_for_torch_group`; hooks; sparse or non-float gradients; state of other
@@ -779,7 +790,7 @@ def torch_step_(optimizer, lists: list) -> bool:
     Cost: the kernel passes plus one stack of the step counts per segment (a CPU read; no
     device sync), Python work per param.
     """
-    if len(lists) != len(optimizer.param_groups) or not _plain_torch_step(optimizer):
+    if len(lists) != len(optimizer.param_groups) or not _plain_torch_step(optimizer, instead_of):
         return False
     calls, created, counts = [], [], []
     state_of = optimizer.state
@@ -823,10 +834,10 @@ def torch_step_(optimizer, lists: list) -> bool:
                                    [list(k) for k in zip(*[slots_of[i] for i in idx])], float(v), grad_scale))
         if any(p.grad is not None and id(p) not in listed for p in group["params"]):
             return False  # torch would step a param the caller did not list
-    return _run_torch_calls(optimizer, calls, created, counts)
+    return _run_torch_calls(optimizer, calls, created, counts, optimizer.step if instead_of is None else instead_of)
 
 
-def _run_torch_calls(optimizer, calls: list, created: list, counts: list) -> bool:
+def _run_torch_calls(optimizer, calls: list, created: list, counts: list, replaced) -> bool:
     state_of = optimizer.state
     before = [(p, dict(state_of[p]) if p in state_of else None) for p, _ in created]
     for p, new in created:
@@ -850,6 +861,6 @@ def _run_torch_calls(optimizer, calls: list, created: list, counts: list) -> boo
                 return False
         if counts:
             torch._foreach_add_(counts, 1.0)  # torch's `step_t += 1`, per param
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+    if hasattr(replaced, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # what the scheduler's wrapper of step() records
     return True

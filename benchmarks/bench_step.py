@@ -17,7 +17,8 @@ Sections:
   (b)     fp16 model params and grads, fp32 master weights: ampfunc vs the apex FP16_Optimizer
           recipe written with torch (fp16 grads -> fp32 master grads, unscale, clip, fused AdamW on
           the master, copy back to fp16), and ampfunc.compat.apex's FP16_Optimizer(AdamW) itself
-          (fused step; and forced to materialize its master grads). ``--only b``: this section.
+          (fused step; and forced to materialize its master grads), and its amp O2 (AdamW; fused
+          step, and forced onto torch's step + the copy back). ``--only b``: this section.
   (c)     the bookkeeping alone: ampfunc's read-only check + scale update, ampfunc's out-of-place
           unscale_and_check, vs GradScaler.unscale_ + update.
   (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
@@ -57,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
 from ampfunc import ops  # noqa: E402
+from ampfunc import engine  # noqa: E402
+from ampfunc.compat.apex import amp  # noqa: E402
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer  # noqa: E402
 from ampfunc.flat import flatten  # noqa: E402
 
@@ -228,6 +231,35 @@ def fp16_optimizer_step(params16, grads16, fused: bool = True):
     return run
 
 
+def amp_o2_step(params16, grads16, fused: bool = True):
+    """ampfunc.compat.apex ``amp.initialize(..., opt_level="O2")`` with torch AdamW and its dynamic
+    scale: what runs after backward. Inside ``scale_loss`` the fixed fp16 grads stand in for the
+    backward's; leaving it unscales them into the fp32 master grads (one pass, overflow flag and
+    the scale update); ``step`` is then one fused pass per segment (``fused``), else, forced as
+    before this path existed, torch's own single-tensor AdamW step on the masters and the copy
+    back to fp16."""
+    net = torch.nn.Module()
+    net.params = torch.nn.ParameterList([torch.nn.Parameter(p.float()) for p in params16.values()])
+    net, opt = amp.initialize(net, torch.optim.AdamW(net.parameters(), lr=LR), opt_level="O2", verbosity=0)
+    model, grads = list(net.parameters()), list(grads16.values())
+    dummy = torch.zeros((), device=model[0].device)
+
+    def run():
+        with amp.scale_loss(dummy, opt):
+            for p, g in zip(model, grads):
+                p.grad = g  # what the backward would leave: this step's fp16 grads
+        opt.step()
+
+    def run_forced():
+        supported = engine.torch_step_supported
+        engine.torch_step_supported = lambda *a, **k: False  # the path before the fused step
+        try:
+            run()
+        finally:
+            engine.torch_step_supported = supported
+    return run if fused else run_forced
+
+
 def master_section(table, timer, device, sizes, total, bw_rw):
     """(b): fp16 params and grads, fp32 master weights."""
     master_floor = (2 + 28 + 2) * total / (bw_rw * 1e9) * 1e3  # + read fp16 g (check), write fp16 p
@@ -242,6 +274,13 @@ def master_section(table, timer, device, sizes, total, bw_rw):
     table.add("  same facade, master grads materialized (torch's AdamW step)",
               timer(fp16_optimizer_step(p16, g16, fused=False)), master_floor, t_apex,
               "unscale pass + single-tensor AdamW")
+    table.add("ampfunc.compat.apex amp O2 (AdamW), fused step (no clip)",
+              timer(amp_o2_step(p16, g16)), master_floor, t_apex, "unscale pass + 1 fused pass")
+    table.add("  same, old path forced (torch's AdamW step + copy back)",
+              timer(amp_o2_step(p16, g16, fused=False)), master_floor, t_apex,
+              "unscale pass + single-tensor AdamW + copy")
+    if amp._amp_state.handle is not None:
+        amp._amp_state.handle._deactivate()
     del p16, g16
 
 

@@ -7,7 +7,9 @@ to fp32), turns the model's scaled low-precision gradients into unscaled fp32 ma
 in one pass per device (:func:`ampfunc.ops.unscale`, which also yields the finiteness flag), and
 copies the updated masters back into the model (one ``_foreach_copy_`` per call). For a fused
 step it checks the model grads without writing master grads (:meth:`MasterWeights.check_model_grads`)
-and lists what :func:`ampfunc.engine.torch_step_` updates in one pass (:meth:`MasterWeights.step_lists`).
+and lists what :func:`ampfunc.engine.torch_step_` updates in one pass (:meth:`MasterWeights.step_lists`
+from the model grads, ``FP16_Optimizer``; :meth:`MasterWeights.master_grad_step_lists` from the
+master grads, amp O2).
 """
 
 from __future__ import annotations
@@ -152,12 +154,34 @@ class MasterWeights:
             out.append([(m_list, g_list, p_list, grad_scale), (with_grad, [p.grad for p in with_grad], None, None)])
         return out
 
+    def master_grad_step_lists(self) -> list | None:
+        """Per param group, the segments :func:`ampfunc.engine.torch_step_` takes to step on the
+        master grads as they are now (amp O2: unscaled, maybe clipped): the masters with a grad
+        (their grads, and their model params to write) and the fp32 params with a grad. None
+        when the optimizer's groups are not the ones ingested or a grad is not fp32 (what
+        ``torch``'s own step would then compute is left to it)."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.fp16_groups):
+            return None
+        out = []
+        for fp16, masters, fp32 in zip(self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups):
+            pairs = [(m, p) for p, m in zip(fp16, masters) if m.grad is not None]
+            with_grad = [p for p in fp32 if p.grad is not None]
+            grads = [m.grad for m, _ in pairs] + [p.grad for p in with_grad]
+            if any(g.dtype != torch.float32 for g in grads):
+                return None
+            out.append([([m for m, _ in pairs], grads[:len(pairs)], [p for _, p in pairs], None),
+                        (with_grad, grads[len(pairs):], None, None)])
+        return out
+
     @torch.no_grad()
-    def masters_to_model(self) -> None:
-        """Copies the masters into the model's params, rounding to their dtype (one ``_foreach_copy_``)."""
-        model, masters = self.all_fp16_params, self.all_fp32_from_fp16_params
-        if model:
-            torch._foreach_copy_([p.data for p in model], [m.detach() for m in masters])
+    def masters_to_model(self, without_grad: bool = False) -> None:
+        """Copies the masters into the model's params, rounding to their dtype (one ``_foreach_copy_``);
+        ``without_grad=True``: only the masters holding no grad (a fused step wrote the others)."""
+        pairs = [(p, m) for p, m in zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
+                 if not (without_grad and m.grad is not None)]
+        if pairs:
+            torch._foreach_copy_([p.data for p, _ in pairs], [m.detach() for _, m in pairs])
 
     def clear_master_grads(self) -> None:
         """Drops the master grads (``model.zero_grad()`` cannot reach them)."""

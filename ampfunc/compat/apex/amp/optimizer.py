@@ -7,6 +7,13 @@ moment. So the restore order apex documents (``initialize``, then ``model.load_s
 the masters exist is cast to the fp16 params' dtype first, then to fp32 (apex's rounding). The
 masters themselves are :class:`ampfunc.compat.apex._master.MasterWeights`, the helper
 ``FP16_Optimizer`` uses too.
+
+The O2 step: the master grads are written after every backward as apex writes them (unscaled,
+accumulated; ``amp.master_params`` clipping reads and changes them). When the optimizer is a
+``torch.optim.SGD``, ``Adam`` or ``AdamW`` the kernels follow (:func:`ampfunc.engine.torch_step_`),
+``step`` runs one fused pass per param group, segment and device that reads the master grads
+and writes the masters, the optimizer's own state and the fp16 model params, instead of the
+optimizer's own ``step`` and the copy back; otherwise that step, as before.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import types
 
 import torch
 
-from ampfunc import ops
+from ampfunc import engine, ops
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler, all_finite_flags
 from ampfunc.compat.apex.amp._state import maybe_print
@@ -125,6 +132,18 @@ def _models_are_masters(params, stash, inv) -> torch.Tensor | None:
     return all_finite_flags(flags)
 
 
+def _fused_master_step(masters: MasterWeights, optimizer, original_step) -> bool:
+    """torch's step of the masters on their grads as they are, and the copy into the model, in
+    one pass per group/segment/device; False (nothing written) when the engine cannot."""
+    if not engine.torch_step_supported(optimizer, instead_of=original_step):
+        return False
+    lists = masters.master_grad_step_lists()
+    if lists is None or not engine.torch_step_(optimizer, lists, instead_of=original_step):
+        return False
+    masters.masters_to_model(without_grad=True)  # as the copy back would: usually none
+    return True
+
+
 def patch_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
     """Attaches an :class:`AmpStash` and wraps ``step``, ``zero_grad`` and ``add_param_group``."""
     stash = optimizer._amp_stash = AmpStash(optimizer, master_weights)
@@ -144,9 +163,12 @@ def patch_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool) -> N
             if stash.masters is not None:
                 stash.masters.clear_master_grads()  # not cleared by model.zero_grad()
             return None
+        if stash.masters is not None and stash.masters.all_fp16_params and closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        if stash.masters is not None and closure is None and _fused_master_step(stash.masters, self, original_step):
+            stash.masters.clear_master_grads()
+            return None
         if stash.masters is not None and stash.masters.all_fp16_params:
-            if closure is not None:
-                raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
             retval = original_step()
             stash.masters.masters_to_model()
             stash.masters.clear_master_grads()
