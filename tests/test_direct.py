@@ -160,6 +160,7 @@ BAD = {
 def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_written(bad):
     a, b = BAD[bad](_args("adam_step_")), BAD[bad](_args("adam_step_"))
     snapshot = [t.clone() for t in _flat(a)]
+    versions = [t._version for t in _flat(a)]
     with pytest.raises((ValueError, TypeError)) as direct:
         DOOR.adam_step_(*a)
     with pytest.raises((ValueError, TypeError)) as dispatched:
@@ -169,6 +170,25 @@ def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_wr
     assert str(direct.value).startswith("ampfunc: ")
     for t, s in zip(_flat(a), snapshot):
         assert torch.equal(t, s)
+    # the door bumps once the arguments are validated, before the first write: a refused call
+    # leaves every version counter as it was (autograd would otherwise see a phantom write)
+    assert [t._version for t in _flat(a)] == versions
+
+
+@pytest.mark.parametrize("name", ["sgd_step_", "adam_step_"])
+def test_a_skipped_step_through_the_door_bumps_as_a_taken_one(name):
+    # the door bumps once the arguments are validated, before the skip is read: what a version
+    # counter says does not depend on the step's finiteness (a torch in-place op bumps even when
+    # it writes the values already there)
+    a = list(_args(name))
+    a[{"sgd_step_": 6, "adam_step_": 8}[name]] = torch.tensor(False)
+    before = [[t._version for t in _flat(x)] for x in a]
+    snapshot = [t.clone() for t in _flat(a)]
+    getattr(DOOR, name)(*a)
+    for i, x in enumerate(a):
+        bumped = [t._version - v for t, v in zip(_flat(x), before[i])]
+        assert bumped == [1 if i in WRITTEN[name] else 0] * len(bumped), (i, bumped)
+    assert all(torch.equal(t, s) for t, s in zip(_flat(a), snapshot))
 
 
 def test_the_profiler_records_a_direct_call_under_the_ops_name():
