@@ -430,3 +430,32 @@ def test_a_master_grad_of_another_dtype_runs_torchs_step(kernels):
     opt.step()
     assert kernels["sgd"] == 0
     assert torch.equal(masters[0].detach(), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (benchmarks/gpu_check.sh runs `pytest tests -k cuda`)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name,cls,first,second", OPTIMIZERS, ids=IDS)
+def test_fused_o2_step_on_cuda_matches_the_old_path(old_path, monkeypatch, name, cls, first, second):
+    # The CUDA kernels take amp O2's fused pass (master grads in, masters, torch's state and the
+    # fp16 model out) and give the old path's numbers within the tolerance of another kernel.
+    taken = []
+    results = []
+    for force in (False, True):
+        old_path(force)
+        if not force:
+            real = engine.torch_step_
+            monkeypatch.setattr(engine, "torch_step_", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+        model = Net().cuda()
+        opt = two_groups(model, cls, first, second)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        data = [(x.cuda(), y.cuda()) for x, y in batches(6)]
+        train(model, opt, data, overflow_at=(3,), clip=1.0)
+        results.append((model, opt))
+    old_path(False)
+    assert taken == [True] * 5  # every applied step fused; the overflowed one ran none
+    assert all(p.device.type == "cuda" for p in results[0][0].parameters())
+    assert_runs_same(results[0], results[1], False)

@@ -436,3 +436,40 @@ def test_bad_gradients_are_refused_as_before():
     opt = FP16_Optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     with pytest.raises(TypeError, match="layout torch.sparse_coo"):
         opt.backward(emb(torch.tensor([1, 2])).float().sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (benchmarks/gpu_check.sh runs `pytest tests -k cuda`)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name,cls,first,second", OPTIMIZERS, ids=IDS)
+def test_fused_step_on_cuda_equals_the_materializing_path(monkeypatch, name, cls, first, second):
+    # The CUDA kernels take the fused pass (torch's step counts stay CPU tensors; the pass gets
+    # its count as a device scalar) and give the materializing path's numbers, within the
+    # tolerance of another kernel (torch's CUDA Adam is not the single-tensor CPU arithmetic).
+    calls = []
+    for op in ("adam_step_", "sgd_step_"):
+        real = getattr(ops, op)
+        monkeypatch.setattr(ops, op, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    data, overflow_at = [(x.cuda(), y.cuda()) for x, y in batches(7)], (3,)
+    runs = []
+    for fused in (True, False):
+        model = Mixed().cuda()
+        inner = two_groups(dict(model.named_parameters()), cls, first, second)
+        opt = FP16_Optimizer(inner, verbose=False, dynamic_loss_scale=True,
+                             dynamic_loss_args={"init_scale": 2.0**12, "scale_window": 3})
+        scales = train(model, opt, data, fused=fused, overflow_at=overflow_at)
+        runs.append((model, opt, scales))
+        if fused:
+            assert len(calls) == 3 * (len(data) - len(overflow_at))
+    (model, opt, scales), (old_model, old, old_scales) = runs
+    assert len(calls) == 3 * (len(data) - len(overflow_at))  # the materializing path ran none
+    assert scales == old_scales
+    for (n, p), q in zip(model.named_parameters(), old_model.parameters()):
+        assert p.device.type == "cuda" and p.dtype == q.dtype
+        assert_same(p, q, False, n)
+    assert_states_same(opt.optimizer.state_dict(), old.optimizer.state_dict(), False)
+    for m, p in zip(opt.all_fp32_from_fp16_params, opt.all_fp16_params):
+        assert torch.equal(p, m.half())  # the model copy is the new master, rounded once
