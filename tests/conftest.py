@@ -66,3 +66,68 @@ def assert_trees_equal(a, b):
 def params():
     """A fresh :func:`make_params` tree for each test that asks for it."""
     return make_params()
+
+
+# -- the apex facades' fused steps against their old paths ------------------------------------
+
+
+def exact(kernels, cls) -> bool:
+    """Whether a fused torch step must equal the old path bit for bit: SGD always, Adam with the
+    reference kernels (torch's single-tensor order). The compiled CPU Adam kernel takes a
+    correctly rounded sqrt, torch 2.13's vectorized one does not: one ulp in a few elements."""
+    return kernels["backend"] == "reference" or cls is torch.optim.SGD
+
+
+def assert_same(a, b, is_exact, what=""):
+    """Bit equality, or the tolerance of one kernel against another: a few fp32 ulps; a
+    low-precision copy of masters one ulp apart may round to the neighbouring value."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    if is_exact:
+        assert torch.equal(a, b), what
+    elif a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=what)
+    else:
+        torch.testing.assert_close(a, b, rtol=2 * torch.finfo(a.dtype).eps, atol=1e-5, msg=what)
+
+
+def assert_states_same(sd_a, sd_b, is_exact):
+    """Two torch optimizers' ``state_dict()``s: the same groups, keys, layouts, and values as
+    :func:`assert_same` holds them (step counts always exactly)."""
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for i in sd_a["state"]:
+        assert sd_a["state"][i].keys() == sd_b["state"][i].keys()
+        for k, v in sd_a["state"][i].items():
+            w = sd_b["state"][i][k]
+            assert (v.dtype, v.device, v.shape, v.stride()) == (w.dtype, w.device, w.shape, w.stride()), (i, k)
+            assert_same(v, w, is_exact or k == "step", f"state[{i}][{k!r}]")
+
+
+@pytest.fixture(params=["reference", "compiled"])
+def kernels(request, monkeypatch):
+    """Which optimizer kernels ``af.ops.adam_step_`` / ``af.ops.sgd_step_`` run (``reference``: the
+    plain-torch twins, through their validating op wrappers; ``compiled``: the library), and a
+    count of their calls: the apex facades' fused steps are held to both."""
+    if request.param == "compiled" and af.ops.backend() == "reference":
+        pytest.skip("the compiled library is not built here")
+    calls = {"adam": 0, "sgd": 0, "backend": request.param}
+    adam, sgd = af.ops.adam_step_, af.ops.sgd_step_
+
+    def adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h):
+        calls["adam"] += 1
+        if request.param == "compiled":
+            return adam(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
+        af.ops._ref_adam_step_op(params, grads, m, v, vmax or [], model or [], step, grad_scale, finite, h["lr"], None,
+                                 h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
+                                 h["decoupled_weight_decay"], h["maximize"])
+
+    def sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h):
+        calls["sgd"] += 1
+        if request.param == "compiled":
+            return sgd(params, grads, bufs, model, step, grad_scale, finite, **h)
+        af.ops._ref_sgd_step_op(params, grads, bufs or [], model or [], step, grad_scale, finite, h["lr"], None,
+                                h["weight_decay"], h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
+
+    monkeypatch.setattr(af.ops, "adam_step_", adam_step_)
+    monkeypatch.setattr(af.ops, "sgd_step_", sgd_step_)
+    return calls

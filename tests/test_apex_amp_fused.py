@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import assert_same, assert_states_same, exact
+
 from ampfunc import engine, ops
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
@@ -34,34 +36,6 @@ def _fresh_amp_state():
     yield
     if _amp_state.handle is not None:
         _amp_state.handle._deactivate()
-
-
-@pytest.fixture(params=["reference", "compiled"])
-def kernels(request, monkeypatch):
-    """Which optimizer kernels run (``reference``: the plain-torch twins) and a count of their calls."""
-    if request.param == "compiled" and ops.backend() == "reference":
-        pytest.skip("the compiled library is not built here")
-    calls = {"adam": 0, "sgd": 0, "backend": request.param}
-    adam, sgd = ops.adam_step_, ops.sgd_step_
-
-    def adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h):
-        calls["adam"] += 1
-        if request.param == "compiled":
-            return adam(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
-        ops._ref_adam_step_op(params, grads, m, v, vmax or [], model or [], step, grad_scale, finite, h["lr"], None,
-                              h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
-                              h["decoupled_weight_decay"], h["maximize"])
-
-    def sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h):
-        calls["sgd"] += 1
-        if request.param == "compiled":
-            return sgd(params, grads, bufs, model, step, grad_scale, finite, **h)
-        ops._ref_sgd_step_op(params, grads, bufs or [], model or [], step, grad_scale, finite, h["lr"], None,
-                             h["weight_decay"], h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
-
-    monkeypatch.setattr(ops, "adam_step_", adam_step_)
-    monkeypatch.setattr(ops, "sgd_step_", sgd_step_)
-    return calls
 
 
 @pytest.fixture
@@ -126,31 +100,6 @@ def train(model, opt, data, *, overflow_at=(), clip=None, backwards=1, scheduler
         opt.step()
         if scheduler is not None:
             scheduler.step()
-
-
-def exact(kernels, cls) -> bool:
-    return kernels["backend"] == "reference" or cls is torch.optim.SGD
-
-
-def assert_same(a, b, is_exact, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    if is_exact:
-        assert torch.equal(a, b), what
-    elif a.dtype == torch.float32:
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=what)
-    else:  # a low-precision copy of masters one ulp apart may round either way
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5, msg=what)
-
-
-def assert_states_same(sd_a, sd_b, is_exact):
-    assert sd_a["param_groups"] == sd_b["param_groups"]
-    assert sd_a["state"].keys() == sd_b["state"].keys()
-    for i in sd_a["state"]:
-        assert sd_a["state"][i].keys() == sd_b["state"][i].keys()
-        for k, v in sd_a["state"][i].items():
-            w = sd_b["state"][i][k]
-            assert (v.dtype, v.device, v.shape, v.stride()) == (w.dtype, w.device, w.shape, w.stride()), (i, k)
-            assert_same(v, w, is_exact or k == "step", f"state[{i}][{k!r}]")
 
 
 def assert_runs_same(a, b, is_exact):

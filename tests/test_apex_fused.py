@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from conftest import assert_same, assert_states_same, exact
+
 from ampfunc import ops
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer
 
@@ -70,59 +72,6 @@ OPTIMIZERS = [
      dict(lr=0.1)),
 ]
 IDS = [o[0] for o in OPTIMIZERS]
-
-
-@pytest.fixture(params=["reference", "compiled"])
-def kernels(request, monkeypatch):
-    """Which optimizer kernels run (``reference``: the plain-torch twins, through their
-    validating op wrappers), and a count of their calls."""
-    if request.param == "compiled" and ops.backend() == "reference":
-        pytest.skip("the compiled library is not built here")
-    calls = {"adam": 0, "sgd": 0, "backend": request.param}
-    adam, sgd = ops.adam_step_, ops.sgd_step_
-
-    def adam_step_(params, grads, m, v, vmax, model, step, grad_scale, finite, **h):
-        calls["adam"] += 1
-        if request.param == "compiled":
-            return adam(params, grads, m, v, vmax, model, step, grad_scale, finite, **h)
-        ops._ref_adam_step_op(params, grads, m, v, vmax or [], model or [], step, grad_scale, finite, h["lr"], None,
-                              h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["amsgrad"],
-                              h["decoupled_weight_decay"], h["maximize"])
-
-    def sgd_step_(params, grads, bufs, model, step, grad_scale, finite, **h):
-        calls["sgd"] += 1
-        if request.param == "compiled":
-            return sgd(params, grads, bufs, model, step, grad_scale, finite, **h)
-        ops._ref_sgd_step_op(params, grads, bufs or [], model or [], step, grad_scale, finite, h["lr"], None,
-                             h["weight_decay"], h["momentum"], h["dampening"], h["nesterov"], h["maximize"])
-
-    monkeypatch.setattr(ops, "adam_step_", adam_step_)
-    monkeypatch.setattr(ops, "sgd_step_", sgd_step_)
-    return calls
-
-
-def exact(kernels, cls) -> bool:
-    return kernels["backend"] == "reference" or cls is torch.optim.SGD
-
-
-def assert_same(a, b, is_exact, what=""):
-    if is_exact:
-        assert torch.equal(a, b), what
-    elif a.dtype == torch.float32:
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=what)
-    else:  # an fp16 copy of masters one ulp apart may round either way
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=what)
-
-
-def assert_states_same(sd_a, sd_b, is_exact):
-    assert sd_a["param_groups"] == sd_b["param_groups"]
-    assert sd_a["state"].keys() == sd_b["state"].keys()
-    for i in sd_a["state"]:
-        assert sd_a["state"][i].keys() == sd_b["state"][i].keys()
-        for k, v in sd_a["state"][i].items():
-            w = sd_b["state"][i][k]
-            assert v.dtype == w.dtype and v.device == w.device and v.shape == w.shape, (i, k)
-            assert_same(v, w, is_exact or k == "step", f"state[{i}][{k!r}]")
 
 
 def train(model, opt, data, *, fused=True, overflow_at=(), scheduler=None):
