@@ -24,7 +24,7 @@ from torch import nn
 
 from conftest import assert_same, assert_states_same, exact
 
-from ampfunc import engine, ops
+from ampfunc import engine
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
 
