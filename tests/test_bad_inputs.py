@@ -342,6 +342,8 @@ _CONSUMERS = {
     "adam.update": (_plain(lambda: af.adam(1e-3)), lambda tx, p, g, s: tx.update(g, s, p)),
     "sgd-momentum.update": (_plain(lambda: af.sgd(0.1, momentum=0.9)), lambda tx, p, g, s: tx.update(g, s, p)),
     "clip.update": (_plain(lambda: af.clip_by_global_norm(1.0)), lambda tx, p, g, s: tx.update(g, s, p)),
+    "clip-adamw.update": (_plain(lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))),
+                          lambda tx, p, g, s: tx.update(g, s, p)),
     "accumulate.update": (_plain(lambda: af.accumulate(af.sgd(0.1), 2)), lambda tx, p, g, s: tx.update(g, s, p)),
 }
 

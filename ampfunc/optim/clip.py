@@ -80,7 +80,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         return EmptyState()
 
     def update(updates, state, params=None):
-        _, leaves = float_leaves_with_paths(updates, "updates")
+        _, leaves = float_leaves_with_paths(updates, "clip_by_global_norm: updates")
         if not leaves:
             return updates, state
         if group is not None or dist.any_dtensor(leaves):
