@@ -138,11 +138,16 @@ class FusedPlan:
             # clip_grad_norm_'s coefficient, of the unscaled gradients' norm.
             norm = norm_or_sumsq
             grad_scale = inv_scale * (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return finite, grad_scale, self._lr(opt)
+
+    def _lr(self, opt: Any):
+        """The learning rate of this step: the number, or a schedule of the applied-step count
+        evaluated on the device (a 0-d tensor)."""
         lr = self.hparams["lr"]
-        if callable(lr):  # a schedule of the applied-step count, evaluated on the device
+        if callable(lr):
             lr = lr_at(lr, opt.step)
-            lr = lr.to(dev, torch.float32) if isinstance(lr, torch.Tensor) else lr
-        return finite, grad_scale, lr
+            lr = lr.to(opt.step.device, torch.float32) if isinstance(lr, torch.Tensor) else lr
+        return lr
 
     def _sgd_kwargs(self, lr) -> dict:
         h = self.hparams
@@ -179,6 +184,21 @@ class FusedPlan:
         new_slots, new_step, finite)`` (``new_model`` None without ``model``); on a skipped
         step the outputs are copies of the inputs. Same numbers as :meth:`run_` bit for bit."""
         with torch.no_grad():
+            if self.max_norm is None and group is None and on_check is None:
+                # Without a norm to take first, the check folds into the out-of-place pass (its
+                # inputs survive it): ops.*_step_checked, the same numbers as check + step.
+                inv_scale, lr = loss_scale.inv_scale_on(opt.step.device), self._lr(opt)
+                if self.kind == "sgd":
+                    new_ref, new_buf, new_model, new_step, finite = ops.sgd_step_checked(
+                        ref, grads, slots[0] if slots else None, model, opt.step, inv_scale, **self._sgd_kwargs(lr))
+                    new_slots = [new_buf] if slots else []
+                else:
+                    kw = self._adam_kwargs(lr)
+                    new_ref, m1, m2, vmax, new_model, new_step, finite = ops.adam_step_checked(
+                        ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step,
+                        inv_scale, **kw)
+                    new_slots = [m1, m2, vmax] if kw["amsgrad"] else [m1, m2]
+                return new_ref, (new_model if model is not None else None), new_slots, new_step, finite
             finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             if self.kind == "sgd":
                 new_ref, new_buf, new_model, new_step = ops.sgd_step(

@@ -658,6 +658,30 @@ def sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, fi
     return list(p), list(b), list(m), s
 
 
+def sgd_step_checked(params, grads, momentum_buffers, model_params, step, grad_scale, *, lr,
+                     weight_decay: float = 0.0, momentum: float = 0.0, dampening: float = 0.0,
+                     nesterov: bool = False, maximize: bool = False):
+    """:func:`sgd_step` that takes its own skip decision: ``(new_params, new_momentum_buffers,
+    new_model_params, new_step, finite)``, bit for bit :func:`check` (and-ed with ``grad_scale``
+    not being NaN) followed by :func:`sgd_step`, as :func:`adam_step_checked` is for Adam.
+    Cost (eager CPU): one pass instead of two; a skipped step adds a copy. No host sync.
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    params, grads = _seq(params), _seq(grads)
+    args = (params, grads, _as_list(momentum_buffers) if momentum != 0 else [], _as_list(model_params), step,
+            grad_scale, lr, lr_tensor, float(weight_decay), float(momentum), float(dampening), bool(nesterov),
+            bool(maximize))
+    door = _DIRECT[0]
+    if door is not None and not _is_compiling():
+        out = door.sgd_step_checked(*args)
+        if out is not NotImplemented:
+            return list(out[0]), list(out[1]), list(out[2]), out[3], out[4]
+    finite = check(grads)[0] & ~grad_scale.isnan() if grads else ~grad_scale.isnan()
+    return sgd_step(*args[:6], finite, lr=args[6] if lr_tensor is None else lr_tensor, weight_decay=weight_decay,
+                    momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize) + (finite,)
+
+
 def _ref_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, lr,
                    beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize, lr_tensor=None):
     p, m1, m2 = _fresh(params), _fresh(exp_avgs), _fresh(exp_avg_sqs)
@@ -688,6 +712,37 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_param
                                       float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay),
                                       bool(maximize))
     return tuple(list(x) for x in out[:5]) + (out[5],)
+
+
+def adam_step_checked(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, *,
+                      lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                      amsgrad: bool = False, decoupled_weight_decay: bool = False, maximize: bool = False):
+    """:func:`adam_step` that takes its own skip decision: ``(new_params, new_exp_avgs,
+    new_exp_avg_sqs, new_max_exp_avg_sqs, new_model_params, new_step, finite)``.
+
+    ``finite`` is :func:`check`'s flag of ``grads`` and-ed with ``grad_scale`` not being NaN,
+    and the outputs are :func:`adam_step`'s for that flag (copies of the inputs on a skipped
+    step), bit for bit: this is ``check`` followed by ``adam_step``, which is what runs on CUDA
+    and under ``torch.compile``. Eager CPU calls run it as one pass: an out-of-place step leaves
+    its inputs intact, so the finiteness of the gradients can be read in the optimizer's pass
+    and the decision taken after it. Cost (CPU): one pass reading g, p, m, v and writing the new
+    p, m, v, instead of a read of g and then that pass; a skipped step adds a copy. No host sync.
+    """
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    params, grads, vmax = _seq(params), _seq(grads), _as_list(max_exp_avg_sqs) if amsgrad else []
+    args = (params, grads, _seq(exp_avgs), _seq(exp_avg_sqs), vmax, _as_list(model_params), step, grad_scale, lr,
+            lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad),
+            bool(decoupled_weight_decay), bool(maximize))
+    door = _DIRECT[0]
+    if door is not None and not _is_compiling():
+        out = door.adam_step_checked(*args)
+        if out is not NotImplemented:
+            return tuple(list(x) for x in out[:5]) + (out[5], out[6])
+    finite = check(grads)[0] & ~grad_scale.isnan() if grads else ~grad_scale.isnan()
+    return adam_step(*args[:8], finite, lr=args[8] if lr_tensor is None else lr_tensor, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                     decoupled_weight_decay=decoupled_weight_decay, maximize=maximize) + (finite,)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -811,6 +811,86 @@ AdamOut adam_step_cpu(const Tensors& params, const Tensors& grads, const Tensors
   return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(next_step, at::kFloat)};
 }
 
+// The out-of-place Adam step that takes its own skip decision: the finiteness check of the
+// gradients (check()'s flag) runs in the optimizer's pass instead of a pass of its own, since
+// the inputs survive an out-of-place step (the pure steps without clipping need no norm first). finite = every gradient element finite and
+// grad_scale not NaN; when it is false the outputs are overwritten with copies of the inputs
+// and the step count stays, which is adam_step's skipped step. The outputs and the flag are
+// those of check() followed by adam_step(), bit for bit. Only the direct door (eager CPU calls)
+// serves it; elsewhere ops.adam_step_checked composes those two ops.
+using AdamCheckedOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                                  std::vector<Tensor>, Tensor, Tensor>;
+
+AdamCheckedOut adam_step_checked_cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
+                                     const Tensors& exp_avg_sqs, const Tensors& max_exp_avg_sqs,
+                                     const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
+                                     double lr, const std::optional<Tensor>& lr_tensor, double beta1, double beta2,
+                                     double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay,
+                                     bool maximize) {
+  const at::Device dev(at::kCPU);
+  const Tensor go = at::scalar_tensor(true, at::kBool);  // validated as adam_step's finite argument
+  check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                  grad_scale, go, amsgrad, dev, false);
+  lr = lr_value("adam_step", lr, lr_tensor, dev);
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
+      m(model_params);
+  std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = packed_empty_like(m1.tensors, at::kFloat),
+                      m2_out = packed_empty_like(m2.tensors, at::kFloat),
+                      vmax_out = packed_empty_like(vmax.tensors, at::kFloat), m_out = empty_like_list(m.tensors);
+  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
+  const float next_step = old_step + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
+  ampfunc::cpu::AdamHyper h{gs, lr, beta1, beta2, eps, weight_decay, static_cast<double>(next_step), amsgrad,
+                            decoupled_weight_decay, maximize};
+  bool nonfinite = false;
+  ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
+                          {p_out, m1_out, m2_out, vmax_out}, m_out, h, &nonfinite);
+  const bool finite = !nonfinite && !std::isnan(gs);
+  if (!finite) {  // the skipped step: what adam_step writes for finite == false
+    for (auto [src, dst] : {std::pair{&p.tensors, &p_out}, {&m1.tensors, &m1_out}, {&m2.tensors, &m2_out},
+                            {&vmax.tensors, &vmax_out}, {&m.tensors, &m_out}}) {
+      ampfunc::cpu::copy(*src, *dst);
+    }
+  }
+  return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(finite ? next_step : old_step, at::kFloat),
+          at::scalar_tensor(finite, at::kBool)};
+}
+
+// sgd_step with its own skip decision, as adam_step_checked.
+using SgdCheckedOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>;
+
+SgdCheckedOut sgd_step_checked_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
+                                   const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
+                                   double lr, const std::optional<Tensor>& lr_tensor, double weight_decay,
+                                   double momentum, double dampening, bool nesterov, bool maximize) {
+  const at::Device dev(at::kCPU);
+  const Tensor go = at::scalar_tensor(true, at::kBool);  // validated as sgd_step's finite argument
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, go, momentum, dev,
+                 false);
+  lr = lr_value("sgd_step", lr, lr_tensor, dev);
+  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
+  std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = packed_empty_like(b.tensors, at::kFloat),
+                      m_out = empty_like_list(m.tensors);
+  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
+  ampfunc::cpu::SgdHyper h{gs,
+                           static_cast<float>(lr),
+                           static_cast<float>(weight_decay),
+                           static_cast<float>(momentum),
+                           static_cast<float>(dampening),
+                           nesterov,
+                           maximize,
+                           old_step == 0.f};
+  bool nonfinite = false;
+  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p_out, b_out, m_out, h, &nonfinite);
+  const bool finite = !nonfinite && !std::isnan(gs);
+  if (!finite) {  // the skipped step: what sgd_step writes for finite == false
+    ampfunc::cpu::copy(p.tensors, p_out);
+    ampfunc::cpu::copy(b.tensors, b_out);
+    ampfunc::cpu::copy(m.tensors, m_out);
+  }
+  return {p_out, b_out, m_out, at::scalar_tensor(finite ? old_step + 1.f : old_step, at::kFloat),
+          at::scalar_tensor(finite, at::kBool)};
+}
+
 // The pure optimizers' updates (optax form): new tensors `updates` (fp32) and new state; the
 // inputs are only read. `params` may be empty when weight_decay == 0 (the update does not need
 // them); then grads give the shapes.
@@ -1772,6 +1852,41 @@ py::object adam_step(const py::args& a) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// sgd_step_checked: sgd_step's arguments without `finite`; returns sgd_step's outputs and the flag.
+py::object sgd_step_checked(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double wd = x.real(), mom = x.real(), damp = x.real();
+  const bool nesterov = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::sgd_step_checked", [&] {
+    return sgd_step_checked_cpu(p, g, b, mp, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize);
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// adam_step_checked: adam_step's arguments without `finite`; returns adam_step's outputs and the flag.
+py::object adam_step_checked(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
+  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::adam_step_checked", [&] {
+    return adam_step_checked_cpu(p, g, m1, m2, vmax, mp, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                                 maximize);
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
 // (params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum, dampening,
 // nesterov, maximize)
 py::object sgd_update(const py::args& a) {
@@ -2044,6 +2159,8 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("sgd_step", &direct::sgd_step<false>);
     m.def("adam_step_", &direct::adam_step<true>);
     m.def("adam_step", &direct::adam_step<false>);
+    m.def("adam_step_checked", &direct::adam_step_checked);
+    m.def("sgd_step_checked", &direct::sgd_step_checked);
     m.def("sgd_update", &direct::sgd_update);
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);

@@ -311,3 +311,86 @@ def test_a_long_list_with_one_tensor_the_door_cannot_take_goes_to_the_dispatcher
     assert DOOR.apply_updates(p, u) is NotImplemented
     out = ops.apply_updates(p, u)
     assert all(torch.equal(o, w) for o, w in zip(out, want))
+
+
+# ---------------------------------------------------------------------------------------------
+# adam_step_checked: the pure step's check folded into its pass (door only; elsewhere composed)
+# ---------------------------------------------------------------------------------------------
+
+
+def _checked_args(poison, amsgrad):
+    p, g, m, v, vmax = _tree(0), _grads(1), _tree(2), [t.abs() for t in _tree(3)], [t.abs() for t in _tree(4)]
+    model = [t.half() for t in p]
+    gs = torch.full((), 0.5)
+    if poison == "inf":
+        g[4][123] = float("inf")  # in the largest tensor, split between the threads
+    elif poison == "nan_fp16":
+        g[1][3] = float("nan")
+    elif poison == "nan_scale":
+        gs = torch.full((), float("nan"))
+    return (p, g, m, v, vmax if amsgrad else [], model, torch.full((), 3.0), gs)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("poison", ["none", "inf", "nan_fp16", "nan_scale"])
+@pytest.mark.parametrize("lr", [1e-2, "tensor"])
+def test_adam_step_checked_is_check_then_adam_step_bit_for_bit(poison, amsgrad, lr):
+    # one pass instead of two, the same outputs and flag as the two ops it replaces; a skipped
+    # step hands back copies of the inputs and the old step count, and the inputs are only read
+    a = _checked_args(poison, amsgrad)
+    snapshot = [t.clone() for t in _flat(a)]
+    lr = torch.full((), 1e-2) if lr == "tensor" else lr
+    kw = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad=amsgrad,
+              decoupled_weight_decay=True, maximize=False)
+    got = ops.adam_step_checked(*a, **kw)
+    for t, s in zip(_flat(a), snapshot):  # bit for bit, the poisoned NaN included
+        torch.testing.assert_close(t, s, rtol=0, atol=0, equal_nan=True)
+    finite = ops.check(a[1])[0] & ~a[7].isnan()
+    want = ops.adam_step(*a, finite, **kw) + (finite,)
+    assert bool(got[6]) == (poison == "none")
+    for x, y in zip(_flat(list(got)), _flat(list(want))):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    if poison != "none":
+        assert float(got[5]) == 3.0
+        assert all(torch.equal(x, y) for x, y in zip(got[0], a[0]))
+
+
+def test_adam_step_checked_hands_back_to_the_composition_for_what_the_door_does_not_take():
+    # a grad requiring grad under grad mode goes to the dispatcher's ops: the same answer
+    a = _checked_args("none", False)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False,
+              decoupled_weight_decay=False, maximize=False)
+    b = (a[0], [t.clone().requires_grad_() if i == 0 else t for i, t in enumerate(a[1])], *a[2:])
+    assert DOOR.adam_step_checked(*b[:8], 1e-2, None, 0.9, 0.99, 1e-8, 0.0, False, False, False) is NotImplemented
+    for x, y in zip(_flat(list(ops.adam_step_checked(*b, **kw))), _flat(list(ops.adam_step_checked(*a, **kw)))):
+        assert torch.equal(x, y)
+
+
+def test_adam_step_checked_refuses_bad_input_as_adam_step_does():
+    a = list(_checked_args("none", False))
+    a[2] = [t[:1] if i == 2 else t for i, t in enumerate(a[2])]  # a moment of the wrong shape
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False,
+              decoupled_weight_decay=False, maximize=False)
+    with pytest.raises(ValueError) as checked:
+        ops.adam_step_checked(*a, **kw)
+    with pytest.raises(ValueError) as plain:
+        ops.adam_step(*a, torch.ones((), dtype=torch.bool), **kw)
+    assert str(checked.value).splitlines()[0] == str(plain.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["plain", "momentum"])
+@pytest.mark.parametrize("poison", ["none", "inf", "nan_fp16", "nan_scale"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later-step"])
+def test_sgd_step_checked_is_check_then_sgd_step_bit_for_bit(poison, momentum, first):
+    p, g, bufs, _, _, model, step, gs = _checked_args(poison, False)
+    a = (p, g, bufs, model, torch.full((), 0.0 if first else 3.0), gs)
+    snapshot = [t.clone() for t in _flat(a)]
+    kw = dict(lr=0.05, weight_decay=0.01, momentum=momentum, dampening=0.1, nesterov=momentum != 0, maximize=False)
+    got = ops.sgd_step_checked(*a, **kw)
+    for t, s in zip(_flat(a), snapshot):
+        torch.testing.assert_close(t, s, rtol=0, atol=0, equal_nan=True)
+    finite = ops.check(g)[0] & ~gs.isnan()
+    want = ops.sgd_step(*a, finite, **kw) + (finite,)
+    assert bool(got[4]) == (poison == "none")
+    for x, y in zip(_flat(list(got)), _flat(list(want))):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)

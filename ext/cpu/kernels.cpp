@@ -306,15 +306,22 @@ struct Streams {
 
 // Update mode (delta non-null): nothing is written to p_out; delta receives new_p - p, or
 // g * -lr when p_in is null.
-template <typename G, typename M>
-void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
+// kCheck: as adam_segment's, the gradients' finiteness read in the same pass.
+template <bool kCheck = false, typename G, typename M>
+bool sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
                  float* delta, int64_t n, const SgdHyper& h, const Streams& st) {
   const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
       neg_lr(-h.lr);
+  const fVec zero(0.f);
+  fVec nf(0.f);
   for (int64_t j = 0; j < n; j += kW) {
     const int64_t m = n - j;
     fVec ga, gb, pa(0.f), pb(0.f);
     load2(g + j, m, ga, gb);
+    if constexpr (kCheck) {
+      nf = at::vec::fmadd(ga, zero, nf);
+      nf = at::vec::fmadd(gb, zero, nf);
+    }
     if (p_in) load2(p_in + j, m, pa, pb);
     ga = ga * gs;
     gb = gb * gs;
@@ -360,17 +367,21 @@ void sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
     store2(p_out + j, m, pa, pb, st.p);
     if (model) store2(model + j, m, pa, pb, st.model);
   }
+  if constexpr (kCheck) return hsum(nf) != 0.0;  // NaN != 0 too
+  return false;
 }
 }  // namespace
 
-void sgd_step(const Tensors& params, const Tensors& grads,
-              const Tensors& momentum_buffers, const Tensors& params_out,
-              const Tensors& momentum_buffers_out, const Tensors& model_params,
-              const SgdHyper& h) {
+template <bool kCheck>
+static void sgd_step_impl(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
+                          const Tensors& params_out, const Tensors& momentum_buffers_out,
+                          const Tensors& model_params, const SgdHyper& h, bool* nonfinite) {
   const Ranges r(params);
   const bool has_buf = !momentum_buffers.empty(), has_model = !model_params.empty();
   const bool big = r.total >= kStreamMin;
+  std::atomic<bool> any_nonfinite{false};
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    bool local = false;
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
       const float* p = params.data<float>(i) + s;
       float* p_out = params_out.data<float>(i) + s;
@@ -381,17 +392,31 @@ void sgd_step(const Tensors& params, const Tensors& grads,
           with_typed(model_params, i, [&](auto* mp) {
             const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false,
                              streams(big, mp + s, nullptr)};
-            sgd_segment(p, g + s, buf, p_out, buf_out, mp + s, static_cast<float*>(nullptr), count, h, st);
+            local = sgd_segment<kCheck>(p, g + s, buf, p_out, buf_out, mp + s, static_cast<float*>(nullptr), count,
+                                        h, st) || local;
           });
         } else {
           const Streams st{streams(big, p_out, p), streams(big, buf_out, buf), false, false, false};
-          sgd_segment(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr), static_cast<float*>(nullptr), count,
-                      h, st);
+          local = sgd_segment<kCheck>(p, g + s, buf, p_out, buf_out, static_cast<float*>(nullptr),
+                                      static_cast<float*>(nullptr), count, h, st) || local;
         }
       });
     });
     stream_fence();
+    if (local) any_nonfinite.store(true, std::memory_order_relaxed);
   });
+  if constexpr (kCheck) *nonfinite = any_nonfinite.load();
+}
+
+void sgd_step(const Tensors& params, const Tensors& grads,
+              const Tensors& momentum_buffers, const Tensors& params_out,
+              const Tensors& momentum_buffers_out, const Tensors& model_params,
+              const SgdHyper& h, bool* nonfinite) {
+  if (nonfinite != nullptr) {
+    sgd_step_impl<true>(params, grads, momentum_buffers, params_out, momentum_buffers_out, model_params, h, nonfinite);
+  } else {
+    sgd_step_impl<false>(params, grads, momentum_buffers, params_out, momentum_buffers_out, model_params, h, nullptr);
+  }
 }
 
 void sgd_update(const Tensors& params, const Tensors& grads,
@@ -431,16 +456,24 @@ struct AdamPtrs {
   float* delta;  // update mode: receives new_p - p (or the step term without params); p_out unused
 };
 
-template <typename G, typename M>
-void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c, const Streams& st) {
+// kCheck: also whether every gradient element read is finite (check()'s flag, of the raw
+// values), folded into the same pass; returns true when one is not. Without it, returns false.
+template <bool kCheck = false, typename G, typename M>
+bool adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c, const Streams& st) {
   const fVec gs(c.grad_scale), wd(c.wd), decay(c.decay), b2(c.b2), c2(c.c2), bc2(c.bc2_sqrt), eps(c.eps),
       nss(c.neg_step_size);
   // torch's lerp: weight < 0.5 ? start + w * (end - start) : end + (w - 1) * (end - start), fused.
   const fVec lw(c.lerp_small ? c.w1 : c.w1 - 1.f);
+  const fVec zero(0.f);
+  fVec nf(0.f);  // x * 0 is 0 for a finite x and NaN for an infinity or a NaN
   for (int64_t j = 0; j < n; j += kW) {
     const int64_t k = n - j;
     fVec ga, gb, pa(0.f), pb(0.f), ma, mb, va, vb;
     load2(g + j, k, ga, gb);
+    if constexpr (kCheck) {
+      nf = at::vec::fmadd(ga, zero, nf);
+      nf = at::vec::fmadd(gb, zero, nf);
+    }
     if (x.p) load2(x.p + j, k, pa, pb);
     const fVec pa0 = pa, pb0 = pb;
     load2(x.m1 + j, k, ma, mb);
@@ -490,6 +523,8 @@ void adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
     store2(x.p_out + j, k, pa, pb, st.p);
     if (model) store2(model + j, k, pa, pb, st.model);
   }
+  if constexpr (kCheck) return hsum(nf) != 0.0;  // NaN != 0 too
+  return false;
 }
 }  // namespace
 
@@ -515,13 +550,16 @@ static AdamScalars adam_scalars(const AdamHyper& h) {
   return c;
 }
 
-void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
-               const Tensors& model_params, const AdamHyper& h) {
+template <bool kCheck>
+static void adam_step_impl(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+                           const Tensors& model_params, const AdamHyper& h, bool* nonfinite) {
   const AdamScalars c = adam_scalars(h);
   const Ranges r(in.params);
   const bool has_model = !model_params.empty();
   const bool big = r.total >= kStreamMin;
+  std::atomic<bool> any_nonfinite{false};
   at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    bool local = false;
     r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
       const AdamPtrs x{in.params.data<float>(i) + s,
                        in.exp_avgs.data<float>(i) + s,
@@ -538,15 +576,26 @@ void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
         if (has_model) {
           with_typed(model_params, i, [&](auto* mp) {
             st.model = streams(big, mp + s, nullptr);
-            adam_segment(x, g + s, mp + s, count, c, st);
+            local = adam_segment<kCheck>(x, g + s, mp + s, count, c, st) || local;
           });
         } else {
-          adam_segment(x, g + s, static_cast<float*>(nullptr), count, c, st);
+          local = adam_segment<kCheck>(x, g + s, static_cast<float*>(nullptr), count, c, st) || local;
         }
       });
     });
     stream_fence();
+    if (local) any_nonfinite.store(true, std::memory_order_relaxed);
   });
+  if constexpr (kCheck) *nonfinite = any_nonfinite.load();
+}
+
+void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
+               const Tensors& model_params, const AdamHyper& h, bool* nonfinite) {
+  if (nonfinite != nullptr) {
+    adam_step_impl<true>(in, grads, out, model_params, h, nonfinite);
+  } else {
+    adam_step_impl<false>(in, grads, out, model_params, h, nullptr);
+  }
 }
 
 void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out,

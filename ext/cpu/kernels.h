@@ -243,10 +243,12 @@ struct SgdHyper {
 // float dtype) receive the rounded new params. The step runs in place when the out lists are
 // the in lists (each element is loaded before it is stored) and out of place when they are
 // other tensors; the arithmetic is the same code either way, so the results are bit-identical.
+// With `nonfinite`, the same pass also sets it to whether any gradient element is an infinity
+// or a NaN, as adam_step does.
 void sgd_step(const Tensors& params, const Tensors& grads,
               const Tensors& momentum_buffers, const Tensors& params_out,
               const Tensors& momentum_buffers_out, const Tensors& model_params,
-              const SgdHyper& h);
+              const SgdHyper& h, bool* nonfinite = nullptr);
 
 // The pure optimizer's update (optax form): one pass writing `updates` (fp32, new tensors)
 // instead of the params: updates = new_p - p with new_p computed as sgd_step computes it, or
@@ -281,9 +283,11 @@ struct AdamLists {
 // One pass of torch.optim.Adam / AdamW (single-tensor order of operations, fp32): reads `in`
 // and the grads, writes `out` and model_params (empty, or the new params rounded to each
 // one's dtype). In place when `out` names the same tensors as `in`, out of place otherwise,
-// with the same code and so the same bits.
+// with the same code and so the same bits. With `nonfinite`, the same pass also sets it to
+// whether any gradient element is an infinity or a NaN (check()'s flag): an out-of-place step
+// can then take its skip decision after the pass, its inputs being intact.
 void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
-               const Tensors& model_params, const AdamHyper& h);
+               const Tensors& model_params, const AdamHyper& h, bool* nonfinite = nullptr);
 
 // The pure Adam update: reads `in` (params may be empty: then weight_decay must be 0) and the
 // grads, writes the new moments to `out` (its params list is ignored) and `updates` (fp32, new
