@@ -321,6 +321,53 @@ def test_make_train_step_with_a_bf16_compute_policy_keeps_fp32_params_and_norms(
     assert state.buffers["1.running_mean"].dtype == torch.float32
 
 
+def test_eager_make_train_step_differentiates_by_autograd_with_torch_funcs_numbers(monkeypatch):
+    # Eager, the step differentiates with plain autograd (no torch.func transform layer per op);
+    # torch.func.grad stays for compiled graphs and other transforms. Both give the same bits,
+    # through a bf16 policy, a kept-fp32 norm, an aux that is handed back with no graph, and an
+    # unused param (a zero gradient, as torch.func.grad gives).
+    from ampfunc import functional
+
+    def loss_fn(forward, x, y):
+        out = forward(x)
+        return F.cross_entropy(out, y), out
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = mlp(), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.net(x)
+
+    def run(force_func):
+        if force_func:
+            monkeypatch.setattr(functional, "_plain_autograd_ok", lambda: False)
+        model = WithUnused()
+        train = af.make_train_step(model, loss_fn, af.adamw(1e-2), "p=f32,c=bf16,o=f32",
+                                   loss_scale=af.DynamicLossScale(2.0**8), has_aux=True)
+        state, outs = train.init(), []
+        for x, y in batches(3):
+            state, out = train.step(state, x, y)
+            outs.append(out)
+        monkeypatch.undo()
+        return state, outs
+
+    (a, outs_a), (b, outs_b) = run(False), run(True)
+    for k in a.params:
+        assert torch.equal(a.params[k], b.params[k]), k
+    assert not any(p.requires_grad for p in a.params.values())
+    for x, y in zip(outs_a, outs_b):
+        assert torch.equal(x.loss, y.loss) and torch.equal(x.aux, y.aux)
+        assert not x.aux.requires_grad and x.aux.grad_fn is None and not x.loss.requires_grad
+
+
+def test_make_train_step_names_a_loss_that_is_not_a_scalar():
+    train = af.make_train_step(mlp(), lambda f, x: f(x), af.sgd(0.1))
+    with pytest.raises(ValueError, match=r"scalar \(0-d\) loss, got shape \(8, 3\)"):
+        train.step(train.init(), batches(1)[0][0])
+
+
 def test_make_train_step_refuses_a_mixed_precision_wrapper_and_says_what_to_pass():
     with pytest.raises(TypeError, match="tx.inner"):
         af.make_train_step(mlp(), lambda f, x: f(x).sum(), af.mixed_precision(af.sgd(0.1)))
