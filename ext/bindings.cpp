@@ -690,6 +690,13 @@ std::vector<Tensor> packed_empty_like(const Tensors& ts, at::ScalarType dtype) {
   return out;
 }
 
+// The SGD kernel's scalars, in fp32: torch's fp32 kernels take SGD's scalar arguments so.
+ampfunc::cpu::SgdHyper sgd_hyper(float grad_scale, double lr, double weight_decay, double momentum, double dampening,
+                                 bool nesterov, bool maximize, bool first_step) {
+  return {grad_scale, static_cast<float>(lr), static_cast<float>(weight_decay), static_cast<float>(momentum),
+          static_cast<float>(dampening), nesterov, maximize, first_step};
+}
+
 void sgd_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
@@ -701,14 +708,8 @@ void sgd_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& m
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
   float* step_ptr = step.data_ptr<float>();
-  ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
-                           static_cast<float>(lr),
-                           static_cast<float>(weight_decay),
-                           static_cast<float>(momentum),
-                           static_cast<float>(dampening),
-                           nesterov,
-                           maximize,
-                           *step_ptr == 0.f};
+  const ampfunc::cpu::SgdHyper h =
+      sgd_hyper(grad_scale.item<float>(), lr, weight_decay, momentum, dampening, nesterov, maximize, *step_ptr == 0.f);
   ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p.tensors, b.tensors, m.tensors, h);
   p.write_back();
   b.write_back();
@@ -748,76 +749,117 @@ void adam_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& 
 
 using SgdOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor>;
 
-SgdOut sgd_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
-                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
-                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
-                    bool nesterov, bool maximize) {
+// The out-of-place SGD step, given `finite` (sgd_step) or checking the gradients in its pass
+// (sgd_step_checked), as adam_step_out below.
+std::pair<SgdOut, bool> sgd_step_out(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
+                                     const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
+                                     const Tensor* finite, double lr, const std::optional<Tensor>& lr_tensor,
+                                     double weight_decay, double momentum, double dampening, bool nesterov,
+                                     bool maximize) {
   const at::Device dev(at::kCPU);
-  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, finite, momentum, dev,
-                 false);
+  const Tensor go = finite != nullptr ? Tensor() : at::scalar_tensor(true, at::kBool);
+  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale,
+                 finite != nullptr ? *finite : go, momentum, dev, false);
   lr = lr_value("sgd_step", lr, lr_tensor, dev);
   const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = packed_empty_like(b.tensors, at::kFloat),
                       m_out = empty_like_list(m.tensors);
-  const float old_step = step.item<float>();
-  if (!finite.item<bool>()) {
+  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
+  bool applied = finite == nullptr || finite->item<bool>();
+  if (applied) {
+    const ampfunc::cpu::SgdHyper h =
+        sgd_hyper(gs, lr, weight_decay, momentum, dampening, nesterov, maximize, old_step == 0.f);
+    bool nonfinite = false;
+    ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p_out, b_out, m_out, h,
+                           finite == nullptr ? &nonfinite : nullptr);
+    applied = finite != nullptr || (!nonfinite && !std::isnan(gs));
+  }
+  if (!applied) {  // the skipped step
     ampfunc::cpu::copy(p.tensors, p_out);
     ampfunc::cpu::copy(b.tensors, b_out);
     ampfunc::cpu::copy(m.tensors, m_out);
-    return {p_out, b_out, m_out, at::scalar_tensor(old_step, at::kFloat)};
   }
-  ampfunc::cpu::SgdHyper h{grad_scale.item<float>(),
-                           static_cast<float>(lr),
-                           static_cast<float>(weight_decay),
-                           static_cast<float>(momentum),
-                           static_cast<float>(dampening),
-                           nesterov,
-                           maximize,
-                           old_step == 0.f};
-  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p_out, b_out, m_out, h);
-  return {p_out, b_out, m_out, at::scalar_tensor(old_step + 1.f, at::kFloat)};
+  return {{p_out, b_out, m_out, at::scalar_tensor(applied ? old_step + 1.f : old_step, at::kFloat)}, applied};
+}
+
+SgdOut sgd_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
+                    const Tensor& step, const Tensor& grad_scale, const Tensor& finite, double lr,
+                    const std::optional<Tensor>& lr_tensor, double weight_decay, double momentum, double dampening,
+                    bool nesterov, bool maximize) {
+  return sgd_step_out(params, grads, momentum_buffers, model_params, step, grad_scale, &finite, lr, lr_tensor,
+                      weight_decay, momentum, dampening, nesterov, maximize)
+      .first;
+}
+
+using SgdCheckedOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>;
+
+SgdCheckedOut sgd_step_checked_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
+                                   const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
+                                   double lr, const std::optional<Tensor>& lr_tensor, double weight_decay,
+                                   double momentum, double dampening, bool nesterov, bool maximize) {
+  auto [out, applied] = sgd_step_out(params, grads, momentum_buffers, model_params, step, grad_scale, nullptr, lr,
+                                     lr_tensor, weight_decay, momentum, dampening, nesterov, maximize);
+  return std::tuple_cat(std::move(out), std::make_tuple(at::scalar_tensor(applied, at::kBool)));
 }
 
 using AdamOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                            std::vector<Tensor>, Tensor>;
 
-AdamOut adam_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
-                      const Tensors& max_exp_avg_sqs, const Tensors& model_params, const Tensor& step,
-                      const Tensor& grad_scale, const Tensor& finite, double lr,
-                      const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
-                      double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+// The out-of-place Adam step. Given `finite` (adam_step): the kernel runs when it is true; on a
+// skipped step the outputs are copies of the inputs and the step count stays. Without it
+// (adam_step_checked): the finiteness check of the gradients (check()'s flag) runs in the
+// optimizer's pass instead of a pass of its own, since the inputs survive an out-of-place step
+// (the pure steps without clipping need no norm first); the step is applied when every
+// gradient element is finite and grad_scale is not NaN, else the outputs are overwritten with
+// copies of the inputs -- the outputs and flag of check() followed by adam_step(), bit for bit.
+// Only the direct door serves the checked form; elsewhere ops.adam_step_checked composes the ops.
+std::pair<AdamOut, bool> adam_step_out(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
+                                       const Tensors& exp_avg_sqs, const Tensors& max_exp_avg_sqs,
+                                       const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
+                                       const Tensor* finite, double lr, const std::optional<Tensor>& lr_tensor,
+                                       double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+                                       bool decoupled_weight_decay, bool maximize) {
   const at::Device dev(at::kCPU);
+  const Tensor go = finite != nullptr ? Tensor() : at::scalar_tensor(true, at::kBool);
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, finite, amsgrad, dev, false);
+                  grad_scale, finite != nullptr ? *finite : go, amsgrad, dev, false);
   lr = lr_value("adam_step", lr, lr_tensor, dev);
   const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
       m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = packed_empty_like(m1.tensors, at::kFloat),
                       m2_out = packed_empty_like(m2.tensors, at::kFloat),
                       vmax_out = packed_empty_like(vmax.tensors, at::kFloat), m_out = empty_like_list(m.tensors);
-  const float old_step = step.item<float>();
-  if (!finite.item<bool>()) {
+  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
+  const float next_step = old_step + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
+  bool applied = finite == nullptr || finite->item<bool>();
+  if (applied) {
+    ampfunc::cpu::AdamHyper h{gs, lr, beta1, beta2, eps, weight_decay, static_cast<double>(next_step), amsgrad,
+                              decoupled_weight_decay, maximize};
+    bool nonfinite = false;
+    ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
+                            {p_out, m1_out, m2_out, vmax_out}, m_out, h, finite == nullptr ? &nonfinite : nullptr);
+    applied = finite != nullptr || (!nonfinite && !std::isnan(gs));
+  }
+  if (!applied) {  // the skipped step
     for (auto [src, dst] : {std::pair{&p.tensors, &p_out}, {&m1.tensors, &m1_out}, {&m2.tensors, &m2_out},
                             {&vmax.tensors, &vmax_out}, {&m.tensors, &m_out}}) {
       ampfunc::cpu::copy(*src, *dst);
     }
-    return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(old_step, at::kFloat)};
   }
-  const float next_step = old_step + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
-  ampfunc::cpu::AdamHyper h{grad_scale.item<float>(), lr, beta1, beta2, eps, weight_decay,
-                            static_cast<double>(next_step), amsgrad, decoupled_weight_decay, maximize};
-  ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
-                          {p_out, m1_out, m2_out, vmax_out}, m_out, h);
-  return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(next_step, at::kFloat)};
+  return {{p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(applied ? next_step : old_step, at::kFloat)},
+          applied};
 }
 
-// The out-of-place Adam step that takes its own skip decision: the finiteness check of the
-// gradients (check()'s flag) runs in the optimizer's pass instead of a pass of its own, since
-// the inputs survive an out-of-place step (the pure steps without clipping need no norm first). finite = every gradient element finite and
-// grad_scale not NaN; when it is false the outputs are overwritten with copies of the inputs
-// and the step count stays, which is adam_step's skipped step. The outputs and the flag are
-// those of check() followed by adam_step(), bit for bit. Only the direct door (eager CPU calls)
-// serves it; elsewhere ops.adam_step_checked composes those two ops.
+AdamOut adam_step_cpu(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
+                      const Tensors& max_exp_avg_sqs, const Tensors& model_params, const Tensor& step,
+                      const Tensor& grad_scale, const Tensor& finite, double lr,
+                      const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                      double weight_decay, bool amsgrad, bool decoupled_weight_decay, bool maximize) {
+  return adam_step_out(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, &finite,
+                       lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
+      .first;
+}
+
 using AdamCheckedOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                                   std::vector<Tensor>, Tensor, Tensor>;
 
@@ -827,68 +869,10 @@ AdamCheckedOut adam_step_checked_cpu(const Tensors& params, const Tensors& grads
                                      double lr, const std::optional<Tensor>& lr_tensor, double beta1, double beta2,
                                      double eps, double weight_decay, bool amsgrad, bool decoupled_weight_decay,
                                      bool maximize) {
-  const at::Device dev(at::kCPU);
-  const Tensor go = at::scalar_tensor(true, at::kBool);  // validated as adam_step's finite argument
-  check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-                  grad_scale, go, amsgrad, dev, false);
-  lr = lr_value("adam_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
-      m(model_params);
-  std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = packed_empty_like(m1.tensors, at::kFloat),
-                      m2_out = packed_empty_like(m2.tensors, at::kFloat),
-                      vmax_out = packed_empty_like(vmax.tensors, at::kFloat), m_out = empty_like_list(m.tensors);
-  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
-  const float next_step = old_step + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
-  ampfunc::cpu::AdamHyper h{gs, lr, beta1, beta2, eps, weight_decay, static_cast<double>(next_step), amsgrad,
-                            decoupled_weight_decay, maximize};
-  bool nonfinite = false;
-  ampfunc::cpu::adam_step({p.tensors, m1.tensors, m2.tensors, vmax.tensors}, g.tensors,
-                          {p_out, m1_out, m2_out, vmax_out}, m_out, h, &nonfinite);
-  const bool finite = !nonfinite && !std::isnan(gs);
-  if (!finite) {  // the skipped step: what adam_step writes for finite == false
-    for (auto [src, dst] : {std::pair{&p.tensors, &p_out}, {&m1.tensors, &m1_out}, {&m2.tensors, &m2_out},
-                            {&vmax.tensors, &vmax_out}, {&m.tensors, &m_out}}) {
-      ampfunc::cpu::copy(*src, *dst);
-    }
-  }
-  return {p_out, m1_out, m2_out, vmax_out, m_out, at::scalar_tensor(finite ? next_step : old_step, at::kFloat),
-          at::scalar_tensor(finite, at::kBool)};
-}
-
-// sgd_step with its own skip decision, as adam_step_checked.
-using SgdCheckedOut = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor>;
-
-SgdCheckedOut sgd_step_checked_cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers,
-                                   const Tensors& model_params, const Tensor& step, const Tensor& grad_scale,
-                                   double lr, const std::optional<Tensor>& lr_tensor, double weight_decay,
-                                   double momentum, double dampening, bool nesterov, bool maximize) {
-  const at::Device dev(at::kCPU);
-  const Tensor go = at::scalar_tensor(true, at::kBool);  // validated as sgd_step's finite argument
-  check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale, go, momentum, dev,
-                 false);
-  lr = lr_value("sgd_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
-  std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = packed_empty_like(b.tensors, at::kFloat),
-                      m_out = empty_like_list(m.tensors);
-  const float old_step = step.item<float>(), gs = grad_scale.item<float>();
-  ampfunc::cpu::SgdHyper h{gs,
-                           static_cast<float>(lr),
-                           static_cast<float>(weight_decay),
-                           static_cast<float>(momentum),
-                           static_cast<float>(dampening),
-                           nesterov,
-                           maximize,
-                           old_step == 0.f};
-  bool nonfinite = false;
-  ampfunc::cpu::sgd_step(p.tensors, g.tensors, b.tensors, p_out, b_out, m_out, h, &nonfinite);
-  const bool finite = !nonfinite && !std::isnan(gs);
-  if (!finite) {  // the skipped step: what sgd_step writes for finite == false
-    ampfunc::cpu::copy(p.tensors, p_out);
-    ampfunc::cpu::copy(b.tensors, b_out);
-    ampfunc::cpu::copy(m.tensors, m_out);
-  }
-  return {p_out, b_out, m_out, at::scalar_tensor(finite ? old_step + 1.f : old_step, at::kFloat),
-          at::scalar_tensor(finite, at::kBool)};
+  auto [out, applied] = adam_step_out(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                                      grad_scale, nullptr, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad,
+                                      decoupled_weight_decay, maximize);
+  return std::tuple_cat(std::move(out), std::make_tuple(at::scalar_tensor(applied, at::kBool)));
 }
 
 // The pure optimizers' updates (optax form): new tensors `updates` (fp32) and new state; the
@@ -1791,20 +1775,25 @@ py::object unscale(const py::args& a) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// The three forms of an optimizer step through the door: in place (`*_step_`), out of place
+// (`*_step`) and out of place checking its own gradients (`*_step_checked`, no `finite` argument).
+enum class Form { kInPlace, kOutOfPlace, kChecked };
+
 // sgd_step_ / sgd_step: (params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr,
-// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize)
-template <bool kInPlace>
+// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize); sgd_step_checked: without finite.
+template <Form kForm>
 py::object sgd_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
   Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
-  const Tensor *step = x.tensor(), *gs = x.tensor(), *fin = x.tensor();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();
   const double wd = x.real(), mom = x.real(), damp = x.real();
   const bool nesterov = x.flag(), maximize = x.flag();
   if (!x.usable()) return not_handled();
-  if constexpr (kInPlace) {
+  if constexpr (kForm == Form::kInPlace) {
     return run("ampfunc::sgd_step_", [&] {
       sgd_step__cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize);
       bump(p);
@@ -1812,27 +1801,33 @@ py::object sgd_step(const py::args& a) {
       bump(mp);
       bump(*step);
     });
-  } else {
+  } else if constexpr (kForm == Form::kOutOfPlace) {
     return run("ampfunc::sgd_step",
                [&] { return sgd_step_cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize); });
+  } else {
+    return run("ampfunc::sgd_step_checked", [&] {
+      return sgd_step_checked_cpu(p, g, b, mp, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize);
+    });
   }
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
 // adam_step_ / adam_step: (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
-// grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
-template <bool kInPlace>
+// grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
+// adam_step_checked: without finite.
+template <Form kForm>
 py::object adam_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
   Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
-  const Tensor *step = x.tensor(), *gs = x.tensor(), *fin = x.tensor();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();
   const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
   const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
   if (!x.usable()) return not_handled();
-  if constexpr (kInPlace) {
+  if constexpr (kForm == Form::kInPlace) {
     return run("ampfunc::adam_step_", [&] {
       adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
                      maximize);
@@ -1843,47 +1838,17 @@ py::object adam_step(const py::args& a) {
       bump(mp);
       bump(*step);
     });
-  } else {
+  } else if constexpr (kForm == Form::kOutOfPlace) {
     return run("ampfunc::adam_step", [&] {
       return adam_step_cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
                            maximize);
     });
+  } else {
+    return run("ampfunc::adam_step_checked", [&] {
+      return adam_step_checked_cpu(p, g, m1, m2, vmax, mp, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                                   maximize);
+    });
   }
-  END_HANDLE_TH_ERRORS_PYBIND
-}
-
-// sgd_step_checked: sgd_step's arguments without `finite`; returns sgd_step's outputs and the flag.
-py::object sgd_step_checked(const py::args& a) {
-  HANDLE_TH_ERRORS
-  Args x(a);
-  Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
-  const Tensor *step = x.tensor(), *gs = x.tensor();
-  const double lr = x.real();
-  std::optional<Tensor> lr_t = x.optional_tensor();
-  const double wd = x.real(), mom = x.real(), damp = x.real();
-  const bool nesterov = x.flag(), maximize = x.flag();
-  if (!x.usable()) return not_handled();
-  return run("ampfunc::sgd_step_checked", [&] {
-    return sgd_step_checked_cpu(p, g, b, mp, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize);
-  });
-  END_HANDLE_TH_ERRORS_PYBIND
-}
-
-// adam_step_checked: adam_step's arguments without `finite`; returns adam_step's outputs and the flag.
-py::object adam_step_checked(const py::args& a) {
-  HANDLE_TH_ERRORS
-  Args x(a);
-  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
-  const Tensor *step = x.tensor(), *gs = x.tensor();
-  const double lr = x.real();
-  std::optional<Tensor> lr_t = x.optional_tensor();
-  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
-  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
-  if (!x.usable()) return not_handled();
-  return run("ampfunc::adam_step_checked", [&] {
-    return adam_step_checked_cpu(p, g, m1, m2, vmax, mp, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
-                                 maximize);
-  });
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -2155,12 +2120,12 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("check_norm", &direct::check_norm);
     m.def("unscale_", &direct::unscale_);
     m.def("unscale", &direct::unscale);
-    m.def("sgd_step_", &direct::sgd_step<true>);
-    m.def("sgd_step", &direct::sgd_step<false>);
-    m.def("adam_step_", &direct::adam_step<true>);
-    m.def("adam_step", &direct::adam_step<false>);
-    m.def("adam_step_checked", &direct::adam_step_checked);
-    m.def("sgd_step_checked", &direct::sgd_step_checked);
+    m.def("sgd_step_", &direct::sgd_step<direct::Form::kInPlace>);
+    m.def("sgd_step", &direct::sgd_step<direct::Form::kOutOfPlace>);
+    m.def("sgd_step_checked", &direct::sgd_step<direct::Form::kChecked>);
+    m.def("adam_step_", &direct::adam_step<direct::Form::kInPlace>);
+    m.def("adam_step", &direct::adam_step<direct::Form::kOutOfPlace>);
+    m.def("adam_step_checked", &direct::adam_step<direct::Form::kChecked>);
     m.def("sgd_update", &direct::sgd_update);
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);
