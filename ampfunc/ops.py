@@ -105,20 +105,34 @@ def _call(name: str, *args):
     autograd, other devices) as ``NotImplemented`` and the call goes to ``torch.ops.ampfunc``.
     Traced calls (``torch.compile``) always go to ``torch.ops.ampfunc``.
     """
+    out = _through_door(name, args)
+    if out is not NotImplemented:
+        return out
     door = _DIRECT[0]
-    if door is not None and not _is_compiling():
-        out = getattr(door, name)(*args)
-        if out is not NotImplemented:
-            return out
-        if name in _PACKING_OPS and _plain_cuda(args[0] or args[1]):
-            # An eager CUDA call: its new state lists may be views of one block each (packed
-            # outputs); a compiled graph's calls never set this (its outputs may not alias).
-            prev = door.pack_outputs(True)
-            try:
-                return getattr(torch.ops.ampfunc, name)(*args)
-            finally:
-                door.pack_outputs(prev)
+    if name in _PACKING_OPS and door is not None and not _is_compiling() and _plain_cuda(args[0] or args[1]):
+        # An eager CUDA call: its new state lists may be views of one block each (packed
+        # outputs); a compiled graph's calls never set this (its outputs may not alias).
+        prev = door.pack_outputs(True)
+        try:
+            return getattr(torch.ops.ampfunc, name)(*args)
+        finally:
+            door.pack_outputs(prev)
     return getattr(torch.ops.ampfunc, name)(*args)
+
+
+def _through_door(name: str, args: tuple):
+    """The direct door's ``name`` on ``args`` for an eager call, else ``NotImplemented`` (no
+    library loaded, a traced call, or tensors the door hands back)."""
+    door = _DIRECT[0]
+    if door is None or _is_compiling():
+        return NotImplemented
+    return getattr(door, name)(*args)
+
+
+def _finite_for(grads: list, grad_scale: torch.Tensor) -> torch.Tensor:
+    """The checked steps' flag where the door does not serve them: :func:`check`'s of
+    ``grads`` and-ed with ``grad_scale`` not being NaN (one read pass)."""
+    return check(grads)[0] & ~grad_scale.isnan() if grads else ~grad_scale.isnan()
 
 
 # The out-of-place optimizer ops whose new state lists and updates come back packed in eager mode.
@@ -672,12 +686,10 @@ def sgd_step_checked(params, grads, momentum_buffers, model_params, step, grad_s
     args = (params, grads, _as_list(momentum_buffers) if momentum != 0 else [], _as_list(model_params), step,
             grad_scale, lr, lr_tensor, float(weight_decay), float(momentum), float(dampening), bool(nesterov),
             bool(maximize))
-    door = _DIRECT[0]
-    if door is not None and not _is_compiling():
-        out = door.sgd_step_checked(*args)
-        if out is not NotImplemented:
-            return list(out[0]), list(out[1]), list(out[2]), out[3], out[4]
-    finite = check(grads)[0] & ~grad_scale.isnan() if grads else ~grad_scale.isnan()
+    out = _through_door("sgd_step_checked", args)
+    if out is not NotImplemented:
+        return list(out[0]), list(out[1]), list(out[2]), out[3], out[4]
+    finite = _finite_for(grads, grad_scale)
     return sgd_step(*args[:6], finite, lr=args[6] if lr_tensor is None else lr_tensor, weight_decay=weight_decay,
                     momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize) + (finite,)
 
@@ -734,12 +746,10 @@ def adam_step_checked(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mod
     args = (params, grads, _seq(exp_avgs), _seq(exp_avg_sqs), vmax, _as_list(model_params), step, grad_scale, lr,
             lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad),
             bool(decoupled_weight_decay), bool(maximize))
-    door = _DIRECT[0]
-    if door is not None and not _is_compiling():
-        out = door.adam_step_checked(*args)
-        if out is not NotImplemented:
-            return tuple(list(x) for x in out[:5]) + (out[5], out[6])
-    finite = check(grads)[0] & ~grad_scale.isnan() if grads else ~grad_scale.isnan()
+    out = _through_door("adam_step_checked", args)
+    if out is not NotImplemented:
+        return tuple(list(x) for x in out[:5]) + (out[5], out[6])
+    finite = _finite_for(grads, grad_scale)
     return adam_step(*args[:8], finite, lr=args[8] if lr_tensor is None else lr_tensor, beta1=beta1, beta2=beta2,
                      eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                      decoupled_weight_decay=decoupled_weight_decay, maximize=maximize) + (finite,)
