@@ -4,6 +4,7 @@ checkout does. ``.ci/run`` goes further: a truly fresh virtual environment, torc
 on disk, and the whole suite against the installed package (AMPFUNC_EXPECT_INSTALLED=1)."""
 
 import os
+import site
 import subprocess
 import sys
 import tarfile
@@ -76,9 +77,16 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     assert shipped == expected
 
     # Reuses this interpreter's torch (the truly fresh path is .ci/run's); outside the checkout.
+    # A .pth line puts this environment's site-packages after the new venv's own, whether this
+    # interpreter is a system Python or itself a venv (system_site_packages would reach past a
+    # venv to its base, which may have no torch). Lines of a .pth add paths without running the
+    # .pth files found there, so an editable ampfunc of this environment stays out of sight.
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "_this_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
          if _pip_has_python_option() else [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
     # This session's cache: the same sources give the same entry, so the install loads the build

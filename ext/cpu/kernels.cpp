@@ -13,9 +13,17 @@
 // the kernels would no longer round as torch's ops (separate mul and add) round.
 #pragma GCC optimize("fp-contract=off")
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
-    !defined(CPU_CAPABILITY_AVX512)
+// The vector width follows the compiler's target, as torch's own CPU kernels follow the CPU:
+// 512-bit at::vec when it may use AVX-512 (F, BW, DQ, VL: what ATen's AVX512 code needs), else
+// 256-bit with AVX2+FMA+F16C. Each lane computes the same IEEE operations at either width, so
+// the values do not depend on it; only the order of a reduction's partial sums does.
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__FMA__) && defined(__F16C__) && !defined(AMPFUNC_NO_AVX512)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_CAPABILITY_AVX2
+#endif
 #endif
 
 #include "kernels.h"
@@ -95,11 +103,34 @@ inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
 // output tensor costs two memory transfers per byte: an out-of-place Adam step would move 40
 // bytes per element against the in-place step's 28. A streaming store skips the read. It is
 // used for the new tensors of the out-of-place steps when the outputs are too large to stay in
-// cache anyway (kStreamMin elements), for full vectors at 32-byte aligned addresses; partial
+// cache anyway (kStreamMin elements), for full vectors at vector-aligned addresses; partial
 // tails and unaligned segments store normally. Only where the data goes changes, never a value.
 constexpr int64_t kStreamMin = 1 << 20;
 
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kCanStream = true;
+static_assert(kVF == 16, "AVX-512 float vectors hold 16 lanes");
+
+inline void store2(float* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
+  if (stream && n >= kW) {
+    _mm512_stream_ps(p, a);
+    _mm512_stream_ps(p + kVF, b);
+  } else {
+    store2(p, n, a, b);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
+  if (stream && n >= kW) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), at::vec::convert_from_float<T>(a, b));
+  } else {
+    store2(p, n, a, b);
+  }
+}
+
+inline void stream_fence() { _mm_sfence(); }
+#elif defined(CPU_CAPABILITY_AVX2)
 constexpr bool kCanStream = true;
 static_assert(kVF == 8, "AVX2 float vectors hold 8 lanes");
 
@@ -136,7 +167,7 @@ inline void stream_fence() {}
 // Whether stores to `out` stream: enabled for this call, `out` is not the source (in place,
 // the line was just read and is in cache) and it is aligned for the vector stores.
 inline bool streams(bool enabled, const void* out, const void* in) {
-  return kCanStream && enabled && out != in && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+  return kCanStream && enabled && out != in && reinterpret_cast<uintptr_t>(out) % (kVF * sizeof(float)) == 0;
 }
 
 // Calls fn(typed data pointer) for tensor i of a list (float, half or bfloat16).
