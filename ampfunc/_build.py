@@ -126,8 +126,8 @@ def march(ahead_of_time: bool = False) -> str | None:
 
 def cpu_flags(ahead_of_time: bool = False) -> list[str]:
     """C++ flags of a build. The C++ standard is cpp_extension's choice (torch 2.13 wants C++20).
-    On x86-64, ``-march`` lets at::vec use 256-bit vectors (kernels.cpp selects
-    CPU_CAPABILITY_AVX2 when the compiler targets AVX2+FMA+F16C)."""
+    On x86-64, ``-march`` sets at::vec's vector width: kernels.cpp selects CPU_CAPABILITY_AVX512
+    when the compiler targets AVX-512 F/BW/DQ/VL, else CPU_CAPABILITY_AVX2 with AVX2+FMA+F16C."""
     flags = ["-O3", "-fopenmp"]
     m = march(ahead_of_time)
     if m:

@@ -19,7 +19,7 @@
 // the values do not depend on it; only the order of a reduction's partial sums does.
 #if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
-    defined(__FMA__) && defined(__F16C__) && !defined(AMPFUNC_NO_AVX512)
+    defined(__FMA__) && defined(__F16C__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_CAPABILITY_AVX2
