@@ -36,6 +36,7 @@ from torch.func import functional_call
 from ampfunc import ops
 from ampfunc.dist import all_reduce_mean
 from ampfunc.engine import Engine, MixedPrecisionState, skip_stats
+from ampfunc.flat import unpacked
 from ampfunc.fp8 import Fp8Policy
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
@@ -360,7 +361,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # Its own copy of the scale's tensors (``.to`` returns the given ones when the device
         # matches): ``step_`` writes them, and two states from ``init`` must not share them.
         ls = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, loss_scale.to(device))
-        return TrainState(params, buffers, tx.init(optimized(params)), ls, *skip_stats(device),
+        # Each state leaf in its own storage (the optimizers pack their moments): the state is
+        # donated to step_, and a compiled step_ over packed moments would copy the packed
+        # buffer once per leaf every step (see ampfunc.flat.unpacked).
+        return TrainState(params, buffers, unpacked(tx.init(optimized(params))), ls, *skip_stats(device),
                           fp8=fp8.init(device) if fp8 is not None else None)
 
     def scaled_loss(compute_params, state8, buffers, ls, *batch):

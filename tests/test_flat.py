@@ -203,3 +203,33 @@ def test_the_engine_keeps_fp32_masters_of_half_params_in_one_buffer():
     assert all(m.dtype == torch.float32 for m in masters)
     assert all(torch.equal(m, p.float()) for m, p in zip(masters, params.values()))
     assert len({m.untyped_storage().data_ptr() for m in masters}) == 1
+
+
+def test_unpacked_gives_each_shared_leaf_its_own_storage_and_keeps_the_rest_as_they_are():
+    from ampfunc.flat import unpacked
+    state = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()).init({k: v.half() for k, v in _many().items()})
+    own = unpacked(state)
+    assert type(own) is type(state)
+    moments = list(own.inner.exp_avg.values()) + list(own.inner.exp_avg_sq.values()) + list(own.master.values())
+    assert len({t.untyped_storage().data_ptr() for t in moments}) == len(moments)  # none shared any more
+    packed = list(state.inner.exp_avg.values()) + list(state.inner.exp_avg_sq.values()) + list(state.master.values())
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(moments, packed))
+    assert own.inner.step is state.inner.step  # alone in its storage: the same tensor, no copy
+    assert own.loss_scale.loss_scale is state.loss_scale.loss_scale
+    for t in packed:
+        t.add_(1.0)
+    assert all(not torch.equal(a, b) for a, b in zip(moments, packed))  # copies, not views
+
+
+def test_make_train_step_state_shares_no_storage_between_leaves_so_a_compiled_step_writes_them_directly():
+    # torch.compile rebuilds inputs that share a storage and are written in place from one
+    # base per call, copying the buffer once per leaf (ampfunc.flat.unpacked says why).
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    train = af.make_train_step(model, lambda fwd, x: fwd(x).square().mean(), af.adamw(1e-3),
+                               "p=f32,c=bf16,o=f32", loss_scale=af.DynamicLossScale())
+    state = train.init()
+    leaves = [t for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.numel() > 0]
+    assert len({t.untyped_storage().data_ptr() for t in leaves}) == len(leaves)
+    # A plain optimizer's init does pack its moments (eager steps read them as one stream).
+    opt = af.adamw(1e-3).init(dict(model.named_parameters()))
+    assert len({t.untyped_storage().data_ptr() for t in opt.exp_avg.values()}) == 1

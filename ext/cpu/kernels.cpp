@@ -108,36 +108,28 @@ inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
 constexpr int64_t kStreamMin = 1 << 20;
 
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr bool kCanStream = true;
 static_assert(kVF == 16, "AVX-512 float vectors hold 16 lanes");
-
-inline void store2(float* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
-  if (stream && n >= kW) {
-    _mm512_stream_ps(p, a);
-    _mm512_stream_ps(p + kVF, b);
-  } else {
-    store2(p, n, a, b);
-  }
-}
-
+inline void stream_store(float* p, const fVec& v) { _mm512_stream_ps(p, v); }
 template <typename T>
-inline void store2(T* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
-  if (stream && n >= kW) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), at::vec::convert_from_float<T>(a, b));
-  } else {
-    store2(p, n, a, b);
-  }
+inline void stream_store(T* p, const at::vec::Vectorized<T>& v) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
 }
-
-inline void stream_fence() { _mm_sfence(); }
 #elif defined(CPU_CAPABILITY_AVX2)
-constexpr bool kCanStream = true;
 static_assert(kVF == 8, "AVX2 float vectors hold 8 lanes");
+inline void stream_store(float* p, const fVec& v) { _mm256_stream_ps(p, v); }
+template <typename T>
+inline void stream_store(T* p, const at::vec::Vectorized<T>& v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kCanStream = true;
 
 inline void store2(float* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
   if (stream && n >= kW) {
-    _mm256_stream_ps(p, a);
-    _mm256_stream_ps(p + kVF, b);
+    stream_store(p, a);
+    stream_store(p + kVF, b);
   } else {
     store2(p, n, a, b);
   }
@@ -146,7 +138,7 @@ inline void store2(float* p, int64_t n, const fVec& a, const fVec& b, bool strea
 template <typename T>
 inline void store2(T* p, int64_t n, const fVec& a, const fVec& b, bool stream) {
   if (stream && n >= kW) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), at::vec::convert_from_float<T>(a, b));
+    stream_store(p, at::vec::convert_from_float<T>(a, b));
   } else {
     store2(p, n, a, b);
   }
