@@ -9,12 +9,16 @@ the ratio to torch's loop in the same mode (eager or compiled).
     python benchmarks/bench_transformer.py --quick    # a smoke run: tiny model, few iterations
     python benchmarks/bench_transformer.py --no-compile
     python benchmarks/bench_transformer.py --threads 1   # steadier where other jobs share the cores
+    python benchmarks/bench_transformer.py --model hf-gpt2   # transformers' GPT2LMHeadModel from a
+                                                      # config: 8 layers, d=128, vocab 1024, 1.7M params
 
 Rows:
   torch eager      model fp32, torch.autocast(bf16), GradScaler, AdamW(fused=True), zero_grad
   ampfunc eager    make_train_step(model, loss, adamw, "p=f32,c=bf16,o=f32", DynamicLossScale):
                    train.step (pure: new params and moments every step) and train.step_ (the
-                   state donated: the fused AdamW pass writes it in place, as torch's loop does)
+                   state donated: the fused AdamW pass writes it in place, as torch's loop does);
+                   and torch's loop with ModuleTrainer(model, adamw, DynamicLossScale) in place of
+                   GradScaler + AdamW (trainer.scale(loss).backward(); trainer.step())
   torch compiled   the same loop with torch.compile(model): forward and backward compiled,
                    GradScaler and the fused AdamW eager (the recipe torch's docs show)
   ampfunc compiled torch.compile(train.step / train.step_, fullgraph=True): forward, backward,
@@ -78,6 +82,29 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class HFLogits(nn.Module):
+    """transformers' GPT2LMHeadModel built from a config (no download, no dropout, so every row
+    computes the same losses), returning the logits alone: what the loss takes."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=vocab, n_positions=ctx, n_embd=d, n_layer=layers, n_head=heads,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        self.lm = GPT2LMHeadModel(config)
+
+    def forward(self, idx):
+        return self.lm(idx, use_cache=False).logits
+
+
+MODELS = {
+    # name: (class, vocab, d, layers, heads, ctx, batch)
+    "gpt": (GPT, 1024, 256, 2, 4, 64, 8),
+    "hf-gpt2": (HFLogits, 1024, 128, 8, 4, 64, 8),
+}
+
+
 def batches(n, batch, ctx, vocab, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, ctx + 1), generator=gen) for _ in range(n)]
@@ -120,36 +147,54 @@ def ampfunc_loop(model, lr, compiled, backend, inplace=False):
     return step, losses, state
 
 
+def trainer_loop(model, lr):
+    """torch's eager loop with ampfunc's ModuleTrainer in place of GradScaler + AdamW."""
+    trainer = af.ModuleTrainer(model, af.adamw(lr), loss_scale=af.DynamicLossScale())
+    losses = []
+
+    def step(idx):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model(idx[:, :-1]), idx)
+        trainer.scale(loss).backward()
+        trainer.step()
+        losses.append(loss.detach())
+
+    return step, losses
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations: a smoke run")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                    help="gpt: the 2-layer GPT here; hf-gpt2: transformers' GPT2LMHeadModel (needs transformers)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (default: torch's); 1 is steadier on a shared machine")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    model_cls, vocab, d, layers, heads, ctx, batch = MODELS[args.model]
     if args.quick:
         vocab, d, layers, heads, ctx, batch = 64, 32, 1, 2, 16, 2
         iters, warmup = args.iters or 3, args.warmup or 1
     else:
-        vocab, d, layers, heads, ctx, batch = 1024, 256, 2, 4, 64, 8
         iters, warmup = args.iters or 15, args.warmup or 3
     torch.manual_seed(0)
-    reference = GPT(vocab, d, layers, heads, ctx)
+    reference = model_cls(vocab, d, layers, heads, ctx)
     n_params = sum(p.numel() for p in reference.parameters())
     data = batches(warmup + iters, batch, ctx, vocab)
     print(f"bench_transformer: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"ampfunc ops backend {af.ops.backend()}")
-    print(f"model: {layers} layers, d={d}, vocab={vocab}, ctx={ctx}, batch={batch}: {n_params / 1e6:.2f}M params; "
+    print(f"model: {args.model}, {layers} layers, d={d}, vocab={vocab}, ctx={ctx}, batch={batch}: "
+          f"{n_params / 1e6:.2f}M params; "
           f"{iters} timed iterations after {warmup} warm-up")
 
     def fresh():
-        m = GPT(vocab, d, layers, heads, ctx)
+        m = model_cls(vocab, d, layers, heads, ctx)
         m.load_state_dict(reference.state_dict())
         return m
 
@@ -165,6 +210,9 @@ def main(argv=None):
         for inplace in (False, True):
             step, losses, _ = ampfunc_loop(fresh(), 1e-3, compiled, args.backend, inplace)
             rows.append((f"ampfunc make_train_step{'.step_' if inplace else ''} {tag}", step, losses, compiled))
+        if not compiled:
+            step, losses = trainer_loop(fresh(), 1e-3)
+            rows.append(("ampfunc ModuleTrainer (autocast loop) eager", step, losses, compiled))
     for _, step, _, _ in rows:
         for i in range(warmup):
             step(data[i % len(data)])
