@@ -56,18 +56,6 @@ def _check_hparams(where, lr, betas, eps, weight_decay):
     check_nonneg(weight_decay, "weight_decay")
 
 
-def _sqrt_rounded(ts: list) -> list:
-    """The square root of each fp32 tensor, correctly rounded, as the fused kernels (and torch's
-    fused Adam) take it. torch's CPU ``sqrt`` is MKL's vector sqrt, which is not: on the AVX-512
-    Xeon of the 2026-12-01 benchmarks it was an ulp off for about 0.7% of fp32 inputs, so the
-    generic update (what a compiled graph or an unusual tree runs) and the kernel's disagreed in
-    the last bit of a few elements. On CPU the root is taken in fp64 and rounded once to fp32,
-    which is exact (53 >= 2 * 24 + 2 bits); CUDA's fp32 sqrt is already correctly rounded."""
-    if not ts or ts[0].device.type != "cpu":
-        return torch._foreach_sqrt(ts)
-    return [r.to(torch.float32) for r in torch._foreach_sqrt([t.to(torch.float64) for t in ts])]
-
-
 def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):
     """The update by one fused out-of-place kernel pass (:func:`ampfunc.ops.adam_update`: reads
     g, p, m, v once, writes the updates and the new moments), with the generic path's
@@ -166,9 +154,9 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
             torch._foreach_addcmul_(v, g, g, value=1 - beta2)
             if amsgrad:
                 vmax = torch._foreach_maximum([vmaxs[i] for i in idx], v)
-                denom = _sqrt_rounded(vmax)
+                denom = ops.sqrt_rounded(vmax)
             else:
-                denom = _sqrt_rounded(v)
+                denom = ops.sqrt_rounded(v)
             torch._foreach_div_(denom, on(bc2_sqrt, dev))
             torch._foreach_add_(denom, eps)
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == p + (-step_size * m) / denom
