@@ -299,17 +299,17 @@ def unpacked(tree: PyTree) -> PyTree:
     Cost: one copy of each shared leaf (none inside a ``torch.compile`` trace, where the
     inputs' storages are the compiler's); no host sync.
     """
-    leaves, spec = tree_flatten(tree)
     if torch.compiler.is_compiling():
         return tree
+    leaves, spec = tree_flatten(tree)
+    keys = [_storage_key(t) for t in leaves]
     seen: dict = {}
-    for t in leaves:
-        key = _storage_key(t)
+    for key in keys:
         if key is not None:
             seen[key] = seen.get(key, 0) + 1
     with torch.no_grad():
-        out = [t.clone(memory_format=torch.contiguous_format) if seen.get(_storage_key(t), 0) > 1 else t
-               for t in leaves]
+        out = [t.clone(memory_format=torch.contiguous_format) if key is not None and seen[key] > 1 else t
+               for t, key in zip(leaves, keys)]
     return tree_unflatten(spec, out)
 
 
