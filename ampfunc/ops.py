@@ -694,12 +694,12 @@ def sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, fi
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    p, b, m, s = _call("sgd_step", _seq(params), _seq(grads),
-                                            _as_list(momentum_buffers) if momentum != 0 else [],
-                                            _as_list(model_params), step, grad_scale, finite, lr, lr_tensor,
-                                            float(weight_decay), float(momentum), float(dampening), bool(nesterov),
-                                            bool(maximize))
-    return list(p), list(b), list(m), s
+    params = _seq(params)
+    with _gc_paused(len(params)):
+        p, b, m, s = _call("sgd_step", params, _seq(grads), _as_list(momentum_buffers) if momentum != 0 else [],
+                           _as_list(model_params), step, grad_scale, finite, lr, lr_tensor, float(weight_decay),
+                           float(momentum), float(dampening), bool(nesterov), bool(maximize))
+        return list(p), list(b), list(m), s
 
 
 def sgd_step_checked(params, grads, momentum_buffers, model_params, step, grad_scale, *, lr,
@@ -716,9 +716,10 @@ def sgd_step_checked(params, grads, momentum_buffers, model_params, step, grad_s
     args = (params, grads, _as_list(momentum_buffers) if momentum != 0 else [], _as_list(model_params), step,
             grad_scale, lr, lr_tensor, float(weight_decay), float(momentum), float(dampening), bool(nesterov),
             bool(maximize))
-    out = _through_door("sgd_step_checked", args)
-    if out is not NotImplemented:
-        return list(out[0]), list(out[1]), list(out[2]), out[3], out[4]
+    with _gc_paused(len(params)):
+        out = _through_door("sgd_step_checked", args)
+        if out is not NotImplemented:
+            return list(out[0]), list(out[1]), list(out[2]), out[3], out[4]
     finite = _finite_for(grads, grad_scale)
     return sgd_step(*args[:6], finite, lr=args[6] if lr_tensor is None else lr_tensor, weight_decay=weight_decay,
                     momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize) + (finite,)
@@ -748,12 +749,13 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_param
     """
     _ensure()
     lr, lr_tensor = _split_lr(lr)
-    out = _call("adam_step", _seq(params), _seq(grads), _seq(exp_avgs), _seq(exp_avg_sqs),
-                                      _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step,
-                                      grad_scale, finite, lr, lr_tensor, float(beta1), float(beta2), float(eps),
-                                      float(weight_decay), bool(amsgrad), bool(decoupled_weight_decay),
-                                      bool(maximize))
-    return tuple(list(x) for x in out[:5]) + (out[5],)
+    params = _seq(params)
+    with _gc_paused(len(params)):
+        out = _call("adam_step", params, _seq(grads), _seq(exp_avgs), _seq(exp_avg_sqs),
+                    _as_list(max_exp_avg_sqs) if amsgrad else [], _as_list(model_params), step, grad_scale, finite,
+                    lr, lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad),
+                    bool(decoupled_weight_decay), bool(maximize))
+        return tuple(list(x) for x in out[:5]) + (out[5],)
 
 
 def adam_step_checked(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, *,
@@ -776,9 +778,10 @@ def adam_step_checked(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mod
     args = (params, grads, _seq(exp_avgs), _seq(exp_avg_sqs), vmax, _as_list(model_params), step, grad_scale, lr,
             lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay), bool(amsgrad),
             bool(decoupled_weight_decay), bool(maximize))
-    out = _through_door("adam_step_checked", args)
-    if out is not NotImplemented:
-        return tuple(list(x) for x in out[:5]) + (out[5], out[6])
+    with _gc_paused(len(params)):
+        out = _through_door("adam_step_checked", args)
+        if out is not NotImplemented:
+            return tuple(list(x) for x in out[:5]) + (out[5], out[6])
     finite = _finite_for(grads, grad_scale)
     return adam_step(*args[:8], finite, lr=args[8] if lr_tensor is None else lr_tensor, beta1=beta1, beta2=beta2,
                      eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
