@@ -8,9 +8,10 @@ reading the master grads and writing the masters, torch's own state and the fp16
 instead of ``optimizer.step()`` + the copy back. These specs compare it with the same facade
 forced onto that old path (``engine.torch_step_`` answering False).
 
-Same numbers means bit for bit where the same arithmetic runs: SGD with either backend, Adam
-with the kernels' reference backend (torch ops in torch's single-tensor order). The compiled
-CPU Adam kernel is held to a tight tolerance (one ulp in a small fraction of elements).
+Same numbers means bit for bit where the same arithmetic runs: SGD with either backend. Adam,
+compiled or reference, takes a correctly rounded square root (ops.sqrt_rounded) where torch's
+CPU sqrt may be an ulp off, so it is held to a tight tolerance (one ulp in a small fraction of
+elements).
 """
 
 import copy

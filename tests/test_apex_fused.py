@@ -10,10 +10,10 @@ optimizer's own state tensors and the fp16 model params. These specs compare it 
   then ``update_master_grads()``: fp32 master grads, then the torch optimizer's own ``step``);
 * a plain recipe: fp32 master copies driven by hand with the torch optimizer.
 
-Same numbers means bit for bit where the same arithmetic runs: SGD with either backend, and Adam
-with the kernels' reference backend (torch ops in torch's single-tensor order). The compiled CPU
-Adam kernel is held to a tight tolerance: it differs from torch's single-tensor Adam by one
-unit in the last place in a small fraction of elements.
+Same numbers means bit for bit where the same arithmetic runs: SGD with either backend. Adam,
+compiled or reference, is held to a tight tolerance: it takes a correctly rounded square root
+(ops.sqrt_rounded) and differs from torch's single-tensor Adam by one unit in the last place in
+a small fraction of elements.
 """
 
 import copy
