@@ -36,13 +36,23 @@ _FP8_MIN_PARAMS = 100_000_000
 
 
 class Recommendation(NamedTuple):
-    """The advice of :func:`recommend_policy`.
+    """The advice of :func:`recommend_policy`: a policy, a loss scale, the reason, requirements.
 
-    ``policy``: the :class:`Policy` to train with. ``loss_scale``: a fresh loss scale instance
-    (``DynamicLossScale`` for fp16, ``NoOpLossScale`` otherwise). ``reason``: one sentence.
-    ``requirements``: what must hold for the advice to work (strings). ``precision``: the
-    compute format's short name (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``). ``device``:
-    the device type planned for. ``capability``: the CUDA capability planned for, or ``None``.
+    Attributes:
+      policy: the :class:`Policy` to train with.
+      loss_scale: a fresh loss scale instance (``DynamicLossScale`` for fp16,
+        ``NoOpLossScale`` otherwise).
+      reason: one sentence saying why.
+      requirements: what must hold for the advice to work (a list of strings).
+      precision: the compute format's short name (``"fp32"``, ``"bf16"``, ``"fp16"``,
+        ``"fp8"``).
+      device: the device type planned for (``"cpu"`` or ``"cuda"``).
+      capability: the CUDA capability planned for, or ``None`` (CPU).
+
+    Example:
+      >>> rec = af.recommend_policy("cpu", cpu_flags=[])
+      >>> rec.precision, str(rec.policy), rec.device, rec.capability
+      ('fp32', 'p=f32,c=f32,o=f32', 'cpu', None)
     """
 
     policy: Policy
@@ -103,7 +113,9 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
       >>> str(rec.policy), type(rec.loss_scale).__name__
       ('p=f32,c=bf16,o=f32', 'NoOpLossScale')
 
-    Cost: no tensor work; reads /proc/cpuinfo or queries the CUDA device once.
+    Cost: no tensor work, no host sync. At most ``torch.cuda.is_available()`` (no
+    ``capability`` given), ``get_device_capability`` (CUDA without ``capability``) and one read
+    of ``/proc/cpuinfo`` (CPU without ``cpu_flags``).
     """
     if stability not in ("normal", "high"):
         raise ValueError(f"recommend_policy: stability must be 'normal' or 'high', got {stability!r}")

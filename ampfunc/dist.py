@@ -68,17 +68,30 @@ def _dtensor_types():
 
 
 def agree_finite(finite: torch.Tensor, group) -> torch.Tensor:
-    """``finite`` and-reduced over the ranks of ``group`` (an all-reduce MAX of the overflow flag).
+    """``finite`` and-reduced over the ranks of ``group``: ``True`` only where every rank's is.
+
+    The flag is turned into an overflow float (1.0 when not finite), all-reduced with MAX and
+    compared with 0. ``group=None`` means the default (world) group, which must be
+    initialized: this always runs the collective, even with one rank (the front-ends call it
+    only when given a group). With a world size of 1 it returns ``finite``'s value.
 
     Args:
       finite: 0-d bool tensor, this rank's flag.
       group: a ``torch.distributed`` process group (``None``: the default group).
 
     Returns:
-      A 0-d bool tensor, the same on every rank: every rank skips the same steps and its loss
-      scale stays identical.
+      A new 0-d bool tensor, the same on every rank: every rank skips the same steps and its
+      loss scale stays identical.
 
-    Cost: one all-reduce of one float on the device; no host sync.
+    Example:
+      >>> import torch.distributed as dist
+      >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+      >>> af.agree_finite(torch.tensor(True), None), af.agree_finite(torch.tensor(False), None)
+      (tensor(True), tensor(False))
+      >>> dist.destroy_process_group()
+
+    Cost: one all-reduce of one float on the flag's device, plus three one-element kernels
+    (not, cast, compare); no host sync.
     """
     overflow = (~finite).to(torch.float32)
     dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)

@@ -70,13 +70,26 @@ _shape_of = operator.attrgetter("shape")
 class MixedPrecisionState(NamedTuple):
     """The state of a mixed-precision step (a pytree of tensors; ``torch.save``-able).
 
-    ``master``: a copy of the params in the master dtype when some param is narrower (fp16 /
-    bf16 params with fp32 masters), else ``None``; ``inner``: the inner optimizer's state;
-    ``loss_scale``: the scale for the next loss; ``finite``: 0-d bool, whether the last step's
-    gradients were finite (so the step was applied; True before the first step); ``skipped``:
-    0-d int64, how many steps were skipped so far. Read the last two without a host sync as
-    tensors (``af.record``), or with ``bool(state.finite)`` / ``int(state.skipped)`` when a sync
-    is fine (logging every N steps).
+    Made by ``mixed_precision(...).init(params)``. Read ``finite`` and ``skipped`` without a
+    host sync as tensors (``af.record``), or with ``bool(state.finite)`` /
+    ``int(state.skipped)`` when a sync is fine (logging every N steps).
+
+    Attributes:
+      master: a copy of the params in the master dtype when some param is narrower (fp16 /
+        bf16 params with fp32 masters), else ``None``.
+      inner: the inner optimizer's state.
+      loss_scale: the loss scale for the next loss (:func:`ampfunc.loss_scale_of`).
+      finite: 0-d bool tensor, whether the last step's gradients were finite (so the step was
+        applied); ``True`` before the first step.
+      skipped: 0-d int64 tensor, how many steps were skipped so far.
+
+    Example:
+      >>> tx = af.mixed_precision(af.sgd(0.1), af.StaticLossScale(8.0))
+      >>> state = tx.init({"w": torch.ones(2)})
+      >>> state.master is None  # fp32 params need no master copy
+      True
+      >>> bool(state.finite), int(state.skipped)
+      (True, 0)
     """
 
     master: Any

@@ -46,10 +46,28 @@ class _Slot(NamedTuple):
 class FlatTree:
     """Float leaves of a pytree packed into one contiguous 1-D buffer per (device, dtype).
 
-    ``keys[i]`` is the ``(device, dtype)`` of ``buffers[i]``; groups are numbered in the order
-    their first leaf appears. Building one copies every float leaf once; :attr:`tree` and
-    :meth:`unflatten` only make views (free). The buffers own the memory: writing a buffer
-    in place changes the leaves of :attr:`tree` and vice versa.
+    Made by :func:`flatten`, which copies every float leaf once; :attr:`tree` and
+    :meth:`unflatten` only make views (free). The buffers own the memory: writing a buffer in
+    place changes the leaves of :attr:`tree` and vice versa. :meth:`unflatten` views other
+    buffers of the same layout (e.g. gradients); :meth:`zeros_like` and :meth:`flatten_like`
+    make new ones.
+
+    Attributes:
+      treespec: the structure of the flattened tree.
+      keys: the ``(device, dtype)`` of each buffer (``keys[i]`` of ``buffers[i]``), numbered in
+        the order their first leaf appears.
+      buffers: the 1-D buffers, one per key.
+      tree: (property) the pytree, float leaves as views of ``buffers``, other leaves as given.
+
+    Example:
+      >>> flat = af.flatten({"w": torch.ones(2, 3), "b": torch.zeros(3), "step": torch.tensor(0)})
+      >>> flat
+      FlatTree(2 leaves in 1 buffers: cpu/float32: 9)
+      >>> _ = flat.buffers[0].fill_(2.0)                  # writes the leaves of flat.tree
+      >>> flat.tree["w"].tolist(), int(flat.tree["step"])  # the int leaf is kept as it is
+      ([[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]], 0)
+      >>> flat.unflatten(flat.zeros_like())["w"].shape     # the same views over new buffers
+      torch.Size([2, 3])
     """
 
     __slots__ = ("treespec", "keys", "buffers", "_slots", "_static", "_paths")
@@ -133,9 +151,27 @@ def _numel(shape) -> int:
 
 
 def flatten(tree: PyTree) -> FlatTree:
-    """Packs the floating-point tensor leaves of ``tree`` into one contiguous buffer per
-    (device, dtype), in tree order, and returns the :class:`FlatTree`. Gradient tracking is
-    not carried over (the buffers are new leaves). Costs one copy of every float leaf."""
+    """Packs the floating-point tensor leaves of ``tree`` into one contiguous buffer per (device, dtype).
+
+    The leaves are copied in tree order; leaves that are not floating tensors are kept as they
+    are. ``tree`` is not modified. Gradient tracking is not carried over (the buffers are new
+    tensors that do not require grad).
+
+    Args:
+      tree: a pytree (e.g. ``af.params_of(model)``).
+
+    Returns:
+      The :class:`FlatTree`: its ``buffers`` hold the copies, its ``tree`` views them.
+
+    Example:
+      >>> flat = af.flatten(af.params_of(nn.Linear(4, 2)))
+      >>> flat
+      FlatTree(2 leaves in 1 buffers: cpu/float32: 10)
+      >>> flat.buffers[0].shape, flat.tree["weight"].shape
+      (torch.Size([10]), torch.Size([2, 4]))
+
+    Cost: one allocation per (device, dtype) and one copy of every float leaf; no host sync.
+    """
     leaves, spec = tree_flatten(tree)
     paths = [p for p, _ in leaves_with_paths(tree)]
     if len(paths) != len(leaves):  # leaves_with_paths skips nothing the flatten keeps; be safe

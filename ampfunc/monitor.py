@@ -48,9 +48,18 @@ __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health"
 class StepStats(NamedTuple):
     """Counters of a run, all 0-d tensors on one device (a pytree: ``torch.save`` it with the state).
 
-    ``steps`` (int64): steps recorded. ``skipped`` (int64): steps whose gradients were not
-    finite. ``consecutive_skips`` (int64): skipped steps since the last finite one.
-    ``last_scale`` (fp32): the loss scale recorded with the latest step (NaN before any).
+    Made by :func:`init_stats`, advanced by :func:`record`.
+
+    Attributes:
+      steps: int64, steps recorded.
+      skipped: int64, steps whose gradients were not finite.
+      consecutive_skips: int64, skipped steps since the last finite one.
+      last_scale: fp32, the loss scale recorded with the latest step (NaN before any).
+
+    Example:
+      >>> stats = af.record(af.init_stats(), torch.tensor(False), 1024.0)
+      >>> int(stats.steps), int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
+      (1, 1, 1, 1024.0)
     """
 
     steps: torch.Tensor
@@ -60,7 +69,23 @@ class StepStats(NamedTuple):
 
 
 def init_stats(device: Union[torch.device, str, None] = None) -> StepStats:
-    """Zeroed :class:`StepStats` on ``device`` (CPU by default; put them where ``finite`` lives)."""
+    """Zeroed :class:`StepStats`: no step recorded yet.
+
+    Args:
+      device: where the counters live (default: the default device, CPU unless changed); put
+        them where ``finite`` lives, or :func:`record` moves them there.
+
+    Returns:
+      :class:`StepStats` with ``steps``, ``skipped`` and ``consecutive_skips`` 0 and
+      ``last_scale`` NaN.
+
+    Example:
+      >>> stats = af.init_stats()
+      >>> int(stats.steps), float(stats.last_scale)
+      (0, nan)
+
+    Cost: four 0-d tensors allocated and filled; no host sync.
+    """
     zero = torch.zeros((), dtype=torch.int64, device=device)
     return StepStats(zero, zero.clone(), zero.clone(), torch.full((), math.nan, dtype=torch.float32, device=device))
 
@@ -77,12 +102,30 @@ def _scale_tensor(loss_scale: Any, device: torch.device) -> torch.Tensor:
 
 
 def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any = 1.0) -> StepStats:
-    """The stats after one more step whose gradients were ``finite`` (a 0-d bool tensor).
+    """The stats after one more step whose gradients were ``finite``.
 
-    ``loss_scale`` is the scale after the step's update (a loss scale object, a 0-d tensor or
-    a number); pass ``1.0`` (the default) when training without scaling. Pure: ``stats`` is
-    not modified. Cost: a handful of 0-d kernels; no host sync. The new stats live on the
-    device of ``finite`` (moved there once if they were elsewhere).
+    Pure: ``stats`` is not modified. The new stats live on the device of ``finite`` (moved
+    there if they were elsewhere).
+
+    Args:
+      stats: the :class:`StepStats` so far.
+      finite: the step's flag, a one-element tensor (cast to bool) or a Python ``bool``.
+      loss_scale: the scale after the step's update (a loss scale object, a one-element tensor
+        or a number); ``1.0`` (the default) when training without scaling.
+
+    Returns:
+      New :class:`StepStats`.
+
+    Example:
+      >>> ls, stats = af.DynamicLossScale(), af.init_stats()
+      >>> for ok in (True, False, False):
+      ...     ls = af.update_scale(ls, torch.tensor(ok))
+      ...     stats = af.record(stats, torch.tensor(ok), ls)
+      >>> int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
+      (2, 2, 16384.0)
+
+    Cost: about six 0-d kernels; a number ``loss_scale`` becomes a new 0-d tensor (a
+    host-to-device copy off the CPU). No host sync.
     """
     if not isinstance(stats, StepStats):
         raise TypeError(f"record: stats must be StepStats (from init_stats()), got {type(stats).__name__}")
@@ -104,7 +147,23 @@ def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any 
 
 
 def skip_rate(stats: StepStats) -> torch.Tensor:
-    """0-d fp32 tensor: skipped / steps (0 before any step). No host sync."""
+    """The fraction of recorded steps that were skipped.
+
+    Args:
+      stats: :class:`StepStats`.
+
+    Returns:
+      0-d fp32 tensor, ``skipped / steps`` (0 before any step), on the stats' device.
+
+    Example:
+      >>> stats = af.init_stats()
+      >>> for ok in (True, True, True, False):
+      ...     stats = af.record(stats, torch.tensor(ok))
+      >>> float(af.skip_rate(stats))
+      0.25
+
+    Cost: four 0-d kernels; no host sync.
+    """
     return stats.skipped.to(torch.float32) / stats.steps.clamp(min=1).to(torch.float32)
 
 
@@ -130,8 +189,28 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
 
     Warns when the last loss scale is below ``min_scale`` (the scale has collapsed: the
     gradients overflow even unscaled), when more than ``max_skip_rate`` of the steps were
-    skipped, and when at least ``max_consecutive_skips`` steps in a row were skipped. Reads
-    the stats back to the host (one sync).
+    skipped, and when at least ``max_consecutive_skips`` steps in a row were skipped. No
+    warning before the first step.
+
+    Args:
+      stats: :class:`StepStats`.
+      max_skip_rate: the largest fraction of skipped steps that does not warn.
+      max_consecutive_skips: the run of skipped steps that warns.
+      min_scale: the loss scale below which the scale counts as collapsed.
+
+    Returns:
+      A list of warning strings.
+
+    Example:
+      >>> stats = af.init_stats()
+      >>> for _ in range(6):
+      ...     stats = af.record(stats, torch.tensor(False), 0.5)
+      >>> len(af.health(stats))  # collapsed scale, skip rate, consecutive skips
+      3
+      >>> af.health(af.record(af.init_stats(), torch.tensor(True), 1024.0))
+      []
+
+    Cost: copies the four counters to the host: a host sync (call it when you log).
     """
     s = summary(stats)
     warnings = []
@@ -160,9 +239,21 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
 def nonfinite_leaves(grads: PyTree) -> list[str]:
     """Paths of the floating tensor leaves of ``grads`` that hold an inf or a NaN.
 
-    A diagnostic for a step that overflowed: it runs ``ops.check(..., per_leaf=True)`` (one
-    read pass) and then reads the per-leaf flags back to the host (one sync). Non-floating
-    leaves cannot overflow and are not listed.
+    A diagnostic for a step that overflowed. Non-floating leaves cannot overflow and are not
+    listed.
+
+    Args:
+      grads: a pytree of tensors.
+
+    Returns:
+      A list of leaf paths (strings), in flattening order.
+
+    Example:
+      >>> af.nonfinite_leaves({"b": torch.zeros(2), "w": torch.tensor([1.0, float("inf")])})
+      ['w']
+
+    Cost: one read pass over the floating leaves (``ops.check(..., per_leaf=True)``), then the
+    per-leaf flags are read back to the host: a host sync.
     """
     pairs = [(p, x) for p, x in leaves_with_paths(grads) if isinstance(x, torch.Tensor) and torch.is_floating_point(x)]
     if not pairs:
@@ -179,11 +270,21 @@ def nonfinite_leaves(grads: PyTree) -> list[str]:
 class MonitorConfig(NamedTuple):
     """The static half of a :class:`TrainingMonitor` (pytree metadata, never a tensor).
 
-    ``leaf_paths``: the floating leaves whose overflows are counted, in flattening order.
-    ``window``: steps of loss/scale/skip history kept on the device. The health thresholds:
-    ``explode_factor`` (recent loss over the window's median), ``max_skip_rate`` (over the
-    window, checked once ``min_steps`` steps are in it), ``scale_drop_factor`` within
-    ``scale_drop_steps`` steps.
+    Built by the monitor from its keyword arguments; ``validate()`` checks it.
+
+    Attributes:
+      leaf_paths: the floating leaves whose overflows are counted, in flattening order.
+      window: steps of loss/scale/skip history kept on the device (>= 2).
+      explode_factor: the loss alert's threshold: recent mean loss over the window's median (> 1).
+      max_skip_rate: the skip alert's threshold, a fraction of the window's steps in [0, 1].
+      min_steps: the steps the window must hold before the skip alert is checked.
+      scale_drop_factor: the scale alert's threshold: the drop from the recent highest scale (> 1).
+      scale_drop_steps: the steps over which that drop is measured.
+
+    Example:
+      >>> mon = af.TrainingMonitor({"w": torch.ones(2)}, window=20, max_skip_rate=0.1)
+      >>> mon.config.leaf_paths, mon.config.window, mon.config.max_skip_rate
+      (('w',), 20, 0.1)
     """
 
     leaf_paths: tuple = ()
@@ -215,11 +316,24 @@ def _floating_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
 
 
 def leaf_nonfinite(grads: PyTree) -> torch.Tensor:
-    """Bool vector, one entry per floating leaf of ``grads`` (flattening order): holds an inf/NaN.
+    """Per floating leaf of ``grads``, whether it holds an inf or a NaN.
 
-    The per-leaf flags :meth:`TrainingMonitor.record` counts. Cost: one read pass over the
-    gradients (``ops.check(..., per_leaf=True)``); no host sync. Inside a mixed-precision step
-    the check pass that decides the skip can produce the same flags at no extra cost.
+    The per-leaf flags :meth:`TrainingMonitor.record` counts. Inside a mixed-precision step the
+    check pass that decides the skip can produce the same flags at no extra cost
+    (:class:`~ampfunc.monitor.LeafFlagsHook`).
+
+    Args:
+      grads: a pytree of tensors (non-floating leaves are left out).
+
+    Returns:
+      A bool vector, one entry per floating leaf in flattening order, on the first such leaf's
+      device (empty, on the CPU, when there is none).
+
+    Example:
+      >>> af.leaf_nonfinite({"a": torch.ones(2), "b": torch.tensor([float("nan")])})
+      tensor([False,  True])
+
+    Cost: one read pass over the gradients (``ops.check(..., per_leaf=True)``); no host sync.
     """
     tensors = [x for _, x in _floating_leaves(grads)]
     if not tensors:
@@ -292,17 +406,36 @@ class TrainingMonitor:
     Args:
       params: a pytree whose floating leaves name the counted leaves (paths as in
         ``af.leaves_with_paths``), or ``None`` to count none.
-      window: steps of history kept. Further keyword arguments: the thresholds of
-        :class:`MonitorConfig`.
+      window: steps of history kept (>= 2).
       device: where the tensors live (default: the first floating leaf's device, else CPU).
+      **thresholds: the other fields of :class:`MonitorConfig` (``explode_factor``, ...).
+
+    Attributes:
+      steps: 0-d int64 tensor, steps recorded.
+      skipped: 0-d int64 tensor, steps whose gradients were not finite.
+      consecutive_skips: 0-d int64 tensor, skipped steps since the last finite one.
+      scale: 0-d fp32 tensor, the last recorded loss scale (NaN before any step).
+      growth_tracker: 0-d int64 tensor, the last recorded dynamic scale's growth tracker (0 for
+        other scales).
+      leaf_overflows: int64 vector, per leaf path the steps whose gradient held an inf/NaN.
+      leaf_paths: the counted leaves' paths.
+      config: the :class:`MonitorConfig`.
 
     Example:
-      >>> mon = af.TrainingMonitor(params, window=50)
-      >>> mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.leaf_nonfinite(grads))
+      >>> params = {"enc.w": torch.ones(3), "head.w": torch.ones(2)}
+      >>> mon, ls = af.TrainingMonitor(params, window=50), af.DynamicLossScale()
+      >>> grads = {"enc.w": torch.ones(3), "head.w": torch.tensor([1.0, float("inf")])}
+      >>> flags = af.leaf_nonfinite(grads)
+      >>> finite = ~flags.any()
+      >>> ls = af.update_scale(ls, finite)
+      >>> mon = mon.record(finite, ls, loss=0.7, leaf_nonfinite=flags)
+      >>> mon.overflows()
+      {'head.w': 1}
       >>> mon.check_health()["status"]
       'healthy'
 
-    Cost: ``record`` is about ten small kernels over ``window`` + #leaves elements; no host sync.
+    Cost: ``record`` is under twenty small kernels over at most ``window`` + #leaves elements;
+    no host sync. Each reader copies the tensors to the host: a host sync.
     """
 
     __slots__ = ("_tensors", "_config")

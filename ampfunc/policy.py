@@ -130,8 +130,24 @@ def cast_floating(tree: PyTree, dtype: DTypeLike) -> PyTree:
     dict, list, tuple and NamedTuple containers (and pytrees registered in the ``"ampfunc"``
     optree namespace) recurse; other objects with a ``.to`` method are cast by ``obj.to(dtype)``.
     ``torch.nn.Module`` objects and loss scales pass through (``Module.to`` is in place; a loss
-    scale's fp32 state must stay fp32). Differentiable: gradients flow back through the casts.
-    Cost: one cast kernel per floating leaf whose dtype changes; none for the others.
+    scale's fp32 state must stay fp32). A leaf already in ``dtype`` is returned as is (no
+    copy). Differentiable: gradients flow back through the casts.
+
+    Args:
+      tree: a pytree.
+      dtype: a floating ``torch.dtype`` or a dtype name (``"bf16"``, ``"half"``, ...; see
+        :func:`parse_dtype`).
+
+    Returns:
+      A new pytree of ``tree``'s structure.
+
+    Example:
+      >>> out = af.cast_floating({"x": torch.ones(2), "ids": torch.arange(2), "n": 3}, "bf16")
+      >>> out["x"].dtype, out["ids"].dtype, out["n"]
+      (torch.bfloat16, torch.int64, 3)
+
+    Cost: one tree map; one cast kernel (a read and a new tensor written) per floating leaf
+    whose dtype changes, none for the others; no host sync.
     """
     dtype = parse_dtype(dtype)
     return optree.tree_map(
@@ -154,6 +170,21 @@ class Policy:
     Immutable (a frozen dataclass; hashable, comparable). Fields accept a ``torch.dtype`` or a
     dtype name (``"bf16"``) and are stored as ``torch.dtype``. ``str(policy)`` is the jmp
     shorthand (``"p=f32,c=bf16,o=f32"``), which :func:`get_policy` parses back.
+    ``cast_to_param`` / ``cast_to_compute`` / ``cast_to_output`` cast a tree's floating leaves
+    (:func:`cast_floating`); ``autocast(device_type)`` is a ``torch.autocast`` context in
+    ``compute_dtype``.
+
+    Attributes:
+      param_dtype: the dtype params are stored in (default ``torch.float32``).
+      compute_dtype: the dtype the forward and backward compute in (default ``torch.float32``).
+      output_dtype: the dtype outputs are returned in (default ``torch.float32``).
+
+    Example:
+      >>> policy = af.Policy(compute_dtype="bf16")
+      >>> str(policy), policy.compute_dtype
+      ('p=f32,c=bf16,o=f32', torch.bfloat16)
+      >>> policy.cast_to_compute({"x": torch.ones(2)})["x"].dtype
+      torch.bfloat16
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -221,6 +252,20 @@ def get_policy(spec: Union[str, torch.dtype, Policy]) -> Policy:
 
     Names are case-insensitive; spaces are ignored. A bad spec raises ``ValueError`` naming
     the part at fault.
+
+    Args:
+      spec: a policy string, a dtype name, a floating ``torch.dtype`` or a :class:`Policy`.
+
+    Returns:
+      A :class:`Policy` (``spec`` itself when it is one).
+
+    Example:
+      >>> str(af.get_policy("c=f16")), str(af.get_policy("params=float32,compute=bfloat16"))
+      ('p=f32,c=f16,o=f16', 'p=f32,c=bf16,o=bf16')
+      >>> af.get_policy("half") == af.get_policy(torch.float16)
+      True
+
+    Cost: string parsing only; no tensor work, no host sync.
     """
     if isinstance(spec, Policy):
         return spec
@@ -282,19 +327,48 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     module untouched; in-place ones (``step_``) write through to it. Tied parameters appear
     once, under their first name (as ``named_parameters`` lists them). For an independent
     copy use ``ampfunc.tree.tree_clone``.
+
+    Args:
+      model: a ``torch.nn.Module``.
+
+    Returns:
+      A dict from dotted parameter name to detached tensor, in ``named_parameters`` order.
+
+    Example:
+      >>> model = nn.Sequential(nn.Linear(3, 2))
+      >>> params = af.params_of(model)
+      >>> list(params), params["0.weight"].requires_grad
+      (['0.weight', '0.bias'], False)
+
+    Cost: one ``detach`` per parameter (a view: no copy, no kernel); no host sync.
     """
     _check_module(model, "params_of")
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def buffers_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{"bn.running_mean": tensor, ...}``: the module's buffers, detached (no copy), as
-    :func:`params_of`. Pass ``{**params, **buffers}`` to ``functional_call`` to run with both.
+    """``{"bn.running_mean": tensor, ...}``: the module's buffers, detached (no copy).
+
+    As :func:`params_of`, for ``named_buffers``. Pass ``{**params, **buffers}`` to
+    ``functional_call`` to run with both.
 
     BatchNorm in training mode updates its running statistics in place, and those updates
     write through to the module's buffers. Under ``torch.func.grad`` pass the buffers as an
     argument of the transformed function, not through a closure: torch.func refuses in-place
     updates of captured tensors.
+
+    Args:
+      model: a ``torch.nn.Module``.
+
+    Returns:
+      A dict from dotted buffer name to detached tensor, in ``named_buffers`` order.
+
+    Example:
+      >>> model = nn.Sequential(nn.BatchNorm1d(2))
+      >>> list(af.buffers_of(model))
+      ['0.running_mean', '0.running_var', '0.num_batches_tracked']
+
+    Cost: one ``detach`` per buffer (a view: no copy, no kernel); no host sync.
     """
     _check_module(model, "buffers_of")
     return {name: b.detach() for name, b in model.named_buffers()}
@@ -356,6 +430,22 @@ def norm_layers(model: torch.nn.Module, types: Iterable[type] | None = None) -> 
     "expected scalar type Half but found Float", pytorch/pytorch#135969). On CUDA either run
     the forward under ``policy.autocast("cuda")`` (which computes layer/group norm in fp32) or
     keep only the batch norms: ``norm_layers(model, types=BATCH_NORM_TYPES)`` (apex O2's rule).
+
+    Args:
+      model: a ``torch.nn.Module``.
+      types: the normalization module types (subclasses included); ``None`` for
+        :data:`NORM_LAYER_TYPES`.
+
+    Returns:
+      A ``NormLayerPaths`` (a frozenset of the dotted param and buffer paths), usable as
+      ``keep=`` of :func:`cast_params`.
+
+    Example:
+      >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+      >>> sorted(af.norm_layers(model))
+      ['1.bias', '1.weight']
+
+    Cost: one walk of the module tree; no tensor work, no host sync.
     """
     _check_module(model, "norm_layers")
     types = NORM_LAYER_TYPES if types is None else tuple(types)
@@ -411,14 +501,32 @@ def cast_params(params: PyTree, dtype: DTypeLike, keep: Keep = None) -> PyTree:
 
     ``keep`` is ``None``, a path or collection of paths (a path also keeps every leaf below it:
     ``"encoder.norm"`` keeps ``"encoder.norm.weight"``), the result of :func:`norm_layers`, or
-    a predicate ``(path, leaf) -> bool`` called for each floating leaf not yet in ``dtype``. Kept leaves, integer
-    and bool leaves and non-tensors are returned as they are. Pure and differentiable (usable
-    inside ``torch.func.grad``: the grads of fp32 params come back fp32). Cost: one cast per
-    leaf whose dtype changes; leaves already in ``dtype`` are returned as is.
+    a predicate ``(path, leaf) -> bool`` called for each floating leaf not yet in ``dtype``.
+    Kept leaves, leaves already in ``dtype``, integer and bool leaves and non-tensors are
+    returned as they are. Pure and differentiable (usable inside ``torch.func.grad``: the
+    grads of fp32 params come back fp32).
 
     A cast leaf is a new tensor, so in-place updates a forward makes to it (BatchNorm's
     running statistics) never reach the original; kept leaves are the originals, which is one
     more reason to keep norm buffers (``norm_layers`` names them).
+
+    Args:
+      params: a pytree of tensors, e.g. :func:`params_of` of a module.
+      dtype: a floating ``torch.dtype`` or a dtype name (see :func:`parse_dtype`).
+      keep: the leaves to leave as they are: ``None``, a path, a collection of paths, or a
+        predicate ``(path, leaf) -> bool``.
+
+    Returns:
+      A new pytree of ``params``' structure.
+
+    Example:
+      >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+      >>> p = af.cast_params(af.params_of(model), torch.bfloat16, keep=af.norm_layers(model))
+      >>> p["0.weight"].dtype, p["1.weight"].dtype
+      (torch.bfloat16, torch.float32)
+
+    Cost: one flatten with paths; one cast kernel (a read and a new tensor written) per leaf
+    whose dtype changes, nothing for the others; no host sync.
     """
     dtype = parse_dtype(dtype, "cast_params dtype")
     kept = None if keep is None else _keep_predicate(keep)

@@ -37,10 +37,27 @@ __all__ = ["TrainerState", "ModuleTrainer"]
 
 
 class TrainerState(NamedTuple):
-    """``master``: fp32 copy of the (local shards of the) params when any is fp16/bf16, else
-    ``None``; ``opt_state``: the optimizer's state; ``loss_scale``: the scale for the next loss;
-    ``finite``: 0-d bool, the last step was applied (True before the first); ``skipped``: 0-d
-    int64, the steps skipped so far."""
+    """The state of a :class:`ModuleTrainer` (``trainer.state``), as one pytree of tensors.
+
+    ``torch.save``-able; assign a loaded one to ``trainer.state`` (its structure is checked).
+    With ``flat=True`` the trees are keyed per buffer (``"float32@cpu"``), not per parameter.
+
+    Attributes:
+      master: when any param is narrower than the trainer's ``master_dtype`` (fp16/bf16 against
+        fp32), a copy of every (local shard of a) param in ``master_dtype`` (wider params keep
+        their dtype); else ``None``.
+      opt_state: the optimizer transform's state.
+      loss_scale: the :class:`~ampfunc.LossScale` for the next loss.
+      finite: 0-d bool: the last step was applied (``True`` before the first).
+      skipped: 0-d int64: the steps skipped so far.
+
+    Example:
+      >>> trainer = af.ModuleTrainer(nn.Linear(4, 2).half(), af.sgd(0.1))
+      >>> state = trainer.state
+      >>> state.master["weight"].dtype, bool(state.finite), int(state.skipped)
+      (torch.float32, True, 0)
+      >>> trainer.state = state          # e.g. one loaded with torch.load
+    """
 
     master: Any
     opt_state: Any
@@ -134,7 +151,7 @@ class ModuleTrainer:
     place on the parameters: check (``group``: all ranks agree), ``tx`` in fp32 against the
     parameters -- or an fp32 master copy the trainer keeps when the module is fp16/bf16 (apex
     O2) --, the skip on the device if any gradient was not finite, the loss-scale update; then
-    it clears the grads. With a kernel-backed ``tx`` (``sgd``/``adam``/``adamw``, optionally
+    it clears the grads (``set_grads_to_none``). With a kernel-backed ``tx`` (``sgd``/``adam``/``adamw``, optionally
     after ``clip_by_global_norm``) that is one check pass and one fused optimizer pass over the
     parameters.
 
@@ -160,11 +177,14 @@ class ModuleTrainer:
         ``.grad`` is zeroed rather than set to None. Make the trainer after ``model.to(...)``:
         a param moved afterwards is refused, naming it.
 
-    Example::
-
-      trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=af.DynamicLossScale())
-      trainer.scale(loss).backward()
-      finite = trainer.step()          # 0-d bool; trainer.skipped counts the skipped steps
+    Example:
+      >>> model = nn.Linear(4, 2)
+      >>> trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=af.DynamicLossScale())
+      >>> loss = model(torch.randn(8, 4)).square().mean()
+      >>> trainer.scale(loss).backward()
+      >>> finite = trainer.step()          # 0-d bool; no host sync
+      >>> bool(finite), int(trainer.skipped), model.weight.grad is None
+      (True, 0, True)
 
     Cost: see :meth:`step`. Never syncs with the host.
     """

@@ -49,12 +49,21 @@ __all__ = [
 
 
 class FusedSpec(NamedTuple):
-    """What the fused kernels need to run one registered transform: its ``kind`` and settings.
+    """What the fused kernels need to run one registered transform: its kind and settings.
 
-    ``kind`` is one of ``"sgd"``, ``"adam"``, ``"adamw"``, ``"clip_by_global_norm"``;
-    ``hparams`` holds *every* argument the transform was built with, defaults filled in (``lr``
-    may be a schedule, a callable of the step count): the fused plan reads them as they are and
-    keeps no defaults of its own.
+    Native optimizers register one with :func:`register_kernel`; read it back with
+    :func:`kernel_spec` or ``tx.fused``. The fused plan reads ``hparams`` as they are and keeps
+    no defaults of its own.
+
+    Attributes:
+      kind: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"clip_by_global_norm"``.
+      hparams: every argument the transform was built with, defaults filled in, as a dict
+        (``lr`` may be a schedule, a callable of the step count).
+
+    Example:
+      >>> spec = af.sgd(0.1).fused
+      >>> spec.kind, spec.hparams["lr"], spec.hparams["momentum"]
+      ('sgd', 0.1, 0.0)
     """
 
     kind: str
@@ -62,9 +71,20 @@ class FusedSpec(NamedTuple):
 
 
 class ChainSpec(NamedTuple):
-    """The registered spec of ``chain(...)`` / ``named_chain(...)`` of registered transforms:
-    their specs in order, and the state's keys for ``named_chain`` (``None`` for ``chain``,
-    whose state is a tuple)."""
+    """The registered spec of a :func:`chain` / :func:`named_chain` of registered transforms.
+
+    Registered only when every chained transform has a :class:`FusedSpec`.
+
+    Attributes:
+      specs: the chained transforms' :class:`FusedSpec` s, in order.
+      names: the state's keys for ``named_chain``; ``None`` for ``chain`` (its state is a
+        tuple).
+
+    Example:
+      >>> spec = af.chain(af.clip_by_global_norm(1.0), af.sgd(0.1)).fused
+      >>> [s.kind for s in spec.specs], spec.names
+      (['clip_by_global_norm', 'sgd'], None)
+    """
 
     specs: tuple
     names: Optional[tuple] = None
@@ -79,19 +99,25 @@ _KERNEL_SPECS: "weakref.WeakKeyDictionary[Callable, KernelSpec]" = weakref.WeakK
 
 
 class GradientTransformation(NamedTuple):
-    """optax's pair of pure functions: ``init(params) -> state`` and ``update(updates, state,
-    params=None) -> (updates, state)``.
+    """optax's pair of pure functions: ``init`` builds the state, ``update`` transforms updates.
 
     Exactly two fields, so ``init, update = af.adamw(1e-3)`` works. Whether the fused kernels
     can run a transform is not stored in the pair: native optimizers register their update
     function with :func:`register_kernel`, and :func:`kernel_spec` (or the ``fused`` property)
     reads the registry.
 
-    Example::
+    Attributes:
+      init: ``init(params) -> state``, the state a pytree of tensors.
+      update: ``update(updates, state, params=None) -> (updates, new_state)``; gradients in,
+        the deltas for :func:`apply_updates` out. Neither function mutates its inputs.
 
-        init, update = af.adamw(1e-3)
-        state = init(params)
-        updates, state = update(grads, state, params)
+    Example:
+      >>> params = {"w": torch.ones(2)}
+      >>> init, update = af.sgd(0.1)
+      >>> state = init(params)
+      >>> updates, state = update({"w": torch.ones(2)}, state, params)
+      >>> af.apply_updates(params, updates)["w"]
+      tensor([0.9000, 0.9000])
     """
 
     init: Callable[[PyTree], PyTree]
@@ -128,14 +154,36 @@ def kernel_spec(tx: Any) -> Optional[KernelSpec]:
 
 
 class EmptyState(NamedTuple):
-    """The state of a stateless transform."""
+    """The state of a stateless transform: an empty NamedTuple (a pytree with no leaves).
+
+    Attributes:
+      (none): it holds nothing; ``EmptyState()`` is its only value.
+
+    Example:
+      >>> af.identity().init({"w": torch.ones(2)})
+      EmptyState()
+    """
 
 
 register_state_classes(EmptyState)
 
 
 def identity() -> GradientTransformation:
-    """Passes updates through unchanged. Costs nothing."""
+    """A transform that passes updates through unchanged.
+
+    Returns:
+      A ``GradientTransformation`` whose state is :class:`EmptyState` and whose ``update``
+      returns ``updates`` (the same objects) and the state.
+
+    Example:
+      >>> tx = af.identity()
+      >>> g = {"w": torch.ones(2)}
+      >>> updates, state = tx.update(g, tx.init(g))
+      >>> updates is g
+      True
+
+    Cost: nothing: no tensor work, no allocation, no host sync.
+    """
 
     def init(params):
         return EmptyState()
@@ -158,11 +206,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
       adamw(lr))`` runs fused inside ``mixed_precision``, ``make_train_step`` and
       ``ModuleTrainer``.
 
-    Example::
+    Example:
+      >>> params = {"w": torch.ones(2)}
+      >>> tx = af.chain(af.clip_by_global_norm(1.0), af.sgd(0.1))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": torch.full((2,), 3.0)}, state, params)
+      >>> len(state), type(tx.fused).__name__
+      (2, 'ChainSpec')
 
-      tx = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))
-
-    Cost: the sum of the transforms' costs.
+    Cost: the sum of the transforms' costs; the chain adds no tensor work and no host sync.
     """
     transforms = tuple(transforms)
     for i, t in enumerate(transforms):
@@ -198,11 +250,14 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
       A ``GradientTransformation`` whose state is ``{name: state}``; registered with the kernels
       (a :class:`ChainSpec` with the names) when every transform is.
 
-    Example::
+    Example:
+      >>> params = {"w": torch.ones(2)}
+      >>> tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.sgd(0.1)))
+      >>> state = tx.init(params)
+      >>> sorted(state)
+      ['clip', 'opt']
 
-      tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.adamw(1e-3)))
-
-    Cost: the sum of the transforms' costs.
+    Cost: the sum of the transforms' costs; the chain adds no tensor work and no host sync.
     """
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
@@ -252,9 +307,29 @@ def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
 def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
     """Applies ``inner`` only to the leaves where ``mask`` is ``True``; the others pass through.
 
-    ``mask`` is a pytree of Python bools with the structure of the params, or a function of the
-    params returning one. ``inner`` sees (and keeps state for) only the selected leaves.
-    Example: weight decay on weights only, ``masked(add_decayed_weights(1e-2), is_weight)``.
+    ``inner`` sees (and keeps state for) only the selected leaves: the others are ``None`` (an
+    empty node) in the trees it is given. Unselected updates come back as the same objects.
+    Typical use: weight decay on weights only, ``masked(add_decayed_weights(1e-2), is_weight)``.
+
+    Args:
+      inner: the ``GradientTransformation`` to apply to the selected leaves.
+      mask: a pytree of Python bools with the structure of the params, or a function of the
+        params returning one (called at every ``init`` and ``update``; with ``params=None``,
+        on the updates).
+
+    Returns:
+      A ``GradientTransformation`` whose state is ``inner``'s state for the selected leaves.
+      It is not registered with the fused kernels.
+
+    Example:
+      >>> params = {"w": torch.ones(2), "b": torch.ones(2)}
+      >>> tx = af.masked(af.sgd(0.1), {"w": True, "b": False})
+      >>> updates, _ = tx.update({"w": torch.ones(2), "b": torch.ones(2)}, tx.init(params), params)
+      >>> updates["w"], updates["b"]
+      (tensor([-0.1000, -0.1000]), tensor([1., 1.]))
+
+    Cost: ``inner``'s cost on the selected leaves, plus per call a structure check and a few
+    flattens of the mask, params and updates (no tensor data read); no host sync of its own.
     """
 
     def init(params):
@@ -278,10 +353,32 @@ def partition(transforms: Mapping[str, GradientTransformation],
               labels: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
     """Parameter groups: each leaf is handled by the transform its label names.
 
-    ``labels`` is a pytree of strings with the structure of the params (or a function of the
-    params returning one). The state is a dict label -> that transform's state. Example: no
-    weight decay on norms and biases, ``partition({"decay": adamw(1e-3, weight_decay=.1),
-    "no_decay": adamw(1e-3, weight_decay=0.)}, labels)``.
+    Each transform sees only the leaves with its label (the others are ``None``, an empty
+    node). Typical use: no weight decay on norms and biases, ``partition({"decay":
+    adamw(1e-3, weight_decay=.1), "no_decay": adamw(1e-3, weight_decay=0.)}, labels)``.
+
+    Args:
+      transforms: a mapping label -> ``GradientTransformation``.
+      labels: a pytree of strings (keys of ``transforms``) with the structure of the params,
+        or a function of the params returning one (called at every ``init`` and ``update``;
+        with ``params=None``, on the updates). An unknown label raises ``ValueError`` naming
+        the leaf.
+
+    Returns:
+      A ``GradientTransformation`` whose state is a dict label -> that transform's state. It
+      is not registered with the fused kernels.
+
+    Example:
+      >>> params = {"w": torch.ones(2), "b": torch.ones(2)}
+      >>> tx = af.partition({"train": af.sgd(0.1), "frozen": af.identity()},
+      ...                   {"w": "train", "b": "frozen"})
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": torch.ones(2), "b": torch.ones(2)}, state, params)
+      >>> sorted(state), updates["b"]
+      (['frozen', 'train'], tensor([1., 1.]))
+
+    Cost: the sum of the transforms' costs on their leaves, plus per call a structure check and
+    a few flattens per label (no tensor data read); no host sync of its own.
     """
     transforms = dict(transforms)
 
@@ -334,11 +431,29 @@ def _apply_leaf(p, u):
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leaf by leaf, each result in its param's dtype. Pure.
 
-    Low-precision params are updated in fp32 and rounded once. Plain fp32/fp16/bf16 tensors of
-    matching shapes on one device go through one fused pass over the whole list
-    (:func:`ampfunc.ops.apply_updates`, the same arithmetic); anything else (other dtypes,
-    broadcasting, tensors that need autograd, torch.func transforms) leaf by leaf. One read of
-    each tree and one write; no host sync.
+    Low-precision (fp16/bf16) params are updated in fp32 and rounded once. Plain
+    fp32/fp16/bf16 tensors of matching shapes on one device go through one fused pass over the
+    whole list (:func:`ampfunc.ops.apply_updates`, the same arithmetic); anything else (other
+    dtypes, broadcasting, tensors that need autograd, torch.func transforms) leaf by leaf. An
+    update may broadcast onto its param but never change its shape; a mismatch raises, naming
+    the leaf. Non-tensor param leaves are returned as they are.
+
+    Args:
+      params: a pytree of tensors.
+      updates: a pytree of tensors with the structure of ``params`` (e.g. from a
+        transform's ``update``).
+
+    Returns:
+      A new pytree of ``params``' structure; ``params`` is not modified.
+
+    Example:
+      >>> params = {"w": torch.ones(2, dtype=torch.bfloat16)}
+      >>> new = af.apply_updates(params, {"w": torch.full((2,), -0.5)})
+      >>> new["w"], params["w"]
+      (tensor([0.5000, 0.5000], dtype=torch.bfloat16), tensor([1., 1.], dtype=torch.bfloat16))
+
+    Cost: one read of each tree and one write of the result (one fused pass, or one add per
+    leaf); no host sync.
     """
     compiling = ops._is_compiling()
     if not compiling:

@@ -49,7 +49,27 @@ def register_state_classes(*classes: type) -> None:
 
 
 def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
-    """``fn`` applied leaf-wise over ``tree`` (and ``rest``, which must share its structure)."""
+    """``fn`` applied leaf by leaf over ``tree`` (and ``rest``), in ampfunc's pytree namespace.
+
+    ``optree.tree_map`` with ``namespace="ampfunc"``: ampfunc's containers (loss scales, states)
+    are traversed, and ``None`` is an empty node, so ``None`` entries pass through untouched.
+
+    Args:
+      fn: called as ``fn(leaf, *rest_leaves)`` for each leaf of ``tree``.
+      tree: the pytree whose structure the result takes.
+      *rest: more pytrees with the structure of ``tree``; their leaves are ``fn``'s further
+        arguments.
+
+    Returns:
+      A new pytree of ``tree``'s structure holding ``fn``'s results.
+
+    Example:
+      >>> af.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
+      {'w': tensor([2., 2.]), 'b': None}
+
+    Cost: one flatten of each tree and one unflatten, plus whatever ``fn`` costs per leaf;
+    no tensor work and no host sync of its own.
+    """
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
@@ -84,7 +104,25 @@ def path_to_str(accessor) -> str:
 
 
 def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
-    """``[(path, leaf), ...]`` in flattening order, paths as dotted strings."""
+    """The leaves of ``tree`` with their paths, as ``[(path, leaf), ...]``.
+
+    Leaves come in optree's flattening order (dict keys sorted); each path is a dotted string
+    (``"encoder.layers.0.weight"``), ``"<root>"`` for a bare leaf. ``None`` entries are empty
+    nodes and are not listed.
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      A list of ``(path, leaf)`` pairs.
+
+    Example:
+      >>> tree = {"enc": [torch.zeros(1), torch.ones(1)], "b": torch.zeros(2)}
+      >>> [path for path, _ in af.leaves_with_paths(tree)]
+      ['b', 'enc.0', 'enc.1']
+
+    Cost: one flatten with accessors; reads no tensor data, no host sync.
+    """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
     return [(path_to_str(a), leaf) for a, leaf in zip(accessors, leaves)]
 
@@ -199,10 +237,24 @@ def is_float_tensor(x: Any) -> bool:
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:
-    """0-d bool tensor: every floating leaf of ``tree`` is finite. One read pass; no host sync.
+    """Whether every element of every floating leaf of ``tree`` is finite, as a 0-d bool tensor.
 
-    Integer and bool leaves are finite by definition. Works across devices (the flag lives
-    on the device of the first floating leaf; CPU when there is none).
+    Integer and bool leaves are finite by definition (they are not read); a tree with no
+    floating leaf gives ``True``. The flag lives on the device of the first floating leaf (CPU
+    when there is none).
+
+    Args:
+      tree: a pytree; its floating tensor leaves are checked.
+
+    Returns:
+      A 0-d bool tensor, ``True`` when no floating leaf holds an inf or a NaN.
+
+    Example:
+      >>> af.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
+      tensor(False)
+
+    Cost: one read-only pass over the floating leaves (:func:`ampfunc.ops.all_finite`, the
+    fused check kernel); no host sync: the flag stays on the device until you read it.
     """
     from ampfunc import ops
 
@@ -211,7 +263,28 @@ def all_finite(tree: PyTree) -> torch.Tensor:
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any], bool] = is_float_tensor) -> PyTree:
-    """Floating tensor leaves cast to ``dtype`` (leaves already in it are returned as is)."""
+    """``tree`` with the leaves ``predicate`` selects (floating tensors) cast to ``dtype``.
+
+    Each selected leaf becomes ``leaf.to(dtype)``: a leaf already in ``dtype`` is returned as
+    is (no copy). Other leaves and ``None`` pass through. ``dtype=None`` returns ``tree`` itself.
+    Unlike :func:`ampfunc.cast_floating`, no dtype names and no special case for loss scales.
+
+    Args:
+      tree: a pytree.
+      dtype: the target ``torch.dtype``, or ``None`` for no cast.
+      predicate: which leaves to cast; by default floating tensors (``is_float_tensor``).
+
+    Returns:
+      A new pytree of ``tree``'s structure (``tree`` itself when ``dtype`` is ``None``).
+
+    Example:
+      >>> t = af.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
+      >>> t["w"].dtype, t["step"].dtype
+      (torch.bfloat16, torch.int64)
+
+    Cost: one flatten and unflatten; one cast kernel (a read and a new tensor written) per
+    selected leaf whose dtype changes, nothing for the others; no host sync.
+    """
     if dtype is None:
         return tree
     return tree_map(lambda x: x.to(dtype) if predicate(x) else x, tree)

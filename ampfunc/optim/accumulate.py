@@ -15,8 +15,19 @@ __all__ = ["AccumulateState", "accumulate"]
 
 
 class AccumulateState(NamedTuple):
-    """``mini_step``: 0-d int32, finite mini-steps summed since the inner transform last ran.
-    ``grad_sum``: fp32 pytree like the params, their sum. ``inner``: the inner transform's state."""
+    """The state of :func:`accumulate`.
+
+    Attributes:
+      mini_step: 0-d int32 tensor on the params' device, the number of finite mini-steps summed
+        since ``inner`` last applied.
+      grad_sum: fp32 pytree like the params, the sum of those mini-steps' gradients.
+      inner: the inner transform's state (advanced only by applied updates).
+
+    Example:
+      >>> state = af.accumulate(af.sgd(0.1), every_k=4).init({"w": torch.ones(2, 3)})
+      >>> state.mini_step.item(), state.grad_sum["w"].dtype, type(state.inner).__name__
+      (0, torch.float32, 'SgdState')
+    """
 
     mini_step: torch.Tensor
     grad_sum: PyTree
@@ -33,11 +44,37 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     **not** advance ``mini_step``, so every applied update averages exactly ``every_k`` good
     mini-batches (the same as when :func:`ampfunc.mixed_precision` skips that call and restores
     this state). Only ``inner``'s state advances when it applies, so its step count and
-    schedule count applied updates, not mini-steps.
+    schedule count applied updates, not mini-steps. All decisions are made on the device.
 
-    All decisions are made on the device (no host sync); the price is that ``inner.update``
-    runs on every call and its result is selected with ``torch.where``. Extra memory: one fp32
-    copy of the gradients.
+    Args:
+      inner: the ``GradientTransformation`` to run on the averaged gradients (e.g.
+        :func:`ampfunc.adamw`).
+      every_k: the number of finite mini-steps per applied update, an int ``>= 1``.
+
+    Returns:
+      A ``GradientTransformation`` whose state is an :class:`AccumulateState`; its ``update``
+      passes ``params`` on to ``inner``.
+
+    Example:
+      >>> params = {"w": torch.ones(2, 3)}
+      >>> tx = af.accumulate(af.sgd(0.25), every_k=2)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": torch.full((2, 3), 1.0)}, state, params)
+      >>> bool((updates["w"] == 0).all()), state.mini_step.item()
+      (True, 1)
+      >>> updates, state = tx.update({"w": torch.full((2, 3), float("nan"))}, state, params)
+      >>> state.mini_step.item()  # dropped
+      1
+      >>> updates, state = tx.update({"w": torch.full((2, 3), 3.0)}, state, params)
+      >>> updates["w"][0, 0].item(), state.mini_step.item()  # -0.25 * mean(1, 3)
+      (-0.5, 0)
+
+    Cost: ``init`` allocates one fp32 zero tree like the params (``zeros_like`` per leaf), a 0-d
+    counter and ``inner``'s state. ``update`` makes one read pass over the gradients for the
+    finiteness check, then per leaf four new fp32 tensors of its size (the masked gradient, the
+    new sum, the mean, the kept sum; plus a cast for non-fp32 gradients); ``inner.update`` runs on
+    every call, and its updates and state are selected with ``torch.where`` (one more read and
+    write of each). No host sync.
     """
     if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
         raise ValueError(f"accumulate: every_k must be an int >= 1, got {every_k!r}")

@@ -32,12 +32,15 @@ def global_norm(tree, group=None) -> torch.Tensor:
     Returns:
       A 0-d fp32 tensor on the leaves' device.
 
-    Example::
+    Example:
+      >>> grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
+      >>> af.global_norm(grads).item()
+      5.0
+      >>> af.global_norm({"x": torch.full((4,), 300.0, dtype=torch.float16)}).item()  # fp32 sum
+      600.0
 
-      norm = af.global_norm(grads)
-
-    Cost: one read pass (plus one all-reduce of one float with ``group`` or DTensors); no host
-    sync.
+    Cost: one read pass, no writes (plus one all-reduce of one float with ``group`` or
+    DTensors); no host sync.
     """
     _, leaves = float_leaves_with_paths(tree, "tree")
     if group is not None or dist.any_dtensor(leaves):
@@ -65,12 +68,19 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
       it is registered with the fused kernels, which fold the scaling into the optimizer pass
       when it precedes ``sgd``/``adam``/``adamw`` in a ``chain``.
 
-    Example::
+    Example:
+      >>> grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}  # norm 5
+      >>> tx = af.clip_by_global_norm(1.0)
+      >>> state = tx.init(grads)
+      >>> clipped, state = tx.update(grads, state)
+      >>> round(af.global_norm(clipped).item(), 4)
+      1.0
+      >>> opt = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))  # fused under mixed_precision
 
-      tx = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))
-
-    Cost: one read pass for the norm, one read and one write for the scaling (the fused path
-    folds both into the optimizer pass); no host sync.
+    Cost: ``init`` allocates nothing. ``update``: one read pass for the norm, then one read and
+    one write (new tensors) for the scaling; inside :func:`ampfunc.mixed_precision`,
+    ``make_train_step`` and ``ModuleTrainer`` the fused kernels take the norm in their
+    finiteness-check pass and fold the scaling into the optimizer pass. No host sync.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm <= 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive number, got {max_norm!r}")

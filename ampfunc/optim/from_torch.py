@@ -44,11 +44,23 @@ _REFUSED = {
 
 
 class TorchOptimizerState(NamedTuple):
-    """``count``: 0-d int32 on the params' device, the number of applied steps.
-    ``state``: dict state-key -> pytree like the params (``None`` where a param has no such
-    entry), torch's per-parameter state as its lazy initialization creates it.
-    ``step_state``: the same for entries torch creates only inside its first step (SGD's
-    ``momentum_buffer``); they are handed to torch only once ``count > 0``."""
+    """The state of :func:`from_torch`: torch's per-parameter state as pytrees of tensors.
+
+    Attributes:
+      count: 0-d int32 tensor on the params' device, the number of applied steps.
+      state: dict state-key -> pytree like the params (``None`` where a param has no such
+        entry): torch's per-parameter state as its lazy initialization creates it (e.g. Adam's
+        ``step``, ``exp_avg``, ``exp_avg_sq``).
+      step_state: the same for the entries torch creates only inside its first step (SGD's
+        ``momentum_buffer``); they are handed to torch only once ``count > 0``.
+
+    Example:
+      >>> state = af.from_torch(torch.optim.Adam, lr=1e-3).init({"w": torch.ones(2, 3)})
+      >>> sorted(state.state), state.step_state, state.count.item()
+      (['exp_avg', 'exp_avg_sq', 'step'], {}, 0)
+      >>> sorted(af.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9).init({"w": torch.ones(3)}).step_state)
+      ['momentum_buffer']
+    """
 
     count: torch.Tensor
     state: dict
@@ -88,11 +100,40 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
     RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor, ...) and for
     user subclasses of ``torch.optim.Optimizer`` that keep tensor state. ``LBFGS`` (closure
     based) and ``SparseAdam`` are refused. Hyper-parameters are checked by constructing the
-    optimizer once, so a bad one gives torch's own error. ``update`` needs ``params``.
+    optimizer once, so a bad one gives torch's own error. ``update`` needs ``params``; it runs
+    torch's own ``step`` on detached clones and returns the deltas ``new_p - p`` (in fp32, or
+    fp64 for fp64 params), never mutating its inputs.
 
     The params form one parameter group; use :func:`ampfunc.partition` for several. ``lr``
     must be a number (a schedule is a native-optimizer feature: :func:`ampfunc.sgd`,
-    :func:`ampfunc.adam`, :func:`ampfunc.adamw`). State: :class:`TorchOptimizerState`.
+    :func:`ampfunc.adam`, :func:`ampfunc.adamw`).
+
+    Args:
+      optimizer_cls: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.RMSprop``.
+      **hparams: the optimizer's keyword arguments (``lr`` a number), passed as they are.
+
+    Returns:
+      A ``GradientTransformation`` whose state is a :class:`TorchOptimizerState`.
+
+    Example:
+      >>> params = {"w": torch.ones(2, 3)}
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.from_torch(torch.optim.RMSprop, lr=1e-2)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = af.apply_updates(params, updates)
+      >>> state.count.item(), sorted(state.state)
+      (1, ['square_avg', 'step'])
+
+    Cost: construction builds one probe optimizer on a small CPU tensor. ``init`` clones the
+    params, runs torch's lazy initialization and one throwaway step on the clones, and allocates
+    the state like torch's (plus zeros for ``step_state``). ``update`` clones the params, grads
+    and state, runs torch's ``step`` (its default implementation: foreach on CUDA,
+    single-tensor on CPU) and writes the deltas; with entries in ``step_state`` (SGD with
+    momentum, or a subclass without ``_init_group``, whose whole state goes there) it runs the
+    step twice and picks on the device, at twice the cost. No host sync of its own; torch's
+    non-capturable optimizers read their CPU ``step`` counters on the host as they always do
+    (pass ``capturable=True`` where torch offers it).
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"from_torch: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "

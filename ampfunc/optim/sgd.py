@@ -32,8 +32,19 @@ __all__ = ["SgdState", "sgd"]
 
 
 class SgdState(NamedTuple):
-    """``step``: 0-d float32, the number of applied steps (on the params' device).
-    ``momentum_buffer``: fp32 pytree like the params, or ``None`` when ``momentum == 0``."""
+    """The state of :func:`sgd`.
+
+    Attributes:
+      step: 0-d float32 tensor on the params' device, the number of applied steps.
+      momentum_buffer: fp32 pytree like the params, or ``None`` when ``momentum == 0``.
+
+    Example:
+      >>> state = af.sgd(0.1, momentum=0.9).init({"w": torch.ones(2, 3)})
+      >>> state.step.item(), state.momentum_buffer["w"].shape
+      (0.0, torch.Size([2, 3]))
+      >>> af.sgd(0.1).init({"w": torch.ones(2, 3)}).momentum_buffer is None
+      True
+    """
 
     step: torch.Tensor
     momentum_buffer: Optional[PyTree]
@@ -75,12 +86,40 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
     after (decided on the device from ``state.step``, no host sync); ``g = g + momentum * buf``
     with ``nesterov`` else ``g = buf``; the update is ``-lr * g``, returned as the delta
-    ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result.
+    ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result
+    (as ``-lr * g`` when ``params`` is not passed).
 
-    ``lr`` is a float or a schedule (callable of the step count, see ``ampfunc.optim.schedule``),
-    evaluated at the number of steps applied before this one. ``params`` must be passed to
-    ``update`` when ``weight_decay != 0``. State: :class:`SgdState` (fp32 buffer: one read and one
-    write of it per step, plus one read of grads and params).
+    Args:
+      lr: the learning rate, a float or a schedule (a callable of the step count, see
+        :func:`ampfunc.linear_schedule` and co.), evaluated at the number of steps applied
+        before this one.
+      momentum: the momentum factor; 0 keeps no buffer.
+      dampening: the dampening of the momentum's gradient term.
+      weight_decay: the L2 penalty coefficient (added to the gradient); when non-zero
+        ``update`` needs ``params``.
+      nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+      maximize: maximize the objective (the gradient is negated).
+
+    Returns:
+      A ``GradientTransformation`` whose state is an :class:`SgdState`; it is registered with
+      the fused kernels (alone or after :func:`ampfunc.clip_by_global_norm` in a ``chain``).
+
+    Example:
+      >>> params = {"w": torch.ones(2, 3)}
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.sgd(0.5, momentum=0.9)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = af.apply_updates(params, updates)
+      >>> params["w"][0, 0].item()
+      0.75
+
+    Cost: ``init`` allocates a 0-d step and, with momentum, one fp32 zero tree like the params
+    (one buffer per device). ``update``, when the compiled kernels take the tree (fp32 params on
+    one CPU or CUDA device, fp32/fp16/bf16 grads, plain tensors), runs one fused kernel pass: it
+    reads g, p (and the buffer) once and writes new tensors for the updates (and the new
+    buffer); otherwise a generic path of a few ``torch._foreach`` ops per device computes the
+    same arithmetic. No host sync.
     """
     check_lr(lr, "sgd")
     check_nonneg(momentum, "momentum")

@@ -23,7 +23,26 @@ class ScaleByScheduleState(NamedTuple):
 
 
 def scale(step_size: float) -> GradientTransformation:
-    """Multiplies every update by ``step_size``. Stateless; one read and write."""
+    """Multiplies every update by a constant ``step_size`` (optax's ``scale``).
+
+    Args:
+      step_size: the factor, a finite number (negative to turn a direction into a descent step).
+
+    Returns:
+      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; updates keep their
+      dtype and ``update`` does not need ``params``.
+
+    Example:
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.scale(-0.5)
+      >>> state = tx.init(grads)
+      >>> updates, state = tx.update(grads, state)
+      >>> updates["w"][0, 0].item()
+      -0.25
+
+    Cost: ``init`` allocates nothing; ``update`` reads each update once and writes a new tensor
+    of its size. No host sync.
+    """
     if isinstance(step_size, bool) or not isinstance(step_size, (int, float)):
         raise TypeError(f"scale: step_size must be a float, got {type(step_size).__name__}")
     if not math.isfinite(step_size):
@@ -40,8 +59,33 @@ def scale(step_size: float) -> GradientTransformation:
 
 
 def scale_by_schedule(schedule) -> GradientTransformation:
-    """Multiplies every update by ``schedule(count)``, ``count`` kept in the state (so a skipped
-    step, which restores the state, does not advance it). No host sync."""
+    """Multiplies every update by ``schedule(count)`` (optax's ``scale_by_schedule``).
+
+    ``count``, the number of updates seen, is kept in the state, so a skipped step, which
+    restores the state, does not advance it. The first update uses ``schedule(0)``.
+
+    Args:
+      schedule: a callable of the 0-d float32 count returning a float or a 0-d tensor (e.g.
+        :func:`ampfunc.linear_schedule`).
+
+    Returns:
+      A ``GradientTransformation`` whose state is a ``ScaleByScheduleState`` (``count``, 0-d
+      float32 on the params' device); ``update`` does not need ``params``.
+
+    Example:
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.scale_by_schedule(af.linear_schedule(1.0, 0.0, transition_steps=2))
+      >>> state = tx.init(grads)
+      >>> updates, state = tx.update(grads, state)
+      >>> updates["w"][0, 0].item(), state.count.item()
+      (0.5, 1.0)
+      >>> updates, state = tx.update(grads, state)
+      >>> updates["w"][0, 0].item(), state.count.item()
+      (0.25, 2.0)
+
+    Cost: ``init`` allocates a 0-d counter; ``update`` evaluates the schedule (a few 0-d ops),
+    reads each update once and writes a new tensor of its size. No host sync.
+    """
     if not callable(schedule):
         raise TypeError(f"scale_by_schedule: schedule must be callable, got {type(schedule).__name__}")
 
@@ -58,9 +102,31 @@ def scale_by_schedule(schedule) -> GradientTransformation:
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransformation:
-    """Multiplies updates by ``-learning_rate`` (a float or a schedule), turning a direction into
-    a descent step, as optax. ``chain(..., scale_by_learning_rate(lr))`` ends a hand-made
-    optimizer."""
+    """Multiplies updates by ``-learning_rate``, turning a direction into a descent step (optax's).
+
+    ``chain(..., scale_by_learning_rate(lr))`` ends a hand-made optimizer: it is
+    :func:`scale` ``(-lr)`` for a float and :func:`scale_by_schedule` of ``-schedule`` for a
+    schedule.
+
+    Args:
+      learning_rate: a float ``>= 0`` or a schedule (a callable of the step count).
+
+    Returns:
+      A ``GradientTransformation``: stateless (:class:`~ampfunc.EmptyState`) for a float, with
+      a ``ScaleByScheduleState`` (the count) for a schedule; ``update`` does not need ``params``.
+
+    Example:
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.scale_by_learning_rate(0.5)
+      >>> state = tx.init(grads)
+      >>> updates, state = tx.update(grads, state)
+      >>> updates["w"][0, 0].item()
+      -0.25
+      >>> opt = af.chain(af.scale_by_adam(), af.scale_by_learning_rate(af.constant_schedule(1e-3)))
+
+    Cost: that of :func:`scale` (float) or :func:`scale_by_schedule` (schedule): one read and
+    one new tensor per update, plus the schedule's few 0-d ops. No host sync.
+    """
     check_lr(learning_rate, "scale_by_learning_rate")
     if callable(learning_rate):
         return scale_by_schedule(lambda count: -learning_rate(count))
@@ -68,8 +134,36 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
-    """Adds ``weight_decay * params`` to the updates (L2 / decoupled decay depending on where it
-    sits in a chain). Needs ``params``. Use :func:`ampfunc.masked` to exempt norms and biases."""
+    """Adds ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
+
+    Before a rescaling transform (e.g. :func:`scale_by_adam`) this is L2 decay; right before
+    :func:`scale_by_learning_rate` it is decoupled (AdamW-style) decay. Use
+    :func:`ampfunc.masked` to exempt norms and biases. With ``weight_decay == 0`` the updates
+    are returned as they are.
+
+    Args:
+      weight_decay: the decay coefficient, a float ``>= 0``; when non-zero ``update`` needs
+        ``params``.
+
+    Returns:
+      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; updates keep their
+      dtype (params are cast to it).
+
+    Example:
+      >>> params = {"w": torch.ones(2, 3)}
+      >>> grads = {"w": torch.full((2, 3), 0.5)}
+      >>> tx = af.add_decayed_weights(0.5)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"][0, 0].item()  # 0.5 + 0.5 * 1
+      1.0
+      >>> adamw = af.chain(af.scale_by_adam(), af.add_decayed_weights(1e-2),
+      ...                  af.scale_by_learning_rate(1e-3))
+
+    Cost: ``init`` allocates nothing; ``update`` reads each update and param once and writes a
+    new tensor of the update's size (plus a cast copy of a param whose dtype differs); nothing
+    with ``weight_decay == 0``. No host sync.
+    """
     check_nonneg(weight_decay, "weight_decay")
 
     def init(params):
