@@ -93,12 +93,39 @@ def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor | None, what: str):
     _, spec = tree_flatten(tree)
     if inv_scale is None:
         return tree_unflatten(spec, [t.to(torch.float32) for t in leaves]), ops.all_finite(leaves)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        # A gradient penalty differentiates through the unscale (grads taken with
+        # create_graph=True), and the kernels have no backward: plain torch ops, the same values
+        # (the product in fp32), with the finite flag from the check pass.
+        outs = [t.to(torch.float32) * inv_scale for t in leaves]
+        return tree_unflatten(spec, outs), ops.all_finite([t.detach() for t in leaves])
     outs, finite = ops.unscale(leaves, inv_scale)
     return tree_unflatten(spec, outs), finite
 
 
 class LossScale:
-    """Common interface: ``loss_scale``, ``inv_scale``, ``scale(loss)``, ``unscale(tree)``, ``adjust(finite)``."""
+    """The interface of every loss scale (jmp's ``LossScale``).
+
+    Methods: ``scale(loss)`` (the loss in fp32 times the scale), ``unscale(tree)`` and
+    ``unscale_and_check(tree)`` (floating leaves in fp32 times ``inv_scale``, and whether they
+    were all finite), ``adjust(finite)`` (the next loss scale, pure) and ``adjust_(finite)`` (in
+    place), ``is_valid()``. None of them reads a tensor back to the host.
+
+    Attributes:
+      loss_scale: 0-d fp32 tensor, the factor the loss is multiplied by.
+      inv_scale: 0-d fp32 tensor, ``1 / loss_scale`` (NaN when the scale lies outside
+        :data:`SCALE_RANGE`).
+
+    Example:
+      >>> ls = af.StaticLossScale(1024.0)
+      >>> isinstance(ls, af.LossScale)
+      True
+      >>> ls.scale(torch.tensor(0.5))
+      tensor(512.)
+      >>> grads, finite = ls.unscale_and_check({"w": torch.tensor([1024.0, float("inf")])})
+      >>> bool(finite)
+      False
+    """
 
     __slots__ = ()
 
@@ -158,7 +185,25 @@ class LossScale:
 
 
 class NoOpLossScale(LossScale):
-    """No loss scaling: ``scale`` returns the loss unchanged, ``unscale`` only casts to fp32."""
+    """No loss scaling, for fp32 or bf16 training.
+
+    ``scale`` returns the loss itself (not cast), ``unscale`` only casts the floating leaves to
+    fp32 (fp32 leaves are returned as they are) and ``adjust`` returns the scale unchanged. Takes
+    no arguments and holds no tensors (an empty pytree node).
+
+    Attributes:
+      loss_scale: 0-d fp32 tensor ``1.0``, made on the CPU at each access.
+      inv_scale: 0-d fp32 tensor ``1.0``, likewise.
+
+    Example:
+      >>> ls = af.NoOpLossScale()
+      >>> loss = torch.tensor(0.25, dtype=torch.bfloat16)
+      >>> ls.scale(loss) is loss
+      True
+      >>> grads, finite = ls.unscale_and_check({"w": torch.ones(2, dtype=torch.bfloat16)})
+      >>> grads["w"].dtype, bool(finite)
+      (torch.float32, True)
+    """
 
     __slots__ = ()
 
@@ -198,12 +243,27 @@ class NoOpLossScale(LossScale):
 
 
 class StaticLossScale(LossScale):
-    """A fixed loss scale (apex's ``static_loss_scale``); ``adjust`` returns it unchanged.
+    """A fixed loss scale (apex's ``static_loss_scale``).
 
-    ``loss_scale`` (a number or a one-element tensor, read once here) must lie in
-    :data:`SCALE_RANGE` once stored in fp32: ``StaticLossScale(1e-50)`` (0 in fp32),
-    ``StaticLossScale(2**-130)`` (inverse infinite in fp32), ``StaticLossScale(1e39)`` (inf),
-    NaN, 0 and negative scales raise ``ValueError`` naming ``loss_scale``.
+    ``adjust`` and ``adjust_`` only check the flag and return the scale unchanged.
+
+    Args:
+      loss_scale: a number or a one-element real tensor (read back to the host once, here). It
+        must lie in :data:`SCALE_RANGE` once stored in fp32: ``StaticLossScale(1e-50)`` (0 in
+        fp32), ``StaticLossScale(2**-130)`` (inverse infinite in fp32), ``StaticLossScale(1e39)``
+        (inf), NaN, 0 and negative scales raise ``ValueError`` naming ``loss_scale``.
+      device: where the 0-d scale tensor lives (default: the given tensor's device, else the
+        default device).
+
+    Attributes:
+      loss_scale: 0-d fp32 tensor, the scale.
+
+    Example:
+      >>> ls = af.StaticLossScale(128.0)
+      >>> float(ls.loss_scale)
+      128.0
+      >>> ls.adjust(torch.tensor(False)) is ls
+      True
     """
 
     __slots__ = ("_loss_scale",)
@@ -233,7 +293,26 @@ class StaticLossScale(LossScale):
 
 
 class DynamicConfig(NamedTuple):
-    """The static (hashable) settings of a :class:`DynamicLossScale`."""
+    """The static (hashable) settings of a :class:`DynamicLossScale`: its pytree metadata.
+
+    ``validate()`` checks the settings (``ValueError``/``TypeError`` naming the one at fault)
+    and returns them normalised to Python floats and ints.
+
+    Attributes:
+      growth_factor: the factor the scale grows by, a finite number > 1.
+      backoff_factor: the factor the scale backs off by, in (0, 1).
+      growth_interval: consecutive finite steps before a growth, an integer >= 1.
+      min_scale: the floor of a backoff, >= 0 (the kernels never go below ``2**-126``).
+      max_scale: the cap of a growth, >= ``min_scale`` and > 0 (``inf`` allowed).
+      hysteresis: consecutive non-finite steps that cause a backoff, an integer >= 1.
+
+    Example:
+      >>> ls = af.DynamicLossScale(growth_interval=500)
+      >>> ls.config.growth_interval, ls.config.hysteresis
+      (500, 1)
+      >>> af.DynamicConfig(backoff_factor=0.25).validate().backoff_factor
+      0.25
+    """
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -256,7 +335,9 @@ class DynamicConfig(NamedTuple):
             bad("growth_factor", self.growth_factor, "a finite number > 1")
         if not (0.0 < self.backoff_factor < 1.0):
             bad("backoff_factor", self.backoff_factor, "in (0, 1)")
-        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
+        # isfinite first: int() of an infinity or a NaN raises its own, anonymous error.
+        if not math.isfinite(self.growth_interval) or int(self.growth_interval) != self.growth_interval \
+                or self.growth_interval < 1:
             bad("growth_interval", self.growth_interval, "an integer >= 1")
         if not (self.min_scale >= 0.0) or not math.isfinite(self.min_scale):
             bad("min_scale", self.min_scale, "a finite number >= 0")
@@ -264,7 +345,7 @@ class DynamicConfig(NamedTuple):
             bad("min_scale", self.min_scale, f"at most fp32's largest number {SCALE_RANGE[1]:.4g}")
         if not (self.max_scale >= self.min_scale) or self.max_scale <= 0:
             bad("max_scale", self.max_scale, f"> 0 and >= min_scale ({self.min_scale})")
-        if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
+        if not math.isfinite(self.hysteresis) or int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
             bad("hysteresis", self.hysteresis, "an integer >= 1")
         return self._replace(growth_interval=int(self.growth_interval), hysteresis=int(self.hysteresis),
                              growth_factor=float(self.growth_factor), backoff_factor=float(self.backoff_factor),
@@ -272,7 +353,7 @@ class DynamicConfig(NamedTuple):
 
 
 class DynamicLossScale(LossScale):
-    """A loss scale that adapts to overflows.
+    """A loss scale that backs off when a step overflows and grows after clean steps.
 
     After a step whose gradients are not all finite, the scale is multiplied by
     ``backoff_factor`` (floored at ``min_scale``) -- once ``hysteresis`` consecutive such steps
@@ -282,17 +363,44 @@ class DynamicLossScale(LossScale):
     hysteresis=1`` the sequence of scales equals ``torch.amp.GradScaler``'s step for step,
     rounding included (products in double, stored in fp32; a growth that would overflow fp32 is
     not applied) -- except that the scale never goes below ``2**-126`` (:data:`SCALE_RANGE`),
-    where GradScaler would reach 0 and then write inf into the parameters. apex's ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
+    where GradScaler would reach 0 and then write inf into the parameters. apex's
+    ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
     ``DynamicLossScale(2.**32, growth_interval=1000, min_scale=1, max_scale=inf)``.
 
-    Tensors (all 0-d, on ``device``): ``loss_scale`` (fp32), ``growth_tracker`` (int32, clean
-    steps since the last change), ``hysteresis_tracker`` (int32, overflows still tolerated).
+    ``adjust`` (pure: three 0-d copies and one small kernel) and ``adjust_`` (in place: one
+    small kernel) run on the scale's device; no host sync. ``replace(**settings)`` changes
+    settings and keeps the tensors. Construction errors name the setting at fault.
 
-    ``init_scale`` (a number or a one-element tensor, read once here) must lie in
-    :data:`SCALE_RANGE` once stored in fp32 and in ``[min_scale, max_scale]``:
-    ``DynamicLossScale(2.**32)`` is refused (above the default ``max_scale=2**24``; pass
-    ``max_scale=float("inf")`` as apex's configuration does), so are NaN, 0, negative and
-    fp32-infinite scales such as ``1e39``. Errors name the setting at fault.
+    Args:
+      init_scale: the first scale, a number or a one-element tensor (read back to the host
+        once, here). It must lie in :data:`SCALE_RANGE` once stored in fp32 and in
+        ``[min_scale, max_scale]``: ``DynamicLossScale(2.**32)`` is refused (above the default
+        ``max_scale=2**24``; pass ``max_scale=float("inf")`` as apex's configuration does), so
+        are NaN, 0, negative and fp32-infinite scales such as ``1e39``.
+      growth_factor: the growth multiplier, a finite number > 1.
+      backoff_factor: the backoff multiplier, in (0, 1).
+      growth_interval: consecutive finite steps per growth.
+      min_scale: the backoff floor (the scale never goes below ``2**-126`` whatever it says).
+      max_scale: the growth cap.
+      hysteresis: consecutive non-finite steps per backoff.
+      device: where the tensors live (default: ``init_scale``'s device, else the default
+        device).
+
+    Attributes:
+      loss_scale: 0-d fp32 tensor, the current scale.
+      growth_tracker: 0-d int32 tensor, clean steps since the last change.
+      hysteresis_tracker: 0-d int32 tensor, counts down from ``hysteresis`` on each overflow;
+        an overflow that finds it at 1 backs the scale off.
+      config: the :class:`DynamicConfig` (each setting is also an attribute).
+
+    Example:
+      >>> ls = af.DynamicLossScale(2.0**15, growth_interval=2)
+      >>> ls = ls.adjust(torch.tensor(False))                          # overflow: back off
+      >>> float(ls.loss_scale)
+      16384.0
+      >>> ls = ls.adjust(torch.tensor(True)).adjust(torch.tensor(True))  # 2 clean steps: grow
+      >>> float(ls.loss_scale), int(ls.growth_tracker)
+      (32768.0, 0)
     """
 
     __slots__ = ("_loss_scale", "_growth_tracker", "_hysteresis_tracker", "_config")

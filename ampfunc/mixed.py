@@ -56,40 +56,51 @@ def scale_loss(loss: torch.Tensor, ls: LossScale) -> torch.Tensor:
     """The loss times the loss scale, in fp32: what to call ``.backward()`` on.
 
     Args:
-      loss: a scalar floating tensor (a non-scalar loss raises ``ValueError``).
-      ls: the loss scale (:class:`NoOpLossScale` returns the loss unchanged).
+      loss: a floating tensor with one element (a larger loss raises ``ValueError``: reduce it
+        first; a non-floating one raises ``TypeError``).
+      ls: the loss scale (:class:`NoOpLossScale` returns the loss itself, not cast).
 
     Returns:
-      ``loss.float() * ls.loss_scale``, a 0-d fp32 tensor.
+      ``loss.float() * ls.loss_scale``, an fp32 tensor of the loss's shape.
 
-    Example::
+    Example:
+      >>> w = torch.ones(3, requires_grad=True)
+      >>> af.scale_loss((2.0 * w).sum(), af.StaticLossScale(1024.0)).backward()
+      >>> w.grad
+      tensor([2048., 2048., 2048.])
 
-      af.scale_loss(loss, af.loss_scale_of(state)).backward()
-
-    Cost: one scalar multiply; no host sync.
+    Cost: one scalar multiply, plus a cast when the loss is not fp32 (nothing with
+    :class:`NoOpLossScale`); no host sync.
     """
     _check_loss_scale(ls, "scale_loss")
     return ls.scale(loss)
 
 
 def unscale(tree: PyTree, ls: LossScale) -> PyTree:
-    """Every floating leaf of ``tree`` in fp32 divided by the loss scale, with no finiteness check.
+    """Every floating leaf of ``tree`` in fp32 times ``1 / loss_scale``, with no flag returned.
 
-    For quantities computed from the scaled loss outside the optimizer step: gradient
-    penalties (``torch.autograd.grad`` of the scaled loss), per-loss gradients.
+    For quantities computed from the scaled loss outside the optimizer step: per-loss
+    gradients, gradients for a penalty (``torch.autograd.grad`` of the scaled loss with
+    ``create_graph=True``). Leaves that require grad (with grad mode on) are unscaled by plain
+    torch ops, so a penalty built from the result backpropagates; the others go through the
+    fused kernel. The values are the same either way.
 
     Args:
-      tree: a pytree of floating tensors.
+      tree: a pytree of floating tensors (a non-floating leaf raises ``TypeError``).
       ls: the loss scale they were scaled by.
 
     Returns:
-      A new tree of fp32 tensors (the tree only: use :func:`unscale_and_check` for the flag).
+      A new tree of fp32 tensors (with :class:`NoOpLossScale` fp32 leaves are returned as they
+      are). Use :func:`unscale_and_check` for the finite flag.
 
-    Example::
+    Example:
+      >>> ls = af.StaticLossScale(1024.0)
+      >>> af.unscale({"w": torch.tensor([1024.0, 2048.0], dtype=torch.float16)}, ls)
+      {'w': tensor([1., 2.])}
 
-      penalty_grads = af.unscale(torch.autograd.grad(scaled, inputs), ls)
-
-    Cost: one read and one fp32 write per leaf; no host sync.
+    Cost: one read and one fp32 write per leaf (the finite flag is computed too, and dropped;
+    with :class:`NoOpLossScale`: casts of the non-fp32 leaves plus one read-only check pass;
+    leaves that require grad: a cast and a multiply each, recorded by autograd); no host sync.
     """
     _check_loss_scale(ls, "unscale")
     return ls.unscale(tree)
@@ -109,12 +120,18 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
       fp32 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
       ``True`` when every element was finite.
 
-    Example::
+    Example:
+      >>> ls = af.StaticLossScale(1024.0)
+      >>> g16 = {"w": torch.full((2,), 2048.0, dtype=torch.float16)}
+      >>> grads, finite = af.unscale_and_check(g16, ls)
+      >>> grads["w"], bool(finite)
+      (tensor([2., 2.]), True)
+      >>> bool(af.unscale_and_check({"w": torch.tensor([float("inf")])}, ls)[1])
+      False
 
-      grads, finite = af.unscale_and_check(grads, ls)
-
-    Cost: one read of the gradients and one fp32 write (one all-reduce of one float with
-    ``group``); no host sync.
+    Cost: one read of the gradients and one fp32 write (with :class:`NoOpLossScale`: casts of
+    the non-fp32 leaves and one read-only check pass); with ``group``, one all-reduce of one
+    float. No host sync.
     """
     _check_loss_scale(ls, "unscale_and_check")
     out, finite = ls.unscale_and_check(grads, "unscale_and_check: grads")
@@ -134,11 +151,18 @@ def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     Returns:
       A new tree: bit-identical to ``old`` on a skipped step (``finite`` False), else ``new``.
 
-    Example::
+    Non-tensor leaves must be equal in both trees (``ValueError`` otherwise); structures and
+    shapes must match.
 
-      params, opt_state = af.skip_or_apply(finite, (new_params, new_state), (params, opt_state))
+    Example:
+      >>> old, new = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+      >>> af.skip_or_apply(torch.tensor(False), new, old)["w"]
+      tensor([0., 0.])
+      >>> af.skip_or_apply(torch.tensor(True), new, old)["w"]
+      tensor([1., 1.])
 
-    Cost: one read of both trees and one write; no host sync.
+    Cost: one ``torch.where`` per tensor leaf: one read of both trees and one write of a new
+    tree; no host sync.
     """
     return select_tree(finite, new, old)
 
@@ -149,17 +173,26 @@ def update_scale(ls, finite):
     The function form of ``LossScale.adjust`` that also takes several scales at once.
 
     Args:
-      ls: a loss scale, or a dict or list of loss scales, one per loss (apex's ``num_losses``).
-      finite: the step's 0-d bool flag, or a matching dict/list of flags.
+      ls: a loss scale, or a dict, list or tuple of loss scales, one per loss (apex's
+        ``num_losses``).
+      finite: the step's 0-d bool flag (a Python ``bool`` is accepted), or a matching
+        dict/list/tuple of flags.
 
     Returns:
-      The next loss scale(s), new objects (static and no-op scales return themselves).
+      The next loss scale(s) in the same container: new :class:`DynamicLossScale` objects
+      (static and no-op scales return themselves).
 
-    Example::
+    Example:
+      >>> ls = af.DynamicLossScale(2.0**15)
+      >>> float(af.update_scale(ls, torch.tensor(False)).loss_scale)
+      16384.0
+      >>> scales = {"a": af.DynamicLossScale(2.0**15), "b": af.StaticLossScale(8.0)}
+      >>> new = af.update_scale(scales, {"a": torch.tensor(False), "b": torch.tensor(False)})
+      >>> float(new["a"].loss_scale), new["b"] is scales["b"]
+      (16384.0, True)
 
-      ls = af.update_scale(ls, finite)
-
-    Cost: a few 0-d ops on the device; no host sync.
+    Cost: per dynamic scale, three 0-d copies and one 0-d kernel on its device (nothing for
+    static and no-op scales); no host sync.
     """
     if isinstance(ls, Mapping):
         flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
@@ -182,8 +215,27 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
     The product is taken in fp32 and stored in the gradient's own dtype, so fp32 gradients get
     exactly the values of the pure version; bf16 gradients are rounded back to bf16. fp16
     gradients are refused (``TypeError`` naming the leaf), as ``GradScaler.unscale_`` refuses
-    them: dividing in place in fp16 loses the small values loss scaling exists to keep. Returns
-    ``(grads, finite)`` with ``grads`` the same tree. One read and one write, no allocation.
+    them: dividing in place in fp16 loses the small values loss scaling exists to keep. Leaves
+    that share memory are refused too (``ValueError``), before any write.
+
+    Args:
+      grads: a pytree of fp32 or bf16 gradients of the scaled loss, overwritten.
+      ls: the loss scale.
+      group: a ``torch.distributed`` process group: every rank gets the same flag.
+
+    Returns:
+      ``(grads, finite)``: the same tree (its tensors now unscaled) and a 0-d bool tensor,
+      ``True`` when every element was finite (and the scale valid).
+
+    Example:
+      >>> grads = {"w": torch.tensor([1024.0, 2048.0])}
+      >>> out, finite = af.unscale_and_check_(grads, af.StaticLossScale(1024.0))
+      >>> out is grads, grads["w"], bool(finite)
+      (True, tensor([1., 2.]), True)
+
+    Cost: one read and one write of the gradients in one pass, no gradient-sized allocation
+    (with :class:`NoOpLossScale`: one read-only check pass, nothing written); with ``group``,
+    one all-reduce of one float. No host sync.
     """
     _check_loss_scale(ls, "unscale_and_check_")
     paths, leaves = float_leaves_with_paths(grads, "unscale_and_check_: grads")
@@ -217,8 +269,16 @@ def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
     Everything is checked before the first write: structures and shapes (by
     :func:`skip_or_apply`'s selection, computed first) and that no two leaves of ``old`` share
-    memory (``ValueError`` naming both paths). Cost: one read of both trees and one write of
-    ``old``; on the device, no host sync.
+    memory (``ValueError`` naming both paths).
+
+    Example:
+      >>> p = nn.Parameter(torch.zeros(2))
+      >>> out = af.skip_or_apply_(torch.tensor(True), {"w": torch.ones(2)}, {"w": p})
+      >>> out["w"] is p, p.detach()
+      (True, tensor([1., 1.]))
+
+    Cost: the pure selection (a read of both trees into a new tree the size of ``old``), then
+    one copy of it into ``old``; no host sync.
     """
     chosen = skip_or_apply(finite, new, old)
     paths_old = leaves_with_paths(old)
@@ -233,8 +293,26 @@ def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
 
 def update_scale_(ls, finite):
-    """In-place :func:`update_scale`: a :class:`DynamicLossScale`'s tensors are overwritten
-    (static and no-op scales have nothing to update). Returns ``ls``."""
+    """In-place :func:`update_scale`: a :class:`DynamicLossScale`'s tensors are overwritten.
+
+    Static and no-op scales have nothing to update (their flag is still checked).
+
+    Args:
+      ls: a loss scale or a dict of loss scales (a list is refused with ``TypeError``).
+      finite: the step's 0-d bool flag (a Python ``bool`` is accepted), or a dict of flags.
+
+    Returns:
+      ``ls`` itself.
+
+    Example:
+      >>> ls = af.DynamicLossScale(2.0**15)
+      >>> af.update_scale_(ls, torch.tensor(False)) is ls
+      True
+      >>> float(ls.loss_scale)
+      16384.0
+
+    Cost: one 0-d kernel per dynamic scale, writing its three tensors; no host sync.
+    """
     if isinstance(ls, Mapping):
         flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
         for k, v in ls.items():
@@ -263,6 +341,24 @@ class MixedPrecision(GradientTransformation):
       all three run.
 
     ``grads`` are the gradients of the *scaled* loss (``scale_loss(loss, loss_scale_of(state))``).
+    Made by :func:`mixed_precision`.
+
+    Attributes:
+      init: ``init(params) -> MixedPrecisionState``.
+      update: ``update(grads, state, params) -> (updates, state)``, optax's contract.
+      step: ``step(params, grads, state) -> (params, state)``, pure.
+      step_: ``step_(params, grads, state) -> (params, state)``, in place.
+      inner: the wrapped optimizer transform.
+      engine: the :class:`ampfunc.engine.Engine` that runs them.
+
+    Example:
+      >>> tx = af.mixed_precision(af.sgd(0.5), af.StaticLossScale(4.0))
+      >>> init, update = tx
+      >>> params = {"w": torch.ones(2)}
+      >>> state = tx.init(params)
+      >>> params, state = tx.step(params, {"w": torch.full((2,), 4.0)}, state)  # scaled grads
+      >>> params["w"]
+      tensor([0.5000, 0.5000])
     """
 
     @property
@@ -306,13 +402,19 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
       (:func:`loss_scale_of`), the last step's ``finite`` flag and the count of ``skipped``
       steps as 0-d tensors.
 
-    Example::
-
-      tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)),
-                              loss_scale=af.DynamicLossScale())
-      state = tx.init(params)
-      params, state = tx.step_(params, grads, state)   # grads of scale_loss(loss, loss_scale_of(state))
-      print(int(state.skipped))                        # a host sync: do it when you log
+    Example:
+      >>> tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3)),
+      ...                         loss_scale=af.DynamicLossScale())
+      >>> params = {"w": torch.ones(3, dtype=torch.float16)}
+      >>> state = tx.init(params)
+      >>> state.master["w"].dtype
+      torch.float32
+      >>> grads = {"w": torch.tensor([1.0, float("inf"), 1.0], dtype=torch.float16)}
+      >>> params, state = tx.step_(params, grads, state)  # grads of the scaled loss
+      >>> bool(state.finite), int(state.skipped)          # a host sync: do it when you log
+      (False, 1)
+      >>> float(af.loss_scale_of(state).loss_scale)
+      32768.0
 
     Cost: fused: one read-only pass over the gradients and one optimizer pass (in place for
     ``step_``, into new tensors for ``step``); generic: the primitives' passes. No host sync.
@@ -349,9 +451,18 @@ def loss_scale_of(state: Any) -> LossScale:
         holding one.
 
     Returns:
-      The loss scale object (use ``.loss_scale`` for its 0-d tensor).
+      The loss scale object (use ``.loss_scale`` for its 0-d tensor); the first one found,
+      depth first. ``ValueError`` when there is none.
 
-    Cost: a walk over the containers; no tensor is read.
+    Example:
+      >>> tx = af.mixed_precision(af.sgd(0.1), af.StaticLossScale(8.0))
+      >>> state = tx.init({"w": torch.ones(2)})
+      >>> float(af.loss_scale_of(state).loss_scale)
+      8.0
+      >>> af.loss_scale_of({"opt": state, "epoch": 3}) is state.loss_scale
+      True
+
+    Cost: a walk over the containers in Python; no tensor is read, no kernel.
     """
     if isinstance(state, MixedPrecisionState):
         return state.loss_scale

@@ -191,9 +191,11 @@ _BAD_SETTINGS = [
     ("backoff_factor", 0.0, ValueError), ("backoff_factor", 1.0, ValueError), ("backoff_factor", 1.5, ValueError),
     ("backoff_factor", NAN, ValueError),
     ("growth_interval", 0, ValueError), ("growth_interval", 1.5, ValueError), ("growth_interval", -1, ValueError),
+    ("growth_interval", INF, ValueError), ("growth_interval", NAN, ValueError),
     ("min_scale", -1.0, ValueError), ("min_scale", NAN, ValueError), ("min_scale", INF, ValueError),
     ("max_scale", 0.0, ValueError), ("max_scale", NAN, ValueError),
-    ("hysteresis", 0, ValueError), ("hysteresis", 2.5, ValueError),
+    ("hysteresis", 0, ValueError), ("hysteresis", 2.5, ValueError), ("hysteresis", INF, ValueError),
+    ("hysteresis", NAN, ValueError),
     ("growth_factor", "tensor", TypeError), ("min_scale", None, TypeError),
 ]
 for _setting, _value, _exc in _BAD_SETTINGS:
@@ -575,6 +577,8 @@ _BAD_HPARAMS = [
     ("get_policy-not-a-string", TypeError, ["get_policy"], lambda: af.get_policy(16)),
     ("cosine_decay_schedule-steps-negative", ValueError, ["decay_steps"],
      lambda: af.cosine_decay_schedule(1.0, -5)),
+    ("warmup_cosine_decay_schedule-init-nan", ValueError, ["warmup_cosine_decay_schedule", "init_value"],
+     lambda: af.warmup_cosine_decay_schedule(NAN, 1.0, 2, 10)),
 ]
 for _hid, _exc, _names, _make in _BAD_HPARAMS:
     add(_hid, _exc, _names, lambda make=_make: (make, None))

@@ -72,12 +72,21 @@ def test_skip_or_apply_restores_every_leaf_bit_for_bit():
     assert taken[1].loss_scale.item() == 4.0
 
 
-def test_unscale_serves_gradient_penalties_without_a_check():
-    ls = af.StaticLossScale(64.0)
+@pytest.mark.parametrize("ls", [af.StaticLossScale(64.0), af.DynamicLossScale(2.0**10), af.NoOpLossScale()],
+                         ids=["static", "dynamic", "noop"])
+def test_unscale_serves_gradient_penalties_and_the_penalty_backpropagates(ls):
+    # loss = sum(x^2): g = 2x, penalty = sum(g^2) = 4 sum(x^2), d penalty / dx = 8x.
     x = torch.randn(4, requires_grad=True)
     scaled = af.scale_loss((x ** 2).sum(), ls)
     (g,) = torch.autograd.grad(scaled, x, create_graph=True)
-    assert torch.allclose(af.unscale({"x": g}, ls)["x"], 2 * x)
+    unscaled = af.unscale({"x": g}, ls)["x"]
+    torch.testing.assert_close(unscaled, 2 * x)
+    assert unscaled.requires_grad  # the kernels have no backward: plain ops serve this case
+    unscaled.square().sum().backward()
+    torch.testing.assert_close(x.grad, 8 * x.detach())
+    with torch.no_grad():  # the same numbers as the kernel's unscale, bit for bit
+        kernel = af.unscale({"x": g.detach()}, ls)["x"]
+    assert torch.equal(unscaled.detach(), kernel)
 
 
 def test_fp16_without_scaling_flushes_small_gradients_that_scaling_keeps():

@@ -47,7 +47,23 @@ def _check_steps(value, what: str) -> int:
 
 
 def constant_schedule(value: float) -> Schedule:
-    """``value`` at every step."""
+    """A constant schedule: ``value`` at every step.
+
+    Args:
+      value: the value, a finite number.
+
+    Returns:
+      A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
+      to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
+
+    Example:
+      >>> sched = af.constant_schedule(0.5)
+      >>> float(sched(torch.tensor(3))), float(sched(100))
+      (0.5, 0.5)
+
+    Cost: building it allocates nothing; each call is a cast of the count and one fill on its
+    device (an int count first becomes a CPU tensor). No host sync.
+    """
     value = _check_number(value, "constant_schedule: value")
 
     def schedule(count):
@@ -58,9 +74,31 @@ def constant_schedule(value: float) -> Schedule:
 
 def linear_schedule(init_value: float, end_value: float, transition_steps: int,
                     transition_begin: int = 0) -> Schedule:
-    """``init_value`` until ``transition_begin``, then linearly to ``end_value`` over
+    """A linear schedule from ``init_value`` to ``end_value``, as optax's.
+
+    ``init_value`` until ``transition_begin``, then linearly to ``end_value`` over
     ``transition_steps`` steps, then ``end_value``. ``transition_steps <= 0`` gives the constant
-    ``init_value`` (as optax)."""
+    ``init_value`` (as optax).
+
+    Args:
+      init_value: the value up to ``transition_begin``, a finite number.
+      end_value: the value from ``transition_begin + transition_steps`` on, a finite number.
+      transition_steps: the length of the ramp in steps, an int.
+      transition_begin: the step at which the ramp starts, an int ``>= 0``.
+
+    Returns:
+      A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
+      to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
+
+    Example:
+      >>> sched = af.linear_schedule(1.0, 0.0, transition_steps=4)
+      >>> [float(sched(c)) for c in (0, 2, 4, 9)]
+      [1.0, 0.5, 0.0, 0.0]
+      >>> tx = af.sgd(sched)  # the optimizer evaluates it at its own step count
+
+    Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
+    (an int count first becomes a CPU tensor). No host sync.
+    """
     init_value = _check_number(init_value, "linear_schedule: init_value")
     end_value = _check_number(end_value, "linear_schedule: end_value")
     transition_steps = _check_steps(transition_steps, "linear_schedule: transition_steps")
@@ -80,9 +118,30 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
 
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0,
                           exponent: float = 1.0) -> Schedule:
-    """``init_value * ((1 - alpha) * c ** exponent + alpha)`` with
+    """A cosine decay from ``init_value`` to ``alpha * init_value``, as optax's.
+
+    ``init_value * ((1 - alpha) * c ** exponent + alpha)`` with
     ``c = (1 + cos(pi * min(count, decay_steps) / decay_steps)) / 2``: from ``init_value`` down to
-    ``alpha * init_value`` over ``decay_steps`` steps, constant after."""
+    ``alpha * init_value`` over ``decay_steps`` steps, constant after.
+
+    Args:
+      init_value: the value at step 0, a finite number.
+      decay_steps: the length of the decay in steps, a positive int.
+      alpha: the final value as a fraction of ``init_value``.
+      exponent: the power applied to the cosine factor ``c``.
+
+    Returns:
+      A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
+      to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
+
+    Example:
+      >>> sched = af.cosine_decay_schedule(1.0, decay_steps=4, alpha=0.5)
+      >>> [float(sched(c)) for c in (0, 2, 4, 9)]
+      [1.0, 0.75, 0.5, 0.5]
+
+    Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
+    (an int count first becomes a CPU tensor). No host sync.
+    """
     init_value = _check_number(init_value, "cosine_decay_schedule: init_value")
     decay_steps = _check_steps(decay_steps, "cosine_decay_schedule: decay_steps")
     alpha = _check_number(alpha, "cosine_decay_schedule: alpha")
@@ -100,8 +159,33 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
 
 def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int, decay_steps: int,
                                  end_value: float = 0.0, exponent: float = 1.0) -> Schedule:
-    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
-    decay to ``end_value`` at ``decay_steps`` (counted from 0, warmup included), as optax."""
+    """A linear warmup followed by a cosine decay, as optax's.
+
+    Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
+    decay (:func:`cosine_decay_schedule`) to ``end_value`` at ``decay_steps`` (counted from 0,
+    warmup included), constant after.
+
+    Args:
+      init_value: the value at step 0, a finite number.
+      peak_value: the value at the end of the warmup, a finite number.
+      warmup_steps: the length of the warmup in steps, an int ``>= 0``.
+      decay_steps: the step at which ``end_value`` is reached, an int ``> warmup_steps``.
+      end_value: the final value (reached only when ``peak_value != 0``; a zero peak decays to 0).
+      exponent: the power applied to the cosine factor.
+
+    Returns:
+      A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
+      to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
+
+    Example:
+      >>> sched = af.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
+      >>> [float(sched(c)) for c in (0, 1, 2, 6, 9)]
+      [0.0, 0.5, 1.0, 0.0, 0.0]
+
+    Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
+    (an int count first becomes a CPU tensor). No host sync.
+    """
+    init_value = _check_number(init_value, "warmup_cosine_decay_schedule: init_value")
     peak_value = _check_number(peak_value, "warmup_cosine_decay_schedule: peak_value")
     end_value = _check_number(end_value, "warmup_cosine_decay_schedule: end_value")
     warmup_steps = _check_steps(warmup_steps, "warmup_cosine_decay_schedule: warmup_steps")
@@ -122,10 +206,34 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
 
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float, transition_begin: int = 0,
                       staircase: bool = False, end_value: Optional[float] = None) -> Schedule:
-    """``init_value * decay_rate ** ((count - transition_begin) / transition_steps)`` after
+    """An exponential decay of ``init_value`` by ``decay_rate`` per ``transition_steps``, as optax's.
+
+    ``init_value * decay_rate ** ((count - transition_begin) / transition_steps)`` after
     ``transition_begin`` (``init_value`` before), the exponent floored with ``staircase``, and
-    bounded by ``end_value`` (a floor when decaying, a ceiling when growing), as optax.
-    ``transition_steps <= 0`` gives the constant ``init_value``."""
+    bounded by ``end_value`` (a floor when decaying, a ceiling when growing).
+    ``transition_steps <= 0`` gives the constant ``init_value``.
+
+    Args:
+      init_value: the value up to ``transition_begin``, a finite number.
+      transition_steps: the number of steps per factor of ``decay_rate``, an int.
+      decay_rate: the factor per ``transition_steps``, a non-zero finite number (``> 1`` grows).
+      transition_begin: the step at which the decay starts, an int ``>= 0``.
+      staircase: decay in whole steps (the exponent floored) instead of continuously.
+      end_value: a bound on the value (a floor when ``decay_rate < 1``, else a ceiling), or None.
+
+    Returns:
+      A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
+      to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
+
+    Example:
+      >>> sched = af.exponential_decay(1.0, transition_steps=2, decay_rate=0.5, staircase=True,
+      ...                              end_value=0.25)
+      >>> [float(sched(c)) for c in range(7)]
+      [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.25]
+
+    Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
+    (an int count first becomes a CPU tensor). No host sync.
+    """
     init_value = _check_number(init_value, "exponential_decay: init_value")
     decay_rate = _check_number(decay_rate, "exponential_decay: decay_rate")
     transition_steps = _check_steps(transition_steps, "exponential_decay: transition_steps")
