@@ -643,6 +643,8 @@ def copy_to_module(model: torch.nn.Module, params: PyTree, buffers: PyTree | Non
     if unknown:
         raise KeyError(f"copy_to_module: the model has no parameter or buffer named {unknown[:5]}")
     for path, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"copy_to_module: {path!r} is a {type(value).__name__}, not a tensor")
         if tuple(value.shape) != tuple(targets[path].shape):
             raise ValueError(f"copy_to_module: {path!r} has shape {tuple(value.shape)}, the model's is "
                              f"{tuple(targets[path].shape)}")

@@ -109,7 +109,8 @@ def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any 
 
     Args:
       stats: the :class:`StepStats` so far.
-      finite: the step's flag, a one-element tensor (cast to bool) or a Python ``bool``.
+      finite: the step's flag, a one-element bool tensor or a Python ``bool`` (a float or
+        integer flag is refused: a NaN would read as True).
       loss_scale: the scale after the step's update (a loss scale object, a one-element tensor
         or a number); ``1.0`` (the default) when training without scaling.
 
@@ -131,9 +132,10 @@ def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any 
         raise TypeError(f"record: stats must be StepStats (from init_stats()), got {type(stats).__name__}")
     if isinstance(finite, bool):
         finite = torch.tensor(finite, device=stats.steps.device)
-    if not isinstance(finite, torch.Tensor) or finite.numel() != 1:
+    if not isinstance(finite, torch.Tensor) or finite.numel() != 1 or finite.dtype != torch.bool:
+        # A float flag would read NaN as True: the flags of ampfunc's steps are bool tensors.
         raise ValueError(f"record: finite must be a 0-d bool tensor, got {finite!r}")
-    finite = finite.detach().reshape(()).to(torch.bool)
+    finite = finite.detach().reshape(())
     device = finite.device
     if stats.steps.device != device:
         stats = StepStats(*(t.to(device) for t in stats))
@@ -497,7 +499,7 @@ class TrainingMonitor:
         device = steps.device
         if isinstance(finite, bool):
             finite = torch.tensor(finite, device=device)
-        if not isinstance(finite, torch.Tensor) or finite.numel() != 1:
+        if not isinstance(finite, torch.Tensor) or finite.numel() != 1 or finite.dtype != torch.bool:
             raise ValueError(f"TrainingMonitor.record: finite must be a 0-d bool tensor, got {finite!r}")
         finite = finite.detach().reshape(()).to(device=device, dtype=torch.bool)
         scale = _scale_tensor(loss_scale, device)

@@ -157,7 +157,9 @@ def _select_leaf(pred: torch.Tensor, path: str):
                     f"select_tree: leaf {path!r} has shape {tuple(x.shape)} in the new tree "
                     f"and {tuple(y.shape)} in the old one"
                 )
-            p = pred if pred.device == x.device else pred.to(x.device, non_blocking=True)
+            # Non-blocking only towards an accelerator: a non-blocking copy to the host may
+            # still be in flight when torch.where reads it.
+            p = pred if pred.device == x.device else pred.to(x.device, non_blocking=x.device.type != "cpu")
             return torch.where(p, x, y)
         if x is y or x == y:
             return x

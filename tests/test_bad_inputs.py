@@ -579,6 +579,12 @@ _BAD_HPARAMS = [
      lambda: af.cosine_decay_schedule(1.0, -5)),
     ("warmup_cosine_decay_schedule-init-nan", ValueError, ["warmup_cosine_decay_schedule", "init_value"],
      lambda: af.warmup_cosine_decay_schedule(NAN, 1.0, 2, 10)),
+    # A float flag would count a NaN as a finite step.
+    ("record-float-flag", ValueError, ["record", "finite"], lambda: af.record(af.init_stats(), torch.tensor(NAN))),
+    ("TrainingMonitor.record-float-flag", ValueError, ["TrainingMonitor.record", "finite"],
+     lambda: af.TrainingMonitor({"w": torch.zeros(2)}).record(torch.tensor(1.0))),
+    ("copy_to_module-non-tensor", TypeError, ["copy_to_module", "'weight'", "int"],
+     lambda: af.copy_to_module(torch.nn.Linear(2, 2), {"weight": 3})),
 ]
 for _hid, _exc, _names, _make in _BAD_HPARAMS:
     add(_hid, _exc, _names, lambda make=_make: (make, None))
