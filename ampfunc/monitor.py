@@ -169,19 +169,58 @@ def skip_rate(stats: StepStats) -> torch.Tensor:
     return stats.skipped.to(torch.float32) / stats.steps.clamp(min=1).to(torch.float32)
 
 
+def _to_host(tensors) -> list:
+    """The tensors on the CPU, in one device-to-host copy (so one sync off the CPU).
+
+    A copy per tensor would sync once each: the tensors travel as one int64 vector of their
+    words (:func:`_as_words`) and come back as they were (:func:`_from_words`).
+    """
+    tensors = [t.detach() for t in tensors]
+    if not tensors or all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    if len({t.device for t in tensors}) > 1:  # one copy per device would still sync once each
+        return [t.cpu() for t in tensors]
+    return _from_words(_as_words(tensors).cpu(), tensors)
+
+
+def _as_words(tensors) -> torch.Tensor:
+    """The tensors as one int64 vector, each value kept exactly: fp32 by its bits (NaN
+    payloads included), int32/int64/bool by value."""
+    words = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        if t.dtype == torch.float32:
+            flat = flat.view(torch.int32)
+        elif t.dtype not in (torch.int64, torch.int32, torch.bool):
+            raise TypeError(f"monitor: a counter of dtype {t.dtype} cannot be read back exactly")
+        words.append(flat.to(torch.int64))
+    return torch.cat(words)
+
+
+def _from_words(words: torch.Tensor, like) -> list:
+    """:func:`_as_words` undone: tensors of ``like``'s dtypes and shapes from ``words``."""
+    out, at = [], 0
+    for t in like:
+        chunk = words[at:at + t.numel()]
+        at += t.numel()
+        chunk = chunk.to(torch.int32).view(torch.float32) if t.dtype == torch.float32 else chunk.to(t.dtype)
+        out.append(chunk.reshape(t.shape))
+    return out
+
+
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
-    Reads the stats back to the host (one sync): call it when you log, not every step.
+    Reads the stats back to the host in one copy (one sync): call it when you log, not every
+    step.
     """
-    values = torch.stack([t.to(device="cpu", dtype=torch.float64) for t in stats]).tolist()
-    steps, skipped, consecutive, scale = values
+    steps, skipped, consecutive, scale = (t.item() for t in _to_host(stats))
     return {
         "steps": int(steps),
         "skipped": int(skipped),
         "skip_rate": skipped / steps if steps else 0.0,
         "consecutive_skips": int(consecutive),
-        "last_scale": scale,
+        "last_scale": float(scale),
     }
 
 
@@ -387,7 +426,7 @@ class LeafFlagsHook:
 
 
 _MON_FIELDS = ("steps", "skipped", "consecutive_skips", "scale", "growth_tracker", "loss_window",
-               "scale_window", "finite_window", "leaf_overflows")
+               "scale_window", "finite_window", "leaf_overflows", "loss_given_window")
 
 
 class TrainingMonitor:
@@ -455,6 +494,9 @@ class TrainingMonitor:
             torch.full((window,), math.nan, **f32), torch.full((window,), math.nan, **f32),
             torch.ones(window, dtype=torch.bool, device=device),
             torch.zeros(len(config.leaf_paths), **i64),
+            # Which window slots hold a recorded loss: NaN in the loss window is then a loss
+            # that was NaN (a diverged run), not a step recorded without one.
+            torch.zeros(window, dtype=torch.bool, device=device),
         )
         self._tensors, self._config = tensors, config
 
@@ -487,15 +529,16 @@ class TrainingMonitor:
           loss_scale: the loss scale after the step's update (a loss scale, a 0-d tensor or a
             number; ``1.0`` without scaling). A :class:`DynamicLossScale`'s growth tracker is
             kept too.
-          loss: the step's (unscaled) loss, a 0-d tensor or a number; ``None`` records NaN,
-            which the loss checks ignore.
+          loss: the step's (unscaled) loss, a 0-d tensor or a number; ``None`` records no loss
+            (NaN in :meth:`history`, skipped by the loss checks). A recorded NaN or inf loss
+            is a diverged run: :meth:`check_health` raises the loss alert.
           leaf_nonfinite: bool vector over ``leaf_paths`` (from :func:`leaf_nonfinite` or the
             step's check pass); ``None`` counts nothing for this step.
 
         Returns:
           A new :class:`TrainingMonitor`.
         """
-        steps, skipped, consec, _, _, loss_w, scale_w, finite_w, leaf_counts = self._tensors
+        steps, skipped, consec, _, _, loss_w, scale_w, finite_w, leaf_counts, given_w = self._tensors
         device = steps.device
         if isinstance(finite, bool):
             finite = torch.tensor(finite, device=device)
@@ -506,6 +549,7 @@ class TrainingMonitor:
         tracker = getattr(loss_scale, "growth_tracker", None)
         tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64) if isinstance(tracker, torch.Tensor)
                    else torch.zeros((), dtype=torch.int64, device=device))
+        given = torch.full((), loss is not None, dtype=torch.bool, device=device)  # a fill, not a copy
         if loss is None:
             loss_t = torch.full((), math.nan, dtype=torch.float32, device=device)
         elif isinstance(loss, torch.Tensor):
@@ -528,7 +572,7 @@ class TrainingMonitor:
         return TrainingMonitor.from_tensors((
             steps + 1, skipped + overflow, (consec + 1) * overflow, scale, tracker,
             torch.where(here, loss_t, loss_w), torch.where(here, scale, scale_w), torch.where(here, finite, finite_w),
-            new_counts,
+            new_counts, torch.where(here, given, given_w),
         ), self._config)
 
     def record_state(self, state: Any, *, loss: Any = None,
@@ -548,7 +592,7 @@ class TrainingMonitor:
     # -- readers (one host sync each) ------------------------------------------------------
 
     def _host(self) -> dict:
-        t = [x.detach().cpu() for x in self._tensors]
+        t = _to_host(self._tensors)
         steps, window = int(t[0]), self._config.window
         n = min(steps, window)
         order = [(steps - n + i) % window for i in range(n)]  # oldest first
@@ -556,6 +600,7 @@ class TrainingMonitor:
             "steps": steps, "skipped": int(t[1]), "consecutive_skips": int(t[2]), "scale": float(t[3]),
             "growth_tracker": int(t[4]), "loss": t[5][order].tolist(), "scale_hist": t[6][order].tolist(),
             "finite": t[7][order].tolist(), "first_step": steps - n, "leaf_counts": t[8].tolist(),
+            "loss_given": t[9][order].tolist(),
         }
 
     def history(self) -> dict:
@@ -599,7 +644,7 @@ class TrainingMonitor:
         {"loss_exploding", "skip_rate_high", "scale_falling": bool}, "overflowing_leaves":
         {path: count}}``. The alerts:
 
-        * loss exploding: a non-finite loss in the window, or the mean of the last few losses
+        * loss exploding: a non-finite (inf or NaN) recorded loss in the window, or the mean of the last few losses
           above ``explode_factor`` times the median of the earlier ones;
         * skip rate high: more than ``max_skip_rate`` of the window's steps skipped (once it
           holds ``min_steps``);
@@ -614,11 +659,11 @@ class TrainingMonitor:
         c = self._config
         if h["steps"] == 0:
             return {"status": "no_data", "alerts": [], "checks": {}}
-        losses = [x for x in h["loss"] if not math.isnan(x)]
+        losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
         window_skip_rate = 1.0 - sum(h["finite"]) / len(h["finite"])
         checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False}
         alerts = []
-        if any(math.isinf(x) for x in losses):
+        if not all(math.isfinite(x) for x in losses):
             checks["loss_exploding"] = True
             alerts.append("loss is not finite: the run diverged (learning rate too high, or a layer "
                           "overflowing in the forward pass)")
@@ -673,7 +718,11 @@ class TrainingMonitor:
         return {"tensors": self._tensors, "config": tuple(self._config)}
 
     def __setstate__(self, state):
-        self._tensors, self._config = tuple(state["tensors"]), MonitorConfig(*state["config"])
+        tensors = tuple(state["tensors"])
+        if len(tensors) == len(_MON_FIELDS) - 1:
+            # Saved before the loss_given window existed: a loss was recorded where it is not NaN.
+            tensors += (~torch.isnan(tensors[5]),)
+        self._tensors, self._config = tensors, MonitorConfig(*state["config"])
 
 
 optree.register_pytree_node(TrainingMonitor, lambda m: (m._tensors, m._config, _MON_FIELDS),

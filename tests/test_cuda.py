@@ -1626,6 +1626,34 @@ def test_mixed_precision_step_never_syncs_with_the_host(cuda_backend, pure):
     assert all(bool(torch.isfinite(p).all()) for p in params.values())
 
 
+@needs_cuda
+def test_the_monitor_readers_sync_once_each():
+    import warnings
+    mon = af.TrainingMonitor({"a": torch.ones(3, device="cuda"), "b": torch.ones(2, device="cuda")}, window=8)
+    stats = af.init_stats("cuda")
+    for ok in (True, False, True):
+        flag = torch.tensor(ok, device="cuda")
+        mon = mon.record(flag, 1024.0, loss=torch.tensor(0.5, device="cuda"),
+                         leaf_nonfinite=torch.tensor([not ok, False], device="cuda"))
+        stats = af.record(stats, flag, 1024.0)
+    torch.cuda.synchronize()
+    readers = {"check_health": mon.check_health, "as_dict": mon.as_dict, "history": mon.history,
+               "summary": lambda: af.monitor.summary(stats), "health": lambda: af.health(stats)}
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        for name, read in readers.items():
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                read()
+            torch.cuda.set_sync_debug_mode(previous)
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            assert len(syncs) == 1, (name, [str(w.message) for w in syncs])
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert mon.overflows() == {"a": 1} and af.monitor.summary(stats)["skipped"] == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The ops added for the pure optimizers and the robust norm, on CUDA, against the CPU kernels
 # (the CUDA updates are one pass, the in-place kernels' arithmetic: within fp32 rounding of the CPU's)

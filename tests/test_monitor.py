@@ -261,7 +261,7 @@ def test_record_is_pure_sync_free_and_compiles_fullgraph():
 def test_the_monitor_is_a_pytree_that_round_trips_through_torch_save():
     mon, _ = healthy_run(steps=7, window=5)
     leaves = af.tree.tree_leaves(mon)
-    assert len(leaves) == 9 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert len(leaves) == 10 and all(isinstance(t, torch.Tensor) for t in leaves)
     buf = io.BytesIO()
     torch.save(mon, buf)
     buf.seek(0)
@@ -312,3 +312,36 @@ def test_the_steps_own_check_pass_feeds_the_per_leaf_counts():
             mon = mon.record_state(state, loss=1.0, leaf_nonfinite=hook.take())
         assert mon.overflows() == {"a": 2, "b": 1} and int(state.skipped) == 3
         assert hook.take() is None
+
+
+def test_a_nan_loss_is_a_diverged_run_and_a_step_without_a_loss_is_not():
+    mon, _ = healthy_run(steps=30)
+    for loss in (torch.tensor(float("nan")), float("nan")):
+        h = mon.record(torch.tensor(True), 1024.0, loss=loss).check_health()
+        assert h["checks"]["loss_exploding"] and "not finite" in h["alerts"][0], h
+    quiet = mon
+    for _ in range(5):  # steps recorded without a loss say nothing about it
+        quiet = quiet.record(torch.tensor(True), 1024.0)
+    h = quiet.check_health()
+    assert h["status"] == "healthy" and h["current_loss"] == mon.check_health()["current_loss"]
+    assert quiet.history()["loss"][-1] != quiet.history()["loss"][-1]  # NaN in the history
+
+
+def test_a_monitor_pickled_before_the_loss_given_window_still_loads():
+    mon = TrainingMonitor(window=4).record(torch.tensor(True), 1.0, loss=2.0).record(torch.tensor(True), 1.0)
+    old = {"tensors": mon._tensors[:9], "config": tuple(mon.config)}  # the nine tensors of earlier releases
+    restored = TrainingMonitor.__new__(TrainingMonitor)
+    restored.__setstate__(old)
+    assert restored.history()["loss"][0] == 2.0 and restored.check_health()["current_loss"] == 2.0
+    assert restored.record(torch.tensor(True), 1.0, loss=float("nan")).check_health()["checks"]["loss_exploding"]
+
+
+def test_the_readers_move_the_counters_as_exact_words():
+    from ampfunc.monitor import _as_words, _from_words
+    tensors = [torch.tensor(2 ** 60 + 1), torch.tensor([float("nan"), -0.0, 3.5, float("inf")]),
+               torch.tensor([True, False]), torch.tensor(-7, dtype=torch.int32)]
+    back = _from_words(_as_words(tensors), tensors)
+    for a, b in zip(tensors, back):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b)
