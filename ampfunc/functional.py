@@ -573,7 +573,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
                       for k, v in state.params.items()}
         new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped,
                                new8 if fp8 is not None else None)
-        return new_state, StepOutput(loss, mp.finite, ls.loss_scale, aux if has_aux else None)
+        return new_state, StepOutput(loss, mp.finite, _scale_on(ls, mp.finite.device), aux if has_aux else None)
 
     def step_(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
         ls = state.loss_scale
@@ -582,7 +582,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # lets a custom op that mutates the input (the scale update) write it in place, so the
         # "copy" would read the updated scale (the remove_noop_ops bugs pytorch/pytorch#198131 and
         # #198031); a stack is a real copy.
-        used_scale = torch.stack([ls.loss_scale])[0]
+        used_scale = torch.stack([_scale_on(ls, state.finite.device)])[0]
         grads, new8, loss, new_buffers, aux = gradients(state, batch)
         mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
         # Validates everything before its first write; the writes below come after it.
@@ -603,6 +603,13 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
 
     step._inplace = step_
     return TrainStep(init, step)
+
+
+def _scale_on(ls: LossScale, device) -> torch.Tensor:
+    """The 0-d scale a step's loss was multiplied by, on the step's device: a no-op scale's 1.0
+    is made there (its ``loss_scale`` is a CPU tensor), so every ``StepOutput`` field sits
+    beside the params."""
+    return torch.ones((), dtype=torch.float32, device=device) if isinstance(ls, NoOpLossScale) else ls.loss_scale
 
 
 def _copy_leaves(dst: PyTree, src: PyTree) -> None:

@@ -1627,6 +1627,17 @@ def test_mixed_precision_step_never_syncs_with_the_host(cuda_backend, pure):
 
 
 @needs_cuda
+@pytest.mark.parametrize("loss_scale", [None, af.DynamicLossScale()], ids=["noop", "dynamic"])
+def test_make_train_step_outputs_live_on_the_params_device(cuda_backend, loss_scale):
+    model = torch.nn.Linear(8, 2).cuda()
+    train = af.make_train_step(model, lambda fwd, x: fwd(x).square().mean(), af.adamw(1e-3), loss_scale=loss_scale)
+    x = torch.randn(4, 8, device="cuda")
+    for step in (train.step, train.step_):
+        _, out = step(train.init(), x)
+        assert {out.loss.device.type, out.finite.device.type, out.loss_scale.device.type} == {"cuda"}, out
+
+
+@needs_cuda
 def test_the_monitor_readers_sync_once_each():
     import warnings
     mon = af.TrainingMonitor({"a": torch.ones(3, device="cuda"), "b": torch.ones(2, device="cuda")}, window=8)
