@@ -242,9 +242,9 @@ def _pack(leaves: list, dtypes: list, zeros: bool) -> list:
             for t, dt, off in zip(leaves, dtypes, offsets)]
 
 
-def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
+def zeros_packed(tree: PyTree, dtype: torch.dtype | Callable[[torch.dtype], torch.dtype] = torch.float32) -> PyTree:
     """Zeros shaped like each float leaf of ``tree`` (in ``dtype``), as views of one new buffer
-    per device: an optimizer's moments laid out as one stream.
+    per (device, dtype): an optimizer's moments laid out as one stream.
 
     A kernel step over 10,000 separately allocated leaves reads each list as 10,000 short runs
     scattered over the heap; over views of one buffer it reads one run. The views are ordinary
@@ -257,7 +257,8 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
 
     Args:
       tree: a pytree of floating tensors (an optimizer's params).
-      dtype: the dtype of the zeros (the moments' dtype: float32).
+      dtype: the dtype of the zeros, or a rule giving it from a leaf's dtype (the optimizers'
+        :func:`ampfunc.optim.base.state_dtype`: float32, float64 for float64 leaves).
 
     Returns:
       The tree of zeros (same structure).
@@ -270,9 +271,10 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
     Cost: one allocation and one zero fill per device; no host sync.
     """
     leaves, spec = tree_flatten(tree)
-    views = _pack(leaves, [dtype] * len(leaves), zeros=True)
-    return tree_unflatten(spec, [v if v is not None else torch.zeros_like(t, dtype=dtype)
-                                 for t, v in zip(leaves, views)])
+    dtypes = [dtype(t.dtype) for t in leaves] if callable(dtype) else [dtype] * len(leaves)
+    views = _pack(leaves, dtypes, zeros=True)
+    return tree_unflatten(spec, [v if v is not None else torch.zeros_like(t, dtype=dt)
+                                 for t, dt, v in zip(leaves, dtypes, views)])
 
 
 def copy_packed(tree: PyTree, dtype_of: Callable[[torch.dtype], torch.dtype]) -> PyTree:

@@ -86,30 +86,39 @@ def _valid_scale(loss_scale: torch.Tensor) -> torch.Tensor:
 def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor | None, what: str):
     """``(tree in fp32 times inv_scale, finite)``; errors name the non-floating leaf.
 
-    ``inv_scale=None`` means no scaling: the leaves are only cast (fp32 leaves are returned as
-    they are) and checked with one read-only pass.
+    fp64 leaves stay fp64 (the product taken in fp64): an fp64 model's gradients would lose
+    29 bits in fp32, and its optimizer computes in fp64. ``inv_scale=None`` means no scaling:
+    the leaves are only cast (fp32 and fp64 leaves are returned as they are) and checked with
+    one read-only pass.
     """
     _, leaves = float_leaves_with_paths(tree, what)
     _, spec = tree_flatten(tree)
     if inv_scale is None:
-        return tree_unflatten(spec, [t.to(torch.float32) for t in leaves]), ops.all_finite(leaves)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        return tree_unflatten(spec, [_widened(t) for t in leaves]), ops.all_finite(leaves)
+    wide = [i for i, t in enumerate(leaves) if t.dtype == torch.float64]
+    if wide or (torch.is_grad_enabled() and any(t.requires_grad for t in leaves)):
         # A gradient penalty differentiates through the unscale (grads taken with
-        # create_graph=True), and the kernels have no backward: plain torch ops, the same values
-        # (the product in fp32), with the finite flag from the check pass.
-        outs = [t.to(torch.float32) * inv_scale for t in leaves]
+        # create_graph=True), and the kernels have no backward; the kernels also write fp32
+        # only. Plain torch ops then, the same values (the product in fp32, fp64 for fp64
+        # leaves), with the finite flag from the check pass.
+        outs = [_widened(t) * inv_scale.to(_widened(t).dtype) for t in leaves]
         return tree_unflatten(spec, outs), ops.all_finite([t.detach() for t in leaves])
     outs, finite = ops.unscale(leaves, inv_scale)
     return tree_unflatten(spec, outs), finite
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or as it is when fp64 (no copy for an fp32 or fp64 tensor)."""
+    return t if t.dtype == torch.float64 else t.to(torch.float32)
 
 
 class LossScale:
     """The interface of every loss scale (jmp's ``LossScale``).
 
     Methods: ``scale(loss)`` (the loss in fp32 times the scale), ``unscale(tree)`` and
-    ``unscale_and_check(tree)`` (floating leaves in fp32 times ``inv_scale``, and whether they
-    were all finite), ``adjust(finite)`` (the next loss scale, pure) and ``adjust_(finite)`` (in
-    place), ``is_valid()``. None of them reads a tensor back to the host.
+    ``unscale_and_check(tree)`` (floating leaves in fp32, fp64 ones in fp64, times
+    ``inv_scale``, and whether they were all finite), ``adjust(finite)`` (the next loss scale,
+    pure) and ``adjust_(finite)`` (in place), ``is_valid()``. None of them reads a tensor back to the host.
 
     Attributes:
       loss_scale: 0-d fp32 tensor, the factor the loss is multiplied by.

@@ -90,8 +90,8 @@ def unscale(tree: PyTree, ls: LossScale) -> PyTree:
       ls: the loss scale they were scaled by.
 
     Returns:
-      A new tree of fp32 tensors (with :class:`NoOpLossScale` fp32 leaves are returned as they
-      are). Use :func:`unscale_and_check` for the finite flag.
+      A new tree of fp32 tensors (fp64 leaves stay fp64; with :class:`NoOpLossScale` fp32 and
+      fp64 leaves are returned as they are). Use :func:`unscale_and_check` for the finite flag.
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
@@ -116,8 +116,8 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
       group: a ``torch.distributed`` process group: every rank gets the same flag.
 
     Returns:
-      ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (with :class:`NoOpLossScale`,
-      fp32 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
+      ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (fp64 gradients stay fp64; with
+      :class:`NoOpLossScale`, fp32 and fp64 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
       ``True`` when every element was finite.
 
     Example:

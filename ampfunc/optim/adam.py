@@ -16,14 +16,15 @@ import torch
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
-    as_fp32,
-    device_groups,
+    arithmetic_groups,
+    as_dtype,
     ScalarOrSchedule,
     check_lr,
     check_nonneg,
     checked_inputs,
     lr_at,
     on,
+    state_dtype,
     step_device,
     warn_low_precision_params,
 )
@@ -39,9 +40,9 @@ class AdamState(NamedTuple):
 
     Attributes:
       step: 0-d float32 tensor on the params' device, the number of applied steps.
-      exp_avg: fp32 pytree like the params, the first moment ``m``.
-      exp_avg_sq: fp32 pytree like the params, the second moment ``v``.
-      max_exp_avg_sq: fp32 pytree like the params, the running maximum of ``v``, with
+      exp_avg: fp32 pytree like the params (fp64 leaves for fp64 params), the first moment ``m``.
+      exp_avg_sq: like ``exp_avg``, the second moment ``v``.
+      max_exp_avg_sq: like ``exp_avg``, the running maximum of ``v``, with
         ``amsgrad``; else ``None`` (always ``None`` for :func:`scale_by_adam`).
 
     Example:
@@ -112,7 +113,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
     def init(params):
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, kind)
-        zeros = lambda: zeros_packed(params)  # noqa: E731  (one buffer per moment: see zeros_packed)
+        zeros = lambda: zeros_packed(params, state_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
@@ -141,19 +142,21 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         bc1 = 1 - torch.pow(beta1, step64)
         bc2 = 1 - torch.pow(beta2, step64)
         lr64 = lr_t if isinstance(lr_t, float) else lr_t.to(torch.float64)
-        neg_step_size = (-(lr64 / bc1)).to(torch.float32)
-        bc2_sqrt = bc2.sqrt().to(torch.float32)
+        # Rounded per group to its arithmetic dtype, as torch rounds its Python doubles.
+        neg_step_size64, bc2_sqrt64 = -(lr64 / bc1), bc2.sqrt()
         decay = None
         if decoupled and weight_decay != 0:
             decay = 1 - lr_t * weight_decay  # float, or 0-d fp32 tensor for a schedule
 
         deltas, new_m, new_v, new_vmax = [None] * n, [None] * n, [None] * n, [None] * n
-        for dev, idx in device_groups(gs).items():
-            # One foreach launch per op and device; each op is the one torch's Adam performs.
-            g = as_fp32([gs[i] for i in idx])
+        for (dev, dt), idx in arithmetic_groups(gs, ps, ms).items():
+            # One foreach launch per op, device and dtype (fp32, fp64 for fp64 params); each op
+            # is the one torch's Adam performs.
+            neg_step_size, bc2_sqrt = neg_step_size64.to(dt), bc2_sqrt64.to(dt)
+            g = as_dtype([gs[i] for i in idx], dt)
             if maximize:
                 g = torch._foreach_neg(g)
-            p = as_fp32([ps[i] for i in idx]) if ps is not None else None
+            p = as_dtype([ps[i] for i in idx], dt) if ps is not None else None
             new_p = p
             if weight_decay != 0:
                 if decoupled:
@@ -163,11 +166,12 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
             m = torch._foreach_lerp([ms[i] for i in idx], g, 1 - beta1)
             v = torch._foreach_mul([vs[i] for i in idx], beta2)
             torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            root = ops.sqrt_rounded if dt == torch.float32 else torch._foreach_sqrt
             if amsgrad:
                 vmax = torch._foreach_maximum([vmaxs[i] for i in idx], v)
-                denom = ops.sqrt_rounded(vmax)
+                denom = list(root(vmax))
             else:
-                denom = ops.sqrt_rounded(v)
+                denom = list(root(v))
             torch._foreach_div_(denom, on(bc2_sqrt, dev))
             torch._foreach_add_(denom, eps)
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == p + (-step_size * m) / denom
@@ -191,8 +195,8 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
          weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` computes it (L2 weight decay added to the gradient).
 
-    Per leaf, with ``g`` the fp32 gradient and ``t`` the new step count: ``g = -g`` if
-    ``maximize``; ``g += weight_decay * p``; ``m = lerp(m, g, 1 - beta1)``;
+    Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param) and ``t`` the new step
+    count: ``g = -g`` if ``maximize``; ``g += weight_decay * p``; ``m = lerp(m, g, 1 - beta1)``;
     ``v = beta2 * v + (1 - beta2) * g^2``; the update is
     ``-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, with
     ``vmax = max(vmax, v)`` in place of ``v`` in the denominator under ``amsgrad``. It is
@@ -316,7 +320,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def init(params):
         float_leaves_with_paths(params, "params")
-        zeros = lambda: zeros_packed(params)  # noqa: E731  (one buffer per moment: see zeros_packed)
+        zeros = lambda: zeros_packed(params, state_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
         return AdamState(torch.zeros((), dtype=torch.float32, device=step_device(params)), zeros(), zeros(), None)
 
     def update(updates, state, params=None):
@@ -326,12 +330,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         ms, vs = tree_flatten(state.exp_avg)[0], tree_flatten(state.exp_avg_sq)[0]
         step = state.step + 1
         step64 = step.to(torch.float64)
-        inv_bc1 = (1 / (1 - torch.pow(b1, step64))).to(torch.float32)
-        bc2_sqrt = (1 - torch.pow(b2, step64)).sqrt().to(torch.float32)
+        inv_bc1_64 = 1 / (1 - torch.pow(b1, step64))
+        bc2_sqrt64 = (1 - torch.pow(b2, step64)).sqrt()
         n = len(gs)
         out, new_m, new_v = [None] * n, [None] * n, [None] * n
-        for dev, idx in device_groups(gs).items():
-            g = as_fp32([gs[i] for i in idx])
+        for (dev, dt), idx in arithmetic_groups(gs, None, ms).items():
+            inv_bc1, bc2_sqrt = inv_bc1_64.to(dt), bc2_sqrt64.to(dt)
+            g = as_dtype([gs[i] for i in idx], dt)
             m = torch._foreach_lerp([ms[i] for i in idx], g, 1 - b1)
             v = torch._foreach_mul([vs[i] for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)

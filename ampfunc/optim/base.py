@@ -150,6 +150,24 @@ def device_groups(tensors: list) -> dict:
     return groups
 
 
-def as_fp32(tensors: list) -> list:
-    """The tensors in fp32 (no copy for those already fp32)."""
-    return [t.to(torch.float32) for t in tensors]
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an optimizer computes in and keeps its state in for a param of ``dtype``:
+    float32, and float64 for a float64 param, as torch.optim does (in fp32, an fp64 param
+    would only move in steps of fp32's resolution at its value)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def arithmetic_groups(grads: list, params: list | None, slot: list | None) -> dict:
+    """Indices of the leaves grouped by (device, arithmetic dtype), in first-seen order (one
+    foreach launch each). A leaf's arithmetic dtype is its state slot's (made by ``init`` with
+    :func:`state_dtype`), else :func:`state_dtype` of its param, else of its gradient."""
+    groups: dict = {}
+    for i, g in enumerate(grads):
+        dt = slot[i].dtype if slot is not None else state_dtype((params[i] if params is not None else g).dtype)
+        groups.setdefault((g.device, dt), []).append(i)
+    return groups
+
+
+def as_dtype(tensors: list, dtype: torch.dtype) -> list:
+    """The tensors in ``dtype`` (no copy for those already in it)."""
+    return [t.to(dtype) for t in tensors]

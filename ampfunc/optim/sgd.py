@@ -13,14 +13,15 @@ import torch
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
-    as_fp32,
-    device_groups,
+    arithmetic_groups,
+    as_dtype,
     ScalarOrSchedule,
     check_lr,
     check_nonneg,
     checked_inputs,
     lr_at,
     on,
+    state_dtype,
     step_device,
     warn_low_precision_params,
 )
@@ -36,7 +37,8 @@ class SgdState(NamedTuple):
 
     Attributes:
       step: 0-d float32 tensor on the params' device, the number of applied steps.
-      momentum_buffer: fp32 pytree like the params, or ``None`` when ``momentum == 0``.
+      momentum_buffer: fp32 pytree like the params (fp64 leaves for fp64 params), or ``None``
+        when ``momentum == 0``.
 
     Example:
       >>> state = af.sgd(0.1, momentum=0.9).init({"w": torch.ones(2, 3)})
@@ -82,8 +84,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         nesterov: bool = False, maximize: bool = False) -> GradientTransformation:
     """SGD as ``torch.optim.SGD`` computes it, as a pure transform.
 
-    Per leaf, with ``g`` the fp32 gradient: ``g = -g`` if ``maximize``; ``g += weight_decay * p``;
-    with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
+    Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param): ``g = -g`` if
+    ``maximize``; ``g += weight_decay * p``; with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
     after (decided on the device from ``state.step``, no host sync); ``g = g + momentum * buf``
     with ``nesterov`` else ``g = buf``; the update is ``-lr * g``, returned as the delta
     ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result
@@ -134,7 +136,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, "sgd")
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
-        buf = zeros_packed(params) if momentum != 0 else None
+        buf = zeros_packed(params, state_dtype) if momentum != 0 else None
         return SgdState(step, buf)
 
     def update(grads, state, params=None):
@@ -154,12 +156,13 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         first = state.step == 0
         deltas: list = [None] * len(gs)
         new_bufs: list = [None] * len(gs)
-        for dev, idx in device_groups(gs).items():
-            # One foreach launch per op and device; each op is the one torch's SGD performs.
-            g = as_fp32([gs[i] for i in idx])
+        for (dev, dt), idx in arithmetic_groups(gs, ps, bufs).items():
+            # One foreach launch per op, device and dtype (fp32, fp64 for fp64 params); each op
+            # is the one torch's SGD performs.
+            g = as_dtype([gs[i] for i in idx], dt)
             if maximize:
                 g = torch._foreach_neg(g)
-            p = as_fp32([ps[i] for i in idx]) if ps is not None else None
+            p = as_dtype([ps[i] for i in idx], dt) if ps is not None else None
             if weight_decay != 0:
                 g = torch._foreach_add(g, p, alpha=weight_decay)
             if momentum != 0:
