@@ -167,6 +167,19 @@ def test_unscale_in_place_rounds_the_fp32_product_to_each_leafs_dtype(backend, t
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stride", [8, 16, 32])  # one AVX2 or AVX-512 vector apart, or two
+def test_unscale_is_not_fooled_by_finite_values_whose_sum_overflows_fp32(backend, stride):
+    g = torch.zeros(4 * stride)
+    g[::stride] = 2e38  # finite; any two of them add up to inf
+    outs, finite = _unscale(backend, [g], torch.tensor(1.0))
+    assert bool(finite) and torch.equal(outs[0], g)
+    inplace = g.clone()
+    assert bool(_unscale_(backend, [inplace], torch.tensor(1.0))) and torch.equal(inplace, g)
+    g[-1] = float("inf")
+    assert not bool(_unscale(backend, [g], torch.tensor(1.0))[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_unscale_in_place_writes_through_non_contiguous_views(backend):
     base = torch.randn(20, 10)
     want = base.clone()

@@ -293,7 +293,10 @@ bool unscale_segment(const Tin* in, Tout* out, int64_t n, float inv_scale) {
   for (int64_t j = 0; j < n; j += kW) {
     fVec a, b;
     load2(in + j, n - j, a, b);
-    nf = at::vec::fmadd(a + b, zero, nf);
+    // Each lane on its own: x * 0 is NaN exactly for a non-finite x, while a + b of two
+    // finite lanes can overflow to inf and flag a finite gradient.
+    nf = at::vec::fmadd(a, zero, nf);
+    nf = at::vec::fmadd(b, zero, nf);
     store2(out + j, n - j, a * s, b * s);
   }
   const double h = hsum(nf);
