@@ -146,13 +146,14 @@ def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     Args:
       finite: 0-d bool tensor (from :func:`unscale_and_check`).
       new: the candidate trees (params, optimizer states, loss scales, or a tuple of them).
-      old: trees of the same structure and shapes.
+      old: trees of the same structure, shapes and dtypes.
 
     Returns:
       A new tree: bit-identical to ``old`` on a skipped step (``finite`` False), else ``new``.
 
     Non-tensor leaves must be equal in both trees (``ValueError`` otherwise); structures and
-    shapes must match.
+    shapes must match (``ValueError``), and dtypes (``TypeError``, naming the leaf: a skipped
+    step must not hand the old value back in another dtype).
 
     Example:
       >>> old, new = {"w": torch.zeros(2)}, {"w": torch.ones(2)}

@@ -157,6 +157,13 @@ def _select_leaf(pred: torch.Tensor, path: str):
                     f"select_tree: leaf {path!r} has shape {tuple(x.shape)} in the new tree "
                     f"and {tuple(y.shape)} in the old one"
                 )
+            if x.dtype != y.dtype:
+                # torch.where would promote: a skipped step would hand back the old value in
+                # the new dtype (and an in-place one would cast the new value into the old).
+                raise TypeError(
+                    f"select_tree: leaf {path!r} has dtype {x.dtype} in the new tree and {y.dtype} in the "
+                    "old one; cast the new tree to the old one's dtypes first"
+                )
             # Non-blocking only towards an accelerator: a non-blocking copy to the host may
             # still be in flight when torch.where reads it.
             p = pred if pred.device == x.device else pred.to(x.device, non_blocking=x.device.type != "cpu")
@@ -223,8 +230,9 @@ def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
     """Per leaf ``a if pred else b``, decided on the device (``torch.where``; no host sync).
 
     ``pred`` is a 0-d bool tensor (:func:`check_flag`; int, float and shaped flags are
-    refused). Costs one read of each tree and one write of the result. Non-tensor leaves must
-    be equal in both trees.
+    refused). Costs one read of each tree and one write of the result. Tensor leaves must have
+    the same shape and dtype in both trees, non-tensor leaves must be equal (errors name the
+    leaf).
     """
     pred = check_flag(pred, "skip_or_apply: finite")
     check_same_structure(a, b, "new", "old")

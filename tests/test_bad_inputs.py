@@ -289,6 +289,20 @@ def _():
     return (lambda: af.skip_or_apply_(f, new, old)), (new, old, f)
 
 
+@case("skip_or_apply-dtype", TypeError, "head.b", "float64", "float32")
+def _():
+    new = with_leaf(params_f32(), "head.b", torch.ones(3, dtype=torch.float64))
+    old, f = params_f32(), torch.tensor(False)
+    return (lambda: af.skip_or_apply(f, new, old)), (new, old, f)
+
+
+@case("skip_or_apply_-complex-into-fp32", TypeError, "head.b", "complex64")
+def _():
+    new = with_leaf(params_f32(), "head.b", torch.full((3,), 1 + 2j, dtype=torch.complex64))
+    old, f = af.tree_map(torch.zeros_like, params_f32()), torch.tensor(True)
+    return (lambda: af.skip_or_apply_(f, new, old)), (new, old, f)
+
+
 @case("skip_or_apply_-aliased-old", ValueError, "enc.w", "head.b")
 def _():
     t = torch.zeros(3)
