@@ -197,12 +197,18 @@ def check_no_overlap(where: str, named: list) -> None:
     ``named`` is ``[(tree_name, tree, leaves), ...]``: every tensor an in-place step writes.
     A leaf that overlaps itself (``expand()``, stride 0) or two leaves whose memory overlaps
     (the same tensor twice, overlapping views) raise ``ValueError`` naming the leaf path(s):
-    the kernels would write that memory twice. Cost: a few attribute reads per leaf and one
+    the kernels would write that memory twice. So does an inference tensor outside inference
+    mode (torch refuses to update one in place, after the leaves before it were written). Cost: a few attribute reads per leaf and one
     sort; the engine runs it once per set of tensors (cached by identity), not per step.
     """
     spans = []
+    inference_ok = torch.is_inference_mode_enabled()
     for name, tree, leaves in named:
         for i, t in enumerate(leaves):
+            if t.is_inference() and not inference_ok:
+                raise ValueError(f"{where}: {name} leaf {_path(tree, i)!r} is an inference tensor (made under "
+                                 "torch.inference_mode()), which cannot be updated in place outside inference mode "
+                                 "-- pass a copy made outside it (.clone())")
             if t.numel() == 0:
                 continue
             if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())) or (
@@ -446,6 +452,8 @@ class Engine:
         guarantees them).
         """
         self._check_state(state, where)
+        if inplace:
+            state.loss_scale.check_writable(where)  # written after the params: checked before them
         opt = self.plan.opt_state(state.inner) if self.plan is not None else None
         slot_trees = self.plan.slot_trees(opt) if opt is not None else []
         slot_names = [f"state.inner.{n}" for n in self.plan.slot_names()] if opt is not None else []
@@ -464,11 +472,15 @@ class Engine:
             if opt is None:  # the generic in-place step writes every tensor of the inner state
                 extra += tree_leaves(state.inner)
         dev = opt.step.device if opt is not None else None
-        hit = hit and seen.had_opt == (opt is not None) and seen.dev == dev and (
+        # Only the fused plan trusts the cache: its kernels validate every call (a `.data` swap
+        # that aliases two params or changes a dtype is caught there), while the generic plan's
+        # checks run here, every step.
+        hit = hit and seen.state_ok and KERNELS_VALIDATE and seen.had_opt == (opt is not None) and seen.dev == dev and (
             extra is None or (seen.extra is not None and same_objects(extra, seen.extra)))
         if hit:
             state_ok, p_shapes = seen.state_ok, seen.p_shapes
         else:
+            self._check_master(params, state, lined, where)
             state_ok = opt is not None and self._state_fusable(lined, opt)
             p_shapes = None
             if not (state_ok and KERNELS_VALIDATE):
@@ -498,6 +510,28 @@ class Engine:
             if not compiling and self._seen is not None and self._seen.p_shapes is None:
                 self._seen = self._seen._replace(p_shapes=p_shapes)
         return _Prep(lined, (opt if fused else None), named, deferred and fused)
+
+    def _check_master(self, params, state, lined, where) -> None:
+        """The state's master weights must be the ones :meth:`init` makes for these params: a
+        state made for other dtypes would train fp16 params with no master, or overwrite fp32
+        params with a master rounded from fp16. ``ValueError`` naming a param at fault."""
+        dtypes = _attrs("dtype", lined.p)
+        needs = [i for i, d in enumerate(dtypes) if d != self.master_dtype_for(d)]
+        if state.master is None and needs:
+            i = needs[0]
+            raise ValueError(f"{where}: params leaf {_path(params, i)!r} is {dtypes[i]} but the state holds no "
+                             f"master weights (init makes a {self.master_dtype_for(dtypes[i])} master for it): the "
+                             "state was made for other params -- call init with these params")
+        if state.master is not None:
+            if not needs:
+                raise ValueError(f"{where}: the state holds master weights but no param needs one (params are "
+                                 f"{sorted({str(d) for d in dtypes})}): the state was made for other params -- "
+                                 "call init with these params")
+            for i, (d, m) in enumerate(zip(dtypes, _attrs("dtype", lined.m))):
+                if m != self.master_dtype_for(d):
+                    raise ValueError(f"{where}: params leaf {_path(params, i)!r} is {d} but its master in the "
+                                     f"state is {m} (init makes {self.master_dtype_for(d)}): the state was made for "
+                                     "other params -- call init with these params")
 
     def _validate_grads(self, where, named, trust_grads, p_shapes) -> list:
         """The gradients against the params (types, dtypes, layout, device, shapes unless

@@ -192,6 +192,11 @@ class LossScale:
         check_flag(finite, "update_scale_: finite")
         return self
 
+    def check_writable(self, where: str) -> None:
+        """Raises, naming the field, when :meth:`adjust_` could not write this scale; in-place
+        steps call it before their first write, so a bad scale leaves the params untouched.
+        Fixed scales write nothing. Cost: a few attribute reads; no host sync."""
+
 
 class NoOpLossScale(LossScale):
     """No loss scaling, for fp32 or bf16 training.
@@ -478,6 +483,27 @@ class DynamicLossScale(LossScale):
         s, g, h = ops.update_scale(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
                                    **self._kernel_config())
         return DynamicLossScale.from_tensors(s, g, h, self._config)
+
+    def check_writable(self, where: str) -> None:
+        """Raises when :meth:`adjust_` could not write this scale: ``TypeError`` naming the
+        tensor that is not one element of its dtype (fp32 scale, int32 trackers) on the scale's
+        device, ``ValueError`` naming a setting out of range (a state assembled by hand, e.g.
+        ``from_tensors`` or a whole state cast to fp64). Cost: a few attribute reads."""
+        device = self._loss_scale.device if isinstance(self._loss_scale, torch.Tensor) else None
+        for name, t, dtype in (("loss_scale", self._loss_scale, torch.float32),
+                               ("growth_tracker", self._growth_tracker, torch.int32),
+                               ("hysteresis_tracker", self._hysteresis_tracker, torch.int32)):
+            if not (isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == dtype and t.device == device
+                    and t.layout == torch.strided):
+                got = (f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise TypeError(f"{where}: state.loss_scale.{name} must be a one-element {dtype} tensor on the "
+                                f"scale's device ({device}), got a {got}; rebuild the scale (DynamicLossScale(...)"
+                                " or .to(device)) instead of casting its tensors")
+        try:
+            self._config.validate()
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: state.loss_scale: {e}") from None
 
     def adjust_(self, finite: torch.Tensor) -> "DynamicLossScale":
         """In-place :meth:`adjust` (the donating fast path); returns ``self``."""

@@ -303,6 +303,14 @@ def _():
     return (lambda: af.skip_or_apply_(f, new, old)), (new, old, f)
 
 
+@case("skip_or_apply_-inference-tensor-old", ValueError, "head.b", "inference")
+def _():
+    with torch.inference_mode():
+        b = torch.zeros(3)
+    new, old, f = params_f32(), with_leaf(af.tree_map(torch.zeros_like, params_f32()), "head.b", b), torch.tensor(True)
+    return (lambda: af.skip_or_apply_(f, new, old)), (new, old, f)
+
+
 @case("skip_or_apply_-aliased-old", ValueError, "enc.w", "head.b")
 def _():
     t = torch.zeros(3)
@@ -454,6 +462,76 @@ for _iname, _inner in _FUSED_AND_GENERIC.items():
         state = tx.init(params)
         grads = {"enc": {"w": torch.ones(4, 3)}, "head": {"b": torch.ones(4, 3)}}
         return (lambda: tx.step_(params, grads, state)), (params, grads, state)
+
+    def _swapped_after_a_step(inner=_inner):
+        # Aliased by a `.data` swap after the first step: the step must look again, not trust
+        # what it checked on the first one.
+        params = params_f32()
+        tx = af.mixed_precision(inner(), loss_scale=af.StaticLossScale(1.0))
+        state = tx.init(params)
+        grads = grads_like(params)
+        params, state = tx.step_(params, grads, state)
+        params["head"]["b"].data = params["enc"]["w"].data[0]
+        return (lambda: tx.step_(params, grads, state)), (params, grads, state)
+
+    def _inference_param(inner=_inner):
+        with torch.inference_mode():
+            b = torch.zeros(3)
+        params = with_leaf(params_f32(), "head.b", b)
+        tx = af.mixed_precision(inner(), loss_scale=af.StaticLossScale(1.0))
+        state = tx.init(params)
+        grads = grads_like(params)
+        return (lambda: tx.step_(params, grads, state)), (params, grads, state)
+
+    add(f"mp-{_iname}.step_-aliased-by-a-data-swap-after-a-step", ValueError, ["enc.w", "head.b"],
+        _swapped_after_a_step)
+    add(f"mp-{_iname}.step_-inference-tensor-param", ValueError, ["head.b", "inference"], _inference_param)
+
+    for _method in ("step", "step_"):
+        def _fp16_state_fp32_params(inner=_inner, method=_method):
+            # A state made for fp16 params (it holds fp32 masters) handed fp32 params.
+            params = params_f32()
+            tx = af.mixed_precision(inner(), loss_scale=dls())
+            state = tx.init(params_f16())
+            grads = grads_like(params)
+            return (lambda: getattr(tx, method)(params, grads, state)), (params, grads, state)
+
+        def _fp32_state_fp16_params(inner=_inner, method=_method):
+            # A state made for fp32 params (no master) handed fp16 params.
+            params = params_f16()
+            tx = af.mixed_precision(inner(), loss_scale=dls())
+            state = tx.init(params_f32())
+            grads = grads_like(params)
+            return (lambda: getattr(tx, method)(params, grads, state)), (params, grads, state)
+
+        add(f"mp-{_iname}.{_method}-state-with-masters-fp32-params", ValueError, ["master", "init"],
+            _fp16_state_fp32_params)
+        add(f"mp-{_iname}.{_method}-state-without-masters-fp16-params", ValueError, ["enc.w", "master", "init"],
+            _fp32_state_fp16_params)
+
+    def _scale_cast_to_fp64(inner=_inner):
+        params = params_f16()
+        tx = af.mixed_precision(inner(), loss_scale=dls())
+        state = tx.init(params)
+        state = state._replace(loss_scale=af.tree_cast(state.loss_scale, torch.float64))
+        grads = grads_like(params)
+        return (lambda: tx.step_(params, grads, state)), (params, grads, state)
+
+    def _scale_bad_setting(inner=_inner):
+        from ampfunc.loss_scale import DynamicLossScale
+        params = params_f16()
+        tx = af.mixed_precision(inner(), loss_scale=dls())
+        state = tx.init(params)
+        ls = state.loss_scale
+        bad = DynamicLossScale.from_tensors(ls.loss_scale, ls.growth_tracker, ls.hysteresis_tracker,
+                                            ls.config._replace(growth_interval=0))
+        state = state._replace(loss_scale=bad)
+        grads = grads_like(params)
+        return (lambda: tx.step_(params, grads, state)), (params, grads, state)
+
+    add(f"mp-{_iname}.step_-loss-scale-cast-to-fp64", TypeError, ["loss_scale", "float32"], _scale_cast_to_fp64)
+    add(f"mp-{_iname}.step_-loss-scale-growth_interval-0", ValueError, ["loss_scale", "growth_interval"],
+        _scale_bad_setting)
 
     add(f"mp-{_iname}.step_-aliased-params", ValueError, ["enc.w", "head.b"], _aliased)
     add(f"mp-{_iname}.step_-overlapping-params", ValueError, ["enc.w", "head.b"], _overlap)
