@@ -75,6 +75,30 @@ E5M2 = torch.float8_e5m2
 _FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}  # 448, 57344
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _BACKENDS = ("auto", "scaled_mm", "emulate")
+# The margins for which the scales' numerator fp8_max * 2**-margin works in both formats: below
+# -112, 57344 * 2**-margin overflows fp32 (57344 * 2**112 ~ 2.98e38 is the last finite one);
+# above 18, 448 * 2**-margin rounds to 0 in e4m3 (smallest subnormal 2**-9), so every value
+# would quantise to 0 -- and from ~135 the scale itself underflows fp32 and the step is NaN.
+_MARGIN_RANGE = (-112, 18)
+
+
+def _check_recipe(recipe) -> None:
+    """Refuses a recipe's bad settings at construction, naming the class and the setting."""
+    cls = type(recipe).__name__
+    for field in ("history_len", "margin"):
+        value = getattr(recipe, field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{cls}: {field} must be an int, got {type(value).__name__} {value!r}")
+    if recipe.history_len < 1:
+        raise ValueError(f"{cls}: history_len must be an int >= 1, got {recipe.history_len!r}")
+    lo, hi = _MARGIN_RANGE
+    if not lo <= recipe.margin <= hi:
+        raise ValueError(f"{cls}: margin must be an int in [{lo}, {hi}], got {recipe.margin!r}: the scale is "
+                         f"fp8_max * 2**-margin / amax, and 448 * 2**-{hi + 1} rounds to 0 in e4m3 (every value "
+                         f"would quantise to 0; from margin ~135 the scale underflows fp32 and every step is NaN), "
+                         f"while 57344 * 2**{-lo + 1} overflows fp32")
+    if not isinstance(recipe.power_of_2, bool):
+        raise TypeError(f"{cls}: power_of_2 must be a bool, got {type(recipe.power_of_2).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +119,11 @@ class DelayedScaling:
     still empty (the first step) the tensor is quantised with its *current* amax instead of
     scale 1, so the first step neither saturates activations nor flushes gradients to zero.
     ``power_of_2`` rounds scales down to a power of two (exact rescaling).
+
+    Settings are checked at construction: ``history_len`` an int ``>= 1`` and ``margin`` an int
+    in ``[-112, 18]`` (not a bool: ``TypeError``); ``margin > 18`` would quantise every value
+    to 0 in e4m3 (``448 * 2**-19`` rounds to 0) and ``margin < -112`` overflows fp32
+    (``ValueError`` naming the setting and the bound).
     """
 
     history_len: int = 16
@@ -103,12 +132,9 @@ class DelayedScaling:
     power_of_2: bool = False
 
     def __post_init__(self):
-        if not (isinstance(self.history_len, int) and self.history_len >= 1):
-            raise ValueError(f"DelayedScaling: history_len must be an int >= 1, got {self.history_len!r}")
-        if self.amax_compute not in ("max", "most_recent"):
+        _check_recipe(self)
+        if not isinstance(self.amax_compute, str) or self.amax_compute not in ("max", "most_recent"):
             raise ValueError(f"DelayedScaling: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
-        if not isinstance(self.margin, int):
-            raise ValueError(f"DelayedScaling: margin must be an int, got {self.margin!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,17 +142,15 @@ class CurrentScaling:
     """Current (dynamic) scaling, torchao's default: each tensor is quantised with
     ``fp8_max / amax(tensor) * 2**-margin`` of its own amax (all-reduced under a group); an amax
     of 0, inf or NaN gives scale 1. The state still records an amax history (``history_len``)
-    and the scale used, for monitoring."""
+    and the scale used, for monitoring. Settings are checked as :class:`DelayedScaling`'s
+    (``margin`` an int in ``[-112, 18]``)."""
 
     history_len: int = 1
     margin: int = 0
     power_of_2: bool = False
 
     def __post_init__(self):
-        if not (isinstance(self.history_len, int) and self.history_len >= 1):
-            raise ValueError(f"CurrentScaling: history_len must be an int >= 1, got {self.history_len!r}")
-        if not isinstance(self.margin, int):
-            raise ValueError(f"CurrentScaling: margin must be an int, got {self.margin!r}")
+        _check_recipe(self)
 
 
 Recipe = Union[DelayedScaling, CurrentScaling]

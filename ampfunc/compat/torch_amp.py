@@ -361,8 +361,12 @@ class GradScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advances the scale: back off if any optimizer's step overflowed, else count towards growth.
 
-        ``new_scale`` (a number or a 1-element tensor without grad on this scaler's device
-        type) sets the scale instead, leaving the growth tracker as it is (torch's rule). Call
+        ``new_scale`` (a number or a 0-d tensor without grad on this scaler's device type)
+        sets the scale instead, leaving the growth tracker as it is (torch's rule). As in torch,
+        another tensor raises ``AssertionError`` (wrong device type, ``numel() != 1``,
+        ``requires_grad``); a one-element tensor that is not 0-d (shape ``(1,)``), which torch
+        cannot copy into its 0-d scale, raises ``ValueError`` naming ``new_scale`` and its shape,
+        and so does a scale that is 0, negative, NaN or inf in fp32 (torch would take it). Call
         once per iteration, after every ``step``. Pure update of the held loss scale
         (:func:`ampfunc.update_scale`); no host sync.
         """
@@ -379,6 +383,12 @@ class GradScaler:
                     raise AssertionError(reason)
                 if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                     raise AssertionError(reason)
+                if new_scale.dim() != 0:
+                    # torch copies it into its 0-d scale: "output with shape [] doesn't match the
+                    # broadcast shape [1]".
+                    raise ValueError(f"GradScaler.update: new_scale must be a float or a 0-d tensor (as "
+                                     f"torch.amp.GradScaler takes it), got a tensor of shape "
+                                     f"{tuple(new_scale.shape)}; pass new_scale.reshape(())")
                 # An explicitly set scale is read once to refuse 0/inf/NaN (unlike torch, which
                 # then fills the run with inf/NaN); the scale stays on its device.
                 value = _scale_tensor(new_scale, ls.loss_scale.device, "new_scale")

@@ -113,7 +113,10 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
       **hparams: the optimizer's keyword arguments (``lr`` a number), passed as they are.
 
     Returns:
-      A ``GradientTransformation`` whose state is a :class:`TorchOptimizerState`.
+      A ``GradientTransformation`` whose state is a :class:`TorchOptimizerState`. ``update``
+      given a state made by another optimizer or configuration (RMSprop's state to Adagrad,
+      Adam's to ``Adam(amsgrad=True)``) raises ``ValueError`` naming the missing state key and
+      the param's path, before anything is written.
 
     Example:
       >>> params = {"w": torch.ones(2, 3)}
@@ -158,6 +161,10 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
     def make(params_list):
         return optimizer_cls(params_list, **hparams)
 
+    made_by = f"{name}({', '.join(f'{k}={v!r}' for k, v in hparams.items())})"
+    foreign = (f"the state was made by a different optimizer or configuration than {made_by}; "
+               f"build it with this transform's init (or convert it yourself)")
+
     def init(params):
         _, leaves = float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, f"from_torch({name})")
@@ -191,13 +198,23 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
                                  f"params: {e}") from None
         return out
 
-    def _run(ps, gs, loaded: list[dict]):
+    def _run(ps, gs, loaded: list[dict], path_of):
         clones = [p.detach().clone() for p in ps]
         opt = make(clones)
         for c, g, entry in zip(clones, gs, loaded):
             c.grad = g.detach().to(c.dtype, copy=True)
             opt.state[c] = {k: v.clone() for k, v in entry.items()}
-        opt.step()
+        try:
+            opt.step()
+        except KeyError as e:
+            # torch reads the entries it expects without a check: a bare KeyError('sum').
+            key = e.args[0] if len(e.args) == 1 else None
+            lacking = [i for i, entry in enumerate(loaded) if key not in entry]
+            if not isinstance(key, str) or not lacking:
+                raise
+            raise ValueError(f"from_torch({name}): the state for {path_of(lacking[0])!r} has no {key!r} entry, "
+                             f"which torch.optim's {name} step reads (it has {sorted(loaded[lacking[0]])}): "
+                             f"{foreign}") from None
         return clones, [dict(opt.state[c]) for c in clones]
 
     def update(grads, state, params=None):
@@ -212,11 +229,12 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
         n = len(ps)
         base = [{k: v[i] for k, v in st.items() if v[i] is not None} for i in range(n)]
         full = [{**base[i], **{k: v[i] for k, v in sst.items() if v[i] is not None}} for i in range(n)]
-        new_ps, new_entries = _run(ps, gs, full)
+        path_of = lambda i: leaves_with_paths(params)[i][0]  # noqa: E731 - for error messages only
+        new_ps, new_entries = _run(ps, gs, full, path_of)
         if sst:
             # The first step must run without the in-step entries (torch creates them there);
             # which run is right is decided on the device from the count.
-            first_ps, first_entries = _run(ps, gs, base)
+            first_ps, first_entries = _run(ps, gs, base, path_of)
             started = state.count > 0
             pick = lambda a, b: torch.where(started.to(a.device), a, b)  # noqa: E731
             new_ps = [pick(a, b) for a, b in zip(new_ps, first_ps)]
@@ -224,9 +242,10 @@ def from_torch(optimizer_cls: type, **hparams: Any) -> GradientTransformation:
                            for e, f in zip(new_entries, first_entries)]
         for i, (old, e) in enumerate(zip(full, new_entries)):
             if set(e) != set(old):
-                path = leaves_with_paths(params)[i][0]
-                raise RuntimeError(f"from_torch({name}): torch's state for {path!r} changed keys from "
-                                   f"{sorted(old)} to {sorted(e)}; the state structure must stay fixed")
+                # e.g. RMSprop's state given to SGD(momentum=0.9): torch's step adds momentum_buffer.
+                raise ValueError(f"from_torch({name}): torch's state for {path_of(i)!r} changed keys from "
+                                 f"{sorted(old)} to {sorted(e)} in the step; the state structure must stay "
+                                 f"fixed: {foreign}")
         deltas = []
         for p, new in zip(ps, new_ps):
             wide = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32

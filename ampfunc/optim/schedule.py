@@ -8,6 +8,12 @@ Because the count lives in the optimizer state, a step skipped by
 :func:`ampfunc.skip_or_apply` (which restores the old state) does not advance the schedule.
 
 The first update of an optimizer uses ``schedule(0)``, as in optax.
+
+Values are learning rates: every setting that would make a schedule return a negative, NaN or
+infinite float32 value (a negative value or ``decay_rate``, a negative ``exponent``, a value
+above float32's max such as ``1e39``) is refused at construction with a ``ValueError`` naming
+the schedule and the setting. Only a growing :func:`exponential_decay` without ``end_value``
+can still reach float32's inf, after enough steps (as in optax).
 """
 
 from __future__ import annotations
@@ -40,17 +46,49 @@ def _check_number(value, what: str) -> float:
     return float(value)
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_value(value, what: str) -> float:
+    """A value the schedule returns: finite, ``>= 0`` (torch.optim refuses a negative lr, which
+    ascends the loss) and at most float32's max (the schedule computes in float32; a larger one
+    would be inf, or fail to convert, at step time)."""
+    value = _check_number(value, what)
+    if not 0.0 <= value <= _F32_MAX:
+        raise ValueError(f"{what} must be >= 0 and at most float32's max ({_F32_MAX:.8g}), got {value!r}")
+    return value
+
+
 def _check_steps(value, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError(f"{what} must fit int64, got {value}")
     return value
+
+
+def _check_exponent(value, what: str) -> float:
+    value = _check_number(value, what)
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0 (the cosine factor reaches 0 at the end of the decay, where "
+                         f"0 ** exponent is inf for a negative exponent), got {value!r}")
+    return value
+
+
+def _cosine(init_value: float, decay_steps: int, alpha: float, exponent: float) -> Schedule:
+    def schedule(count):
+        t = _count(count).clamp(max=decay_steps)
+        cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
+        return init_value * ((1 - alpha) * cosine.pow(exponent) + alpha)
+
+    return schedule
 
 
 def constant_schedule(value: float) -> Schedule:
     """A constant schedule: ``value`` at every step.
 
     Args:
-      value: the value, a finite number.
+      value: the value, a number ``>= 0`` and at most float32's max (``3.4028235e38``).
 
     Returns:
       A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
@@ -64,7 +102,7 @@ def constant_schedule(value: float) -> Schedule:
     Cost: building it allocates nothing; each call is a cast of the count and one fill on its
     device (an int count first becomes a CPU tensor). No host sync.
     """
-    value = _check_number(value, "constant_schedule: value")
+    value = _check_value(value, "constant_schedule: value")
 
     def schedule(count):
         return torch.full_like(_count(count), value)
@@ -81,9 +119,10 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     ``init_value`` (as optax).
 
     Args:
-      init_value: the value up to ``transition_begin``, a finite number.
-      end_value: the value from ``transition_begin + transition_steps`` on, a finite number.
-      transition_steps: the length of the ramp in steps, an int.
+      init_value: the value up to ``transition_begin``, a number ``>= 0`` and at most float32's
+        max (``3.4028235e38``): a negative learning rate would ascend the loss.
+      end_value: the value from ``transition_begin + transition_steps`` on, likewise.
+      transition_steps: the length of the ramp in steps, an int (``<= 0``: constant).
       transition_begin: the step at which the ramp starts, an int ``>= 0``.
 
     Returns:
@@ -99,8 +138,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
     (an int count first becomes a CPU tensor). No host sync.
     """
-    init_value = _check_number(init_value, "linear_schedule: init_value")
-    end_value = _check_number(end_value, "linear_schedule: end_value")
+    init_value = _check_value(init_value, "linear_schedule: init_value")
+    end_value = _check_value(end_value, "linear_schedule: end_value")
     transition_steps = _check_steps(transition_steps, "linear_schedule: transition_steps")
     transition_begin = _check_steps(transition_begin, "linear_schedule: transition_begin")
     if transition_begin < 0:
@@ -125,10 +164,13 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     ``alpha * init_value`` over ``decay_steps`` steps, constant after.
 
     Args:
-      init_value: the value at step 0, a finite number.
+      init_value: the value at step 0, a number ``>= 0`` and at most float32's max
+        (``3.4028235e38``).
       decay_steps: the length of the decay in steps, a positive int.
-      alpha: the final value as a fraction of ``init_value``.
-      exponent: the power applied to the cosine factor ``c``.
+      alpha: the final value as a fraction of ``init_value``, a finite number ``>= 0`` (``> 1``
+        grows) with ``alpha * init_value`` at most float32's max.
+      exponent: the power applied to the cosine factor ``c``, a finite number ``> 0`` (a negative
+        one makes ``c = 0`` at ``decay_steps`` an infinite value).
 
     Returns:
       A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
@@ -142,19 +184,16 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
     (an int count first becomes a CPU tensor). No host sync.
     """
-    init_value = _check_number(init_value, "cosine_decay_schedule: init_value")
+    init_value = _check_value(init_value, "cosine_decay_schedule: init_value")
     decay_steps = _check_steps(decay_steps, "cosine_decay_schedule: decay_steps")
     alpha = _check_number(alpha, "cosine_decay_schedule: alpha")
-    exponent = _check_number(exponent, "cosine_decay_schedule: exponent")
+    exponent = _check_exponent(exponent, "cosine_decay_schedule: exponent")
     if decay_steps <= 0:
         raise ValueError(f"cosine_decay_schedule: decay_steps must be positive, got {decay_steps}")
-
-    def schedule(count):
-        t = _count(count).clamp(max=decay_steps)
-        cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
-        return init_value * ((1 - alpha) * cosine.pow(exponent) + alpha)
-
-    return schedule
+    if alpha < 0 or alpha > _F32_MAX or alpha * init_value > _F32_MAX:
+        raise ValueError(f"cosine_decay_schedule: alpha must be >= 0 with alpha * init_value at most float32's "
+                         f"max ({_F32_MAX:.8g}), got alpha={alpha!r}, init_value={init_value!r}")
+    return _cosine(init_value, decay_steps, alpha, exponent)
 
 
 def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int, decay_steps: int,
@@ -166,12 +205,14 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     warmup included), constant after.
 
     Args:
-      init_value: the value at step 0, a finite number.
-      peak_value: the value at the end of the warmup, a finite number.
+      init_value: the value at step 0, a number ``>= 0`` and at most float32's max
+        (``3.4028235e38``).
+      peak_value: the value at the end of the warmup, likewise.
       warmup_steps: the length of the warmup in steps, an int ``>= 0``.
       decay_steps: the step at which ``end_value`` is reached, an int ``> warmup_steps``.
-      end_value: the final value (reached only when ``peak_value != 0``; a zero peak decays to 0).
-      exponent: the power applied to the cosine factor.
+      end_value: the final value, likewise (reached only when ``peak_value != 0``; a zero peak
+        decays to 0), with ``end_value / peak_value`` at most float32's max.
+      exponent: the power applied to the cosine factor, a finite number ``> 0``.
 
     Returns:
       A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
@@ -185,17 +226,21 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
     (an int count first becomes a CPU tensor). No host sync.
     """
-    init_value = _check_number(init_value, "warmup_cosine_decay_schedule: init_value")
-    peak_value = _check_number(peak_value, "warmup_cosine_decay_schedule: peak_value")
-    end_value = _check_number(end_value, "warmup_cosine_decay_schedule: end_value")
+    init_value = _check_value(init_value, "warmup_cosine_decay_schedule: init_value")
+    peak_value = _check_value(peak_value, "warmup_cosine_decay_schedule: peak_value")
+    end_value = _check_value(end_value, "warmup_cosine_decay_schedule: end_value")
+    exponent = _check_exponent(exponent, "warmup_cosine_decay_schedule: exponent")
     warmup_steps = _check_steps(warmup_steps, "warmup_cosine_decay_schedule: warmup_steps")
     decay_steps = _check_steps(decay_steps, "warmup_cosine_decay_schedule: decay_steps")
     if warmup_steps < 0 or decay_steps <= warmup_steps:
         raise ValueError("warmup_cosine_decay_schedule: need 0 <= warmup_steps < decay_steps, got "
                          f"warmup_steps={warmup_steps}, decay_steps={decay_steps}")
     alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
+    if alpha > _F32_MAX:
+        raise ValueError(f"warmup_cosine_decay_schedule: end_value / peak_value must be at most float32's max "
+                         f"({_F32_MAX:.8g}), got end_value={end_value!r}, peak_value={peak_value!r}")
     warmup = linear_schedule(init_value, peak_value, warmup_steps)
-    decay = cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent)
+    decay = _cosine(peak_value, decay_steps - warmup_steps, alpha, exponent)
 
     def schedule(count):
         c = _count(count)
@@ -214,12 +259,17 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     ``transition_steps <= 0`` gives the constant ``init_value``.
 
     Args:
-      init_value: the value up to ``transition_begin``, a finite number.
-      transition_steps: the number of steps per factor of ``decay_rate``, an int.
-      decay_rate: the factor per ``transition_steps``, a non-zero finite number (``> 1`` grows).
+      init_value: the value up to ``transition_begin``, a number ``>= 0`` and at most float32's
+        max (``3.4028235e38``).
+      transition_steps: the number of steps per factor of ``decay_rate``, an int (``<= 0``:
+        constant).
+      decay_rate: the factor per ``transition_steps``, a number ``> 0`` and at most float32's max
+        (``> 1`` grows; a negative rate would give NaN at fractional exponents). A growing
+        schedule without ``end_value`` reaches float32's inf eventually.
       transition_begin: the step at which the decay starts, an int ``>= 0``.
-      staircase: decay in whole steps (the exponent floored) instead of continuously.
-      end_value: a bound on the value (a floor when ``decay_rate < 1``, else a ceiling), or None.
+      staircase: decay in whole steps (the exponent floored) instead of continuously, a bool.
+      end_value: a bound on the value (a floor when ``decay_rate < 1``, else a ceiling), a number
+        ``>= 0`` and at most float32's max, or None.
 
     Returns:
       A schedule: a callable mapping ``count`` (the number of steps applied, a tensor or an int)
@@ -234,16 +284,19 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     Cost: building it allocates nothing; each call is a few 0-d tensor ops on the count's device
     (an int count first becomes a CPU tensor). No host sync.
     """
-    init_value = _check_number(init_value, "exponential_decay: init_value")
+    init_value = _check_value(init_value, "exponential_decay: init_value")
     decay_rate = _check_number(decay_rate, "exponential_decay: decay_rate")
     transition_steps = _check_steps(transition_steps, "exponential_decay: transition_steps")
     transition_begin = _check_steps(transition_begin, "exponential_decay: transition_begin")
-    if decay_rate == 0.0:
-        raise ValueError("exponential_decay: decay_rate must be non-zero")
+    if not 0.0 < decay_rate <= _F32_MAX:
+        raise ValueError(f"exponential_decay: decay_rate must be > 0 and at most float32's max ({_F32_MAX:.8g}) "
+                         f"(a negative rate gives NaN at fractional exponents), got {decay_rate!r}")
+    if not isinstance(staircase, bool):
+        raise TypeError(f"exponential_decay: staircase must be a bool, got {type(staircase).__name__}")
     if transition_begin < 0:
         raise ValueError(f"exponential_decay: transition_begin must be >= 0, got {transition_begin}")
     if end_value is not None:
-        end_value = _check_number(end_value, "exponential_decay: end_value")
+        end_value = _check_value(end_value, "exponential_decay: end_value")
     if transition_steps <= 0:
         return constant_schedule(init_value)
 

@@ -20,15 +20,34 @@ scaler stores exactly apex's attributes, so checkpoints cross-load with apex in 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicLossScale, StaticLossScale
+from ampfunc.loss_scale import SCALE_RANGE, DynamicLossScale, StaticLossScale
 from ampfunc.mixed import scale_loss as _scale_loss
 from ampfunc.mixed import update_scale as _update_scale
 
 __all__ = ["LossScaler", "all_finite_flags"]
+
+
+def checked_scale(value, name: str) -> float:
+    """``value`` as a float, refused unless it lies in :data:`ampfunc.SCALE_RANGE` once stored in
+    fp32 (NaN, inf, 0, negative, subnormal and fp32-overflowing values such as ``1e39`` are: the
+    next step would write NaN/inf into the params). ``TypeError`` for a bool or a non-number."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got bool")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
+    stored = float(torch.tensor(number, dtype=torch.float32))
+    lo, hi = SCALE_RANGE
+    if not lo <= stored <= hi:
+        raise ValueError(f"{name} must be a finite number in [2**-126, {hi:.4g}] once stored in fp32 (so that it "
+                         f"and its inverse are finite and nonzero), got {value!r}")
+    return number
 
 
 def all_finite_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
@@ -43,8 +62,10 @@ class LossScaler:
     """One loss's scale with apex's ``amp`` semantics (see the module docstring).
 
     Args:
-      loss_scale: ``"dynamic"`` or a positive number (a static scale).
-      init_scale: first dynamic scale (capped at ``max_loss_scale``).
+      loss_scale: ``"dynamic"`` or a positive number (a static scale) in
+        :data:`ampfunc.SCALE_RANGE` once stored in fp32.
+      init_scale: first dynamic scale (capped at ``max_loss_scale``), likewise in
+        :data:`ampfunc.SCALE_RANGE` (NaN, inf and ``1e39`` are refused, not capped).
       scale_factor: accepted for apex's signature; apex ignores it (factor 2 is fixed).
       scale_window: clean steps before the dynamic scale doubles.
       min_loss_scale: floor of the halving (``None`` or ``0``: no floor).
@@ -72,7 +93,12 @@ class LossScaler:
                 raise ValueError(f"LossScaler: loss_scale must be 'dynamic' or a number, got {loss_scale!r}") from None
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"LossScaler: loss_scale must be finite and > 0, got {loss_scale!r}")
-        if int(scale_window) != scale_window or scale_window < 1:
+            value = checked_scale(loss_scale, "LossScaler: loss_scale")
+        else:
+            # min(max_loss_scale, nan or inf) would silently start at max_loss_scale.
+            init_scale = checked_scale(init_scale, "LossScaler: init_scale")
+        if isinstance(scale_window, bool) or not isinstance(scale_window, numbers.Real) \
+                or not math.isfinite(scale_window) or int(scale_window) != scale_window or scale_window < 1:
             raise ValueError(f"LossScaler: scale_window must be an integer >= 1, got {scale_window!r}")
         if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
             raise ValueError(f"LossScaler: min_loss_scale ({min_loss_scale}) > max_loss_scale ({max_loss_scale})")
@@ -119,8 +145,17 @@ class LossScaler:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
+        self.set_loss_scale(value, "LossScaler._loss_scale")
+
+    def set_loss_scale(self, value: float, name: str = "LossScaler._loss_scale") -> None:
+        """Sets the current scale (apex's ``_loss_scale = value``), dynamic or static.
+
+        ``value`` must lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32; anything else
+        (0, negative, NaN, inf, ``1e39``) raises ``ValueError`` naming ``name`` and changes nothing.
+        """
+        value = checked_scale(value, name)
         ls = self._ls
-        t = torch.full((), float(value), dtype=torch.float32, device=ls.loss_scale.device)
+        t = torch.full((), value, dtype=torch.float32, device=ls.loss_scale.device)
         if self.dynamic:
             self._ls = DynamicLossScale.from_tensors(t, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
         else:
@@ -230,6 +265,7 @@ class LossScaler:
         missing = [k for k in ("dynamic", "_loss_scale", "_unskipped") if k not in state]
         if missing:
             raise ValueError(f"LossScaler: a stored apex amp scaler needs {missing} (has {sorted(state)})")
+        checked_scale(state["_loss_scale"], "LossScaler: the stored _loss_scale")
         buf = state.get("_overflow_buf")
         device = buf.device if isinstance(buf, torch.Tensor) else torch.device("cpu")
         self._build(state["dynamic"], float(state["_loss_scale"]), state.get("_min_loss_scale"),

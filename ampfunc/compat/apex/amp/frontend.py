@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 
-from ampfunc.compat.apex._scaler import LossScaler, all_finite_flags
+from ampfunc.compat.apex._scaler import LossScaler, all_finite_flags, checked_scale
 from ampfunc.compat.apex.amp._state import _amp_state, _Handle, maybe_print
 from ampfunc.compat.apex.amp.functions import _USER_REGISTRY, _cast_wrapper
 from ampfunc.compat.apex.amp.model import check_models, patch_forward, register_fp32_state_dict
@@ -174,7 +175,12 @@ def state_dict(destination=None) -> dict:
 
 
 def load_state_dict(state_dict: dict) -> None:
-    """Restores :func:`state_dict`; extra scalers are skipped with a message, unknown keys raise ``RuntimeError``."""
+    """Restores :func:`state_dict`; extra scalers are skipped with a message, unknown keys raise ``RuntimeError``.
+
+    Every entry is checked before any is loaded: a ``loss_scale`` outside
+    :data:`ampfunc.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
+    that is not an int ``>= 0`` raises ``ValueError`` naming the entry, and no scaler changes.
+    """
     if len(state_dict) != len(_amp_state.loss_scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(_amp_state.loss_scalers)} "
               "loss_scalers are used")
@@ -182,6 +188,17 @@ def load_state_dict(state_dict: dict) -> None:
     if unexpected:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
                            + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    # Check every entry before loading any, so that a bad one leaves all scalers as they were.
+    for idx, key in enumerate(list(state_dict)[:len(_amp_state.loss_scalers)]):
+        entry = state_dict[key]
+        if not isinstance(entry, dict) or not {"loss_scale", "unskipped"} <= set(entry):
+            raise ValueError(f"amp.load_state_dict: state_dict[{key!r}] must be a dict with 'loss_scale' and "
+                             f"'unskipped', got {entry!r}")
+        checked_scale(entry["loss_scale"], f"amp.load_state_dict: state_dict[{key!r}]['loss_scale']")
+        unskipped = entry["unskipped"]
+        if isinstance(unskipped, bool) or not isinstance(unskipped, numbers.Integral) or unskipped < 0:
+            raise ValueError(f"amp.load_state_dict: state_dict[{key!r}]['unskipped'] must be an int >= 0, "
+                             f"got {unskipped!r}")
     for idx, key in enumerate(state_dict):
         if idx >= len(_amp_state.loss_scalers):
             print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(_amp_state.loss_scalers)}")

@@ -29,6 +29,7 @@ import torch
 from ampfunc import engine
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler as AmpLossScaler
+from ampfunc.compat.apex._scaler import checked_scale
 from ampfunc.compat.apex.fp16_utils.fp16util import clip_grad_norm
 
 __all__ = ["FP16_Optimizer"]
@@ -50,7 +51,11 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     ``dynamic_loss_args`` (``init_scale=2**16``, ``scale_window=2000``,
     ``min_loss_scale=None``, ``max_loss_scale=2**24``; ``scale_factor`` accepted and ignored,
     as in apex), skipping steps whose gradients overflowed. ``verbose`` prints the params
-    found at construction. Unlike apex, CPU tensors work.
+    found at construction. Unlike apex, CPU tensors work. Scales (``static_loss_scale``,
+    ``dynamic_loss_args["init_scale"]``, and any value assigned to :attr:`loss_scale`) must
+    lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
+    raise ``ValueError`` naming the setting, before anything changes (apex accepts them and the
+    next step writes NaN into model and masters).
 
     Example:
       >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
@@ -81,6 +86,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             if unknown:
                 raise TypeError(f"FP16_Optimizer: dynamic_loss_args has unknown keys {unknown}; apex's amp "
                                 f"LossScaler('dynamic', ...) takes {list(_DYNAMIC_ARGS)}")
+            if "init_scale" in (dynamic_loss_args or {}):
+                checked_scale(dynamic_loss_args["init_scale"], "FP16_Optimizer: dynamic_loss_args['init_scale']")
             loss_scaler = AmpLossScaler("dynamic", **(dynamic_loss_args or {}))
         else:
             loss_scaler = AmpLossScaler(static_loss_scale)
@@ -301,7 +308,9 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.loss_scaler._loss_scale = value
+        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.SCALE_RANGE once
+        # stored in fp32: a 0, negative, NaN or inf scale would write NaN into model and masters.
+        self.loss_scaler.set_loss_scale(value, "FP16_Optimizer.loss_scale")
 
     @property
     def state(self):

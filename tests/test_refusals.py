@@ -1,0 +1,268 @@
+"""Settings and inputs that used to be accepted and then poisoned training (NaN/inf params, an
+ascending optimizer, a step skipped forever) or failed later with an anonymous error.
+
+Each is refused where it is given, with a ValueError/TypeError naming the setting, and where a
+step is involved the params and state are unchanged after the error.
+"""
+
+import math
+
+import pytest
+import torch
+
+import ampfunc as af
+from ampfunc import fp8
+from ampfunc.compat.apex import amp
+from ampfunc.compat.apex.amp import _amp_state
+from ampfunc.compat.apex.fp16_utils import FP16_Optimizer
+from ampfunc.tree import tree_clone, tree_leaves
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _same(a, b) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(
+        (x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(la, lb))
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. schedules: values that give NaN/inf/negative learning rates are refused at construction
+# ----------------------------------------------------------------------------------------------
+
+_BAD_SCHEDULES = [
+    ("exponential_decay", "decay_rate", lambda: af.exponential_decay(1e-3, transition_steps=10, decay_rate=-0.5)),
+    ("exponential_decay", "decay_rate", lambda: af.exponential_decay(1e-3, 10, 1e39)),
+    ("exponential_decay", "init_value", lambda: af.exponential_decay(-1e-3, 10, 0.5)),
+    ("exponential_decay", "end_value", lambda: af.exponential_decay(1e-3, 10, 0.5, end_value=-1.0)),
+    ("exponential_decay", "transition_steps", lambda: af.exponential_decay(1e-3, 10**40, 0.5)),
+    ("exponential_decay", "staircase", lambda: af.exponential_decay(1e-3, 10, 0.5, staircase=1)),
+    ("cosine_decay_schedule", "exponent", lambda: af.cosine_decay_schedule(1e-3, decay_steps=2, exponent=-1.0)),
+    ("cosine_decay_schedule", "exponent", lambda: af.cosine_decay_schedule(1e-3, 2, exponent=0.0)),
+    ("cosine_decay_schedule", "alpha", lambda: af.cosine_decay_schedule(1e-3, 2, alpha=-0.5)),
+    ("cosine_decay_schedule", "alpha", lambda: af.cosine_decay_schedule(1e30, 2, alpha=1e10)),
+    ("cosine_decay_schedule", "init_value", lambda: af.cosine_decay_schedule(INF, 2)),
+    ("cosine_decay_schedule", "decay_steps", lambda: af.cosine_decay_schedule(1.0, 10**40)),
+    ("linear_schedule", "end_value", lambda: af.linear_schedule(1e-3, -1e-3, 2)),
+    ("linear_schedule", "init_value", lambda: af.linear_schedule(1e39, 0.0, 2)),
+    ("linear_schedule", "transition_begin", lambda: af.linear_schedule(1.0, 0.0, 2, transition_begin=2**63)),
+    ("constant_schedule", "value", lambda: af.constant_schedule(1e39)),
+    ("constant_schedule", "value", lambda: af.constant_schedule(-0.1)),
+    ("warmup_cosine_decay_schedule", "peak_value", lambda: af.warmup_cosine_decay_schedule(0.0, -1.0, 2, 10)),
+    ("warmup_cosine_decay_schedule", "end_value", lambda: af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, 1e39)),
+    ("warmup_cosine_decay_schedule", "exponent", lambda: af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10,
+                                                                                         exponent=-2.0)),
+    ("warmup_cosine_decay_schedule", "end_value / peak_value",
+     lambda: af.warmup_cosine_decay_schedule(0.0, 1e-40, 2, 10, end_value=1e30)),
+]
+
+
+@pytest.mark.parametrize("schedule, setting, make", _BAD_SCHEDULES,
+                         ids=[f"{s}-{k}-{i}" for i, (s, k, _) in enumerate(_BAD_SCHEDULES)])
+def test_schedule_bad_setting_is_refused_naming_it(schedule, setting, make):
+    with pytest.raises((ValueError, TypeError)) as info:
+        make()
+    assert schedule in str(info.value) and setting in str(info.value), str(info.value)
+
+
+def test_constant_schedule_1e39_names_float32():
+    with pytest.raises(ValueError, match=r"constant_schedule: value .*float32"):
+        af.constant_schedule(1e39)
+
+
+def test_valid_optax_style_schedules_still_work():
+    grow = af.exponential_decay(1.0, transition_steps=2, decay_rate=2.0, end_value=3.0)  # growth, capped
+    assert [float(grow(c)) for c in (0, 2, 4, 9)] == [1.0, 2.0, 3.0, 3.0]
+    to_zero = af.linear_schedule(1.0, 0.0, transition_steps=4)  # an end value of 0
+    assert [float(to_zero(c)) for c in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
+    assert float(af.linear_schedule(0.5, 0.0, transition_steps=0)(7)) == 0.5  # optax: constant
+    up = af.cosine_decay_schedule(1.0, 4, alpha=2.0)  # alpha > 1 grows
+    assert float(up(4)) == 2.0
+    assert float(af.constant_schedule(float(torch.finfo(torch.float32).max))(0)) == float(
+        torch.finfo(torch.float32).max)
+    warm = af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 6, end_value=0.0)
+    assert all(math.isfinite(float(warm(c))) and float(warm(c)) >= 0 for c in range(10))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. apex facades: a loss scale that is 0, negative, NaN, inf or 1e39
+# ----------------------------------------------------------------------------------------------
+
+_BAD_SCALES = [0.0, -1.0, NAN, INF, 1e39]
+
+
+def _fp16_opt(dynamic: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).half()
+    kw = {"dynamic_loss_scale": True} if dynamic else {"static_loss_scale": 8.0}
+    return model, FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False, **kw)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("bad", _BAD_SCALES)
+def test_fp16_optimizer_loss_scale_setter_refuses(dynamic, bad):
+    model, opt = _fp16_opt(dynamic)
+    opt.loss_scale = 128.0  # a valid value is taken (2**16 would overflow these fp16 grads)
+    before = opt.loss_scale
+    with pytest.raises(ValueError, match="FP16_Optimizer.loss_scale"):
+        opt.loss_scale = bad
+    assert opt.loss_scale == before
+    # The next step is the step the old scale gives: finite model and masters.
+    w0 = model.weight.detach().clone()
+    opt.zero_grad()
+    opt.backward(model(torch.ones(4, 3).half()).float().sum())
+    opt.step()
+    assert not opt.overflow
+    assert torch.isfinite(model.weight).all() and not torch.equal(model.weight, w0)
+    assert torch.isfinite(opt.fp32_from_fp16_groups[0][0]).all()
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, 1e39, 0.0, -4.0])
+def test_fp16_optimizer_dynamic_init_scale_refused(bad):
+    model = torch.nn.Linear(3, 2).half()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"dynamic_loss_args\['init_scale'\]"):
+        FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": bad}, verbose=False)
+    assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # the optimizer untouched
+
+
+@pytest.fixture
+def _amp_model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, num_losses=2)
+    yield model, opt
+    if _amp_state.handle is not None:
+        _amp_state.handle._deactivate()
+
+
+@pytest.mark.parametrize("bad", _BAD_SCALES)
+def test_amp_loss_scaler_setter_refuses(_amp_model, bad):
+    model, opt = _amp_model
+    with pytest.raises(ValueError, match="_loss_scale"):
+        _amp_state.loss_scalers[0]._loss_scale = bad
+    assert _amp_state.loss_scalers[0].loss_scale() == 65536.0
+    with amp.scale_loss(model(torch.ones(4, 3)).sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_amp_load_state_dict_checks_every_entry_first(_amp_model):
+    sd = amp.state_dict()
+    bad = {"loss_scaler0": {"loss_scale": 4.0, "unskipped": 3}, "loss_scaler1": {"loss_scale": NAN, "unskipped": 0}}
+    with pytest.raises(ValueError, match=r"loss_scaler1.*loss_scale"):
+        amp.load_state_dict(bad)
+    assert amp.state_dict() == sd  # loss_scaler0 was not loaded either
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. from_torch given another optimizer's (or configuration's) state
+# ----------------------------------------------------------------------------------------------
+
+_FOREIGN = [
+    ("sum", "Adagrad", lambda: af.from_torch(torch.optim.RMSprop, lr=1e-3),
+     lambda: af.from_torch(torch.optim.Adagrad, lr=1e-3)),
+    ("momentum_buffer", "RMSprop", lambda: af.from_torch(torch.optim.RMSprop, lr=1e-3),
+     lambda: af.from_torch(torch.optim.RMSprop, lr=1e-3, momentum=0.9)),
+    ("max_exp_avg_sq", "Adam", lambda: af.from_torch(torch.optim.Adam, lr=1e-3),
+     lambda: af.from_torch(torch.optim.Adam, lr=1e-3, amsgrad=True)),
+    ("momentum_buffer", "SGD", lambda: af.from_torch(torch.optim.RMSprop, lr=1e-3),
+     lambda: af.from_torch(torch.optim.SGD, lr=1e-3, momentum=0.9)),
+]
+
+
+@pytest.mark.parametrize("key, cls, made_by, used_by", _FOREIGN, ids=[f"{k}-{c}" for k, c, _, _ in _FOREIGN])
+def test_from_torch_foreign_state_is_refused_naming_the_key(key, cls, made_by, used_by):
+    torch.manual_seed(0)
+    params = {"enc.w": torch.randn(4, 3), "head.b": torch.randn(3)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    state = made_by().init(params)
+    state0, params0 = tree_clone(state), tree_clone(params)
+    with pytest.raises(ValueError) as info:
+        used_by().update(grads, state, params)
+    msg = str(info.value)
+    assert f"from_torch({cls})" in msg and repr(key) in msg and "different optimizer or configuration" in msg, msg
+    assert "'enc.w'" in msg
+    assert _same(state, state0) and _same(params, params0)
+
+    # In place: nothing is written before the error.
+    tx_a, tx_b = af.mixed_precision(made_by()), af.mixed_precision(used_by())
+    mp_state = tx_a.init(params)
+    mp_state0 = tree_clone(mp_state)
+    with pytest.raises(ValueError, match="different optimizer or configuration"):
+        tx_b.step_(params, grads, mp_state)
+    assert _same(params, params0) and _same(mp_state, mp_state0)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. fp8 recipes
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [fp8.DelayedScaling, fp8.CurrentScaling])
+@pytest.mark.parametrize("margin", [200, 19, 135, -113])
+def test_fp8_margin_out_of_range_is_refused(recipe, margin):
+    with pytest.raises(ValueError, match=rf"{recipe.__name__}: margin must be an int in \[-112, 18\]"):
+        recipe(margin=margin)
+
+
+@pytest.mark.parametrize("recipe", [fp8.DelayedScaling, fp8.CurrentScaling])
+@pytest.mark.parametrize("setting, value", [("history_len", True), ("margin", False), ("margin", 1.0),
+                                            ("history_len", 2.0), ("power_of_2", 1)])
+def test_fp8_recipe_types_are_checked(recipe, setting, value):
+    with pytest.raises(TypeError, match=rf"{recipe.__name__}: {setting}"):
+        recipe(**{setting: value})
+
+
+def test_fp8_margin_edges_accepted_and_finite():
+    fp8.DelayedScaling(margin=-112)
+    fp8.CurrentScaling(margin=18)
+    meta = fp8.Fp8Meta(torch.zeros(2), torch.ones(()))
+    for margin in (-112, 0, 18):
+        for fp8_max in (448.0, 57344.0):
+            scale, _ = fp8.advance_meta(meta, torch.tensor(3.0), fp8_max, fp8.DelayedScaling(2, margin=margin))
+            assert torch.isfinite(scale) and scale > 0 and torch.isfinite(scale.reciprocal())
+
+
+def test_fp8_training_with_largest_margin_does_not_skip():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    pol = fp8.fp8_policy(model)
+    pol = fp8.Fp8Policy(pol.layers, recipe=fp8.DelayedScaling(margin=18))
+    train = af.make_train_step(model, lambda fwd, x: fwd(x).float().square().mean(), af.adamw(1e-3), fp8=pol)
+    state = train.init()
+    for _ in range(3):
+        state, out = train.step(state, torch.randn(8, 16))
+    assert int(state.skipped) == 0 and math.isfinite(float(out.loss))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. GradScaler.update(new_scale): torch takes a float or a 0-d tensor
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_grad_scaler_update_refuses_non_0d_new_scale(shape):
+    scaler = af.compat.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"new_scale .*0-d tensor.*shape \(1"):
+        scaler.update(torch.full(shape, 2.0))
+    assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 0
+    # torch refuses it too (its 0-d scale cannot take the copy)
+    ref = torch.amp.GradScaler("cpu", init_scale=4.0)
+    ref.scale(torch.tensor(1.0))
+    with pytest.raises(RuntimeError):
+        ref.update(torch.full(shape, 2.0))
+
+
+def test_grad_scaler_update_accepts_what_torch_accepts():
+    for new_scale in (2.0, torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64), torch.tensor(2)):
+        scaler = af.compat.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(torch.tensor(1.0))
+        scaler.update(new_scale)
+        assert scaler.get_scale() == 2.0
+    scaler = af.compat.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(AssertionError, match="1-element"):  # torch's own refusal, kept
+        scaler.update(torch.tensor([2.0, 3.0]))
