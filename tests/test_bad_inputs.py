@@ -641,6 +641,8 @@ _BAD_HPARAMS = [
     ("sgd-lr-negative", ValueError, ["learning rate"], lambda: af.sgd(-0.1)),
     ("sgd-lr-nan", ValueError, ["learning rate"], lambda: af.sgd(NAN)),
     ("sgd-lr-str", TypeError, ["lr"], lambda: af.sgd("0.1")),
+    ("adamw-lr-inf", ValueError, ["learning rate"], lambda: af.adamw(INF)),
+    ("adamw-lr-beyond-fp32", ValueError, ["learning rate", "fp32"], lambda: af.adamw(1e39)),
     ("sgd-lr-tensor", TypeError, ["lr"], lambda: af.sgd(torch.tensor(0.1))),
     ("sgd-momentum-negative", ValueError, ["momentum"], lambda: af.sgd(0.1, momentum=-0.5)),
     ("sgd-dampening-nan", ValueError, ["dampening"], lambda: af.sgd(0.1, momentum=0.9, dampening=NAN)),

@@ -53,8 +53,13 @@ def warn_low_precision_params(params: PyTree, where: str) -> None:
             return
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_lr(lr: Any, where: str) -> None:
-    """``ValueError`` for a negative/NaN float lr (torch's message); schedules pass unchecked."""
+    """``ValueError`` for a negative, NaN or infinite float lr, or one beyond fp32's range
+    (torch's message); schedules are checked by their constructors, a callable of your own
+    passes unchecked."""
     if callable(lr):
         return
     if isinstance(lr, torch.Tensor):
@@ -66,6 +71,9 @@ def check_lr(lr: Any, where: str) -> None:
         raise TypeError(f"{where}: lr must be a float or a schedule, got {type(lr).__name__}")
     if not lr >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid learning rate: {lr}")
+    if lr > _F32_MAX:  # inf included: the fp32 update would be inf, and NaN where a gradient is 0
+        raise ValueError(f"{where}: Invalid learning rate: {lr} (the update runs in fp32, whose largest "
+                         f"number is {_F32_MAX:.8g})")
 
 
 def check_nonneg(value: Any, what: str) -> None:
