@@ -452,7 +452,7 @@ class Engine:
         guarantees them).
         """
         self._check_state(state, where)
-        if inplace:
+        if inplace and not _compiling():  # (a trace's inputs are guarded; validate() is host code)
             state.loss_scale.check_writable(where)  # written after the params: checked before them
         opt = self.plan.opt_state(state.inner) if self.plan is not None else None
         slot_trees = self.plan.slot_trees(opt) if opt is not None else []

@@ -291,7 +291,9 @@ class TrainState(NamedTuple):
 
     Attributes:
       params: the params by path, in the policy's param dtype.
-      buffers: the buffers by path (BatchNorm statistics, ...), as the last forward left them.
+      buffers: the buffers by path (BatchNorm statistics, ...), as the last forward left them;
+        a skipped step keeps the old ones (an fp16 forward that overflowed would otherwise
+        leave NaN running statistics for good).
       opt_state: the state of the optimizer transform.
       loss_scale: the :class:`~ampfunc.LossScale` for the next step's loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
@@ -571,6 +573,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         if overwrite_with_gradient is not None:
             params = {k: params[k] if k in params else torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v)
                       for k, v in state.params.items()}
+        new_buffers = _kept_on_skip(mp.finite, new_buffers, state.buffers)
         new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped,
                                new8 if fp8 is not None else None)
         return new_state, StepOutput(loss, mp.finite, _scale_on(ls, mp.finite.device), aux if has_aux else None)
@@ -593,7 +596,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
                 for k, v in state.params.items():
                     if overwritten(k):
                         v.copy_(torch.where(mp.finite.to(v.device), grads[k].to(v.dtype), v))
-            _copy_leaves(state.buffers, new_buffers)
+            _copy_leaves(state.buffers, _kept_on_skip(mp.finite, new_buffers, state.buffers))
             if fp8 is not None:
                 _copy_leaves(state.fp8, new8)
         new_state = state if (mp.finite is state.finite and mp.skipped is state.skipped) else \
@@ -610,6 +613,13 @@ def _scale_on(ls: LossScale, device) -> torch.Tensor:
     is made there (its ``loss_scale`` is a CPU tensor), so every ``StepOutput`` field sits
     beside the params."""
     return torch.ones((), dtype=torch.float32, device=device) if isinstance(ls, NoOpLossScale) else ls.loss_scale
+
+
+def _kept_on_skip(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where the step was applied, ``old`` where it was skipped, per tensor leaf (decided
+    on the device; the buffers' dtypes are the forward's, so no promotion)."""
+    return tree_map(lambda n, o: torch.where(finite.to(n.device), n, o) if isinstance(n, torch.Tensor) else n,
+                    new, old)
 
 
 def _copy_leaves(dst: PyTree, src: PyTree) -> None:

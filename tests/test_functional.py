@@ -286,9 +286,11 @@ def test_make_train_step_is_the_primitive_loop_packaged():
     for step, (x, y) in enumerate(batches(6)):
         w = loss_weight(step)
         state, out = train.step(state, x, y, w)
-        (_, buffers), grads, finite = af.value_and_grad(manual_loss, has_aux=True)(ls, params, buffers, x, y, w)
+        (_, new_buffers), grads, finite = af.value_and_grad(manual_loss, has_aux=True)(ls, params, buffers, x, y, w)
         updates, new_opt = tx.update(grads, opt_state, params)
-        params, opt_state = af.skip_or_apply(finite, (af.apply_updates(params, updates), new_opt), (params, opt_state))
+        # A skipped step keeps everything, the forward's buffers included.
+        params, opt_state, buffers = af.skip_or_apply(
+            finite, (af.apply_updates(params, updates), new_opt, new_buffers), (params, opt_state, buffers))
         assert torch.equal(out.loss_scale, ls.loss_scale)
         ls = af.update_scale(ls, finite)
         assert torch.equal(out.finite, finite)
@@ -319,6 +321,26 @@ def test_make_train_step_with_a_bf16_compute_policy_keeps_fp32_params_and_norms(
     assert all(p.dtype == torch.float32 for p in state.params.values())
     assert bool(out.finite) and torch.isfinite(out.loss)
     assert state.buffers["1.running_mean"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["step", "step_"])
+def test_a_skipped_make_train_step_keeps_the_batchnorm_statistics(inplace):
+    # An fp16 forward that overflows is skipped; its NaN batch statistics must not become the
+    # running ones (the eval model would output NaN for good). An applied step updates them.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    train = af.make_train_step(model, lambda fwd, x: fwd(x).float().square().mean(), af.adamw(1e-3),
+                               "p=f32,c=f16,o=f32", loss_scale=af.DynamicLossScale())
+    state = train.init()
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    run = train.step_ if inplace else train.step
+    state, out = run(state, torch.randn(8, 3) * 1e5)
+    assert not bool(out.finite) and int(state.skipped) == 1
+    assert all(torch.equal(state.buffers[k], v) for k, v in before.items())
+    state, out = run(state, torch.randn(8, 3))
+    assert bool(out.finite) and int(state.buffers["1.num_batches_tracked"]) == 1
+    assert not torch.equal(state.buffers["1.running_mean"], before["1.running_mean"])
+    assert all(bool(torch.isfinite(v).all()) for v in state.buffers.values())
 
 
 def test_eager_make_train_step_differentiates_by_autograd_with_torch_funcs_numbers(monkeypatch):
