@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import operator
 import os
 import re
@@ -56,6 +57,7 @@ __all__ = [
     "check_bound",
     "set_grads",
     "sqrt_rounded",
+    "fma_rounded",
 ]
 
 
@@ -537,8 +539,8 @@ def _ref_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_sca
             g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
         if lr_tensor is None:
             new_p = torch._foreach_add(params, g, alpha=-lr)
-        else:  # a schedule's value, on the device
-            new_p = torch._foreach_add(params, torch._foreach_mul(g, lr_tensor.reshape(()).to(torch.float32).neg()))
+        else:  # a schedule's value, on the device; fused, as the kernels and torch's add(alpha=)
+            new_p = fma_rounded(g, lr_tensor.reshape(()).to(torch.float32).neg(), params)
         _commit_where(finite, params, new_p)
         if momentum != 0:
             _commit_where(finite, momentum_buffers, bufs)
@@ -595,6 +597,52 @@ def sqrt_rounded(tensors: Sequence[torch.Tensor]) -> list:
     if not tensors or tensors[0].device.type != "cpu":
         return list(torch._foreach_sqrt(tensors))
     return [r.to(torch.float32) for r in torch._foreach_sqrt([t.to(torch.float64) for t in tensors])]
+
+
+def fma_rounded(a: Sequence[torch.Tensor], b: torch.Tensor, c: Sequence[torch.Tensor]) -> list:
+    """``a * b + c`` per fp32 tensor with one rounding, as a fused multiply-add: the SGD kernels'
+    (and torch's ``add(alpha=)``) parameter update with a learning rate held in a tensor, for
+    the plain-torch paths that must give their numbers.
+
+    torch has no elementwise fma; ``c + a * b`` rounds twice (the product, then the sum) and
+    differs in the last bit for a few percent of elements. Here the product is taken in fp64,
+    where it is exact (24 + 24 bits), and added with its rounding error kept (TwoSum). The fp64
+    sum rounded to fp32 is the correctly rounded result unless it falls exactly halfway between
+    two fp32 numbers: then the error's sign picks the side.
+
+    Args:
+      a: fp32 tensors on one device.
+      b: a 0-d fp32 tensor on that device (the negated learning rate).
+      c: fp32 tensors shaped like ``a``.
+
+    Returns:
+      A list of new fp32 tensors.
+
+    Example:
+      >>> a, c = [torch.tensor([1.0 + 2.0 ** -23])], [torch.tensor([-1.0])]
+      >>> b = torch.tensor(1.0 - 2.0 ** -23)
+      >>> fma_rounded(a, b, c)[0].item() == -(2.0 ** -46), (c[0] + a[0] * b).item()   # two roundings: 0
+      (True, 0.0)
+
+    Cost: per tensor about ten fp64 elementwise ops (the plain-torch paths only; the kernels
+    fuse it in registers). No host sync.
+    """
+    out = []
+    b64 = b.reshape(()).to(torch.float64)
+    for x, y in zip(a, c):
+        prod = x.to(torch.float64) * b64  # exact
+        y64 = y.to(torch.float64)
+        s = prod + y64
+        bv = s - prod
+        err = (prod - (s - bv)) + (y64 - bv)  # s + err == prod + y exactly (TwoSum)
+        r = s.to(torch.float32)
+        r64 = r.to(torch.float64)
+        up, down = torch.nextafter(r, r.new_tensor(math.inf)), torch.nextafter(r, r.new_tensor(-math.inf))
+        # s halfway between r and a neighbour: round towards the exact value's side.
+        r = torch.where((s > r64) & (s == (r64 + up.to(torch.float64)) / 2) & (err > 0), up, r)
+        r = torch.where((s < r64) & (s == (r64 + down.to(torch.float64)) / 2) & (err < 0), down, r)
+        out.append(r)
+    return out
 
 
 def _ref_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
@@ -928,7 +976,7 @@ def _ref_sgd_update(params, grads, momentum_buffers, step, grad_scale, lr, lr_te
         if ps is None:
             d = torch._foreach_neg(torch._foreach_mul(g, lr_t))
         else:
-            d = torch._foreach_sub(torch._foreach_sub(ps, torch._foreach_mul(g, lr_t)), ps)
+            d = torch._foreach_sub(fma_rounded(g, lr_t.neg(), ps), ps)
     return list(d), list(new_bufs), step + 1
 
 

@@ -902,7 +902,6 @@ SgdUpdateOut sgd_update_cpu(const Tensors& params, const Tensors& grads, const T
   std::vector<ListSpec> state;
   if (has_buf) state.push_back({"momentum_buffers", momentum_buffers, Dt::kFp32, false});
   check_update_args("sgd_update", params, grads, state, step, grad_scale, weight_decay, dev);
-  const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
   lr = lr_value("sgd_update", lr, lr_tensor, dev);
   const Work p(params), g(grads), b(has_buf ? momentum_buffers : Tensors());
   std::vector<Tensor> d_out = packed_empty_like(g.tensors, at::kFloat);
@@ -916,8 +915,7 @@ SgdUpdateOut sgd_update_cpu(const Tensors& params, const Tensors& grads, const T
                            nesterov,
                            maximize,
                            // as the generic update: the formula from the zero buffer unless dampening
-                           dampening != 0.0 && old_step == 0.f,
-                           !lr_is_tensor};
+                           dampening != 0.0 && old_step == 0.f};
   ampfunc::cpu::sgd_update(p.tensors, g.tensors, b.tensors, b_out, d_out, h);
   return {d_out, b_out, at::scalar_tensor(old_step + 1.f, at::kFloat)};
 }

@@ -7,6 +7,7 @@ each quantity leaf by leaf in the most obvious way.
 """
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -891,3 +892,58 @@ def test_new_ops_trace_under_torch_compile_fullgraph():
                                       decoupled_weight_decay=True)
     assert all(_same_bits(a, b) for a, b in zip(new_p, ops.apply_updates(params, d)))
     assert float(t2) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# fma_rounded: the fused multiply-add of the SGD update with a tensor learning rate
+# ---------------------------------------------------------------------------------------------
+
+
+def _round_to_fp32(x: Fraction) -> float:
+    """``x`` correctly rounded to fp32 (ties to even), by exact comparison with the neighbours."""
+    r = torch.tensor(float(x), dtype=torch.float32)
+    best = None
+    for cand in (torch.nextafter(r, torch.tensor(-math.inf)), r, torch.nextafter(r, torch.tensor(math.inf))):
+        c = float(cand)
+        dist = abs(Fraction(c) - x)
+        even = (cand.view(torch.int32).item() & 1) == 0
+        if best is None or dist < best[0] or (dist == best[0] and even):
+            best = (dist, c)
+    return best[1]
+
+
+def test_fma_rounded_is_the_correctly_rounded_a_times_b_plus_c():
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(3000, generator=gen) * torch.exp2(torch.randint(-20, 20, (3000,), generator=gen).float())
+    c = torch.randn(3000, generator=gen)
+    b = torch.tensor(-0.0371)
+    # fp64 lands exactly halfway between two fp32 numbers, the exact value just below (above):
+    # rounding the fp64 sum again would go the wrong way (ties to even).
+    e = 2.0 ** -23
+    a = torch.cat([a, torch.tensor([2.0 ** -12 * (1 + e)] * 2)])
+    c = torch.cat([c, torch.tensor([1 + e, -(1 + e)])])
+    bs = [b] * 3000 + [torch.tensor(2.0 ** -12 * (1 - e)), torch.tensor(-(2.0 ** -12) * (1 - e))]
+    got = torch.cat([ops.fma_rounded([a[i:i + 1]], bs[i], [c[i:i + 1]])[0] for i in range(len(bs))])
+    want = [_round_to_fp32(Fraction(float(a[i])) * Fraction(float(bs[i])) + Fraction(float(c[i])))
+            for i in range(len(bs))]
+    assert got.tolist() == want
+    assert want[-2] == 1 + e and want[-1] == -(1 + e)  # the crafted ties
+    twice = (c + a * b)[:3000]
+    assert not torch.equal(twice, got[:3000])  # two roundings differ somewhere: the test can fail
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_with_a_tensor_lr_equals_the_reference_bit_for_bit(momentum):
+    gen = torch.Generator().manual_seed(7)
+    p0, lr = torch.randn(4096, generator=gen), torch.tensor(0.1)
+    runs = {}
+    for backend in BACKENDS:
+        p, buf, step = p0.clone(), torch.zeros(4096), torch.tensor(0.0)
+        g2 = torch.Generator().manual_seed(8)
+        for _ in range(3):
+            g = torch.randn(4096, generator=g2)
+            _sgd(backend, [p], [g], [buf] if momentum else [], None, step, torch.tensor(1.0), torch.tensor(True),
+                 lr=lr, momentum=momentum)
+        runs[backend] = p
+    assert _same_bits(runs["compiled"], runs["reference"])

@@ -185,8 +185,10 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
             else:
                 if isinstance(lr_i, float):
                     new_p = torch._foreach_add(p, g, alpha=-lr_i)
+                elif dt == torch.float32:  # fused, as the kernels and torch's add(alpha=-lr) compute it
+                    new_p = ops.fma_rounded(g, lr_i.neg(), p)
                 else:
-                    new_p = torch._foreach_sub(p, torch._foreach_mul(g, lr_i))
+                    new_p = torch._foreach_sub(p, torch._foreach_mul(g, lr_i.to(dt)))
                 d = torch._foreach_sub(new_p, p)
             for j, i in enumerate(idx):
                 deltas[i] = d[j]

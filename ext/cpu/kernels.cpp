@@ -381,10 +381,8 @@ bool sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_ou
     if (delta) {
       if (!p_in) {  // -lr * g
         store2(delta + j, m, ga * neg_lr, gb * neg_lr, st.p);
-      } else if (h.lr_fma) {
+      } else {  // the new param as the in-place step makes it (one fused multiply-add), minus p
         store2(delta + j, m, at::vec::fmadd(ga, neg_lr, pa) - pa, at::vec::fmadd(gb, neg_lr, pb) - pb, st.p);
-      } else {
-        store2(delta + j, m, (pa + ga * neg_lr) - pa, (pb + gb * neg_lr) - pb, st.p);
       }
       continue;
     }

@@ -234,7 +234,6 @@ struct SgdHyper {
   bool nesterov;
   bool maximize;
   bool first_step;  // momentum buffer is initialised to the gradient (torch's `buf is None`)
-  bool lr_fma = true;  // p + g * -lr as one fused multiply-add (add(alpha=)); false: mul, then add
 };
 
 // One pass: g = grad * grad_scale; torch.optim.SGD's update of params (fp32) and momentum
