@@ -308,7 +308,9 @@ class Engine:
 
     The fused plan is chosen once from the kernel registry (:func:`ampfunc.fused.plan_for`)
     and used on every step whose trees allow it; the generic plan otherwise. Both give the
-    same numbers (bit for bit on one backend in eager mode).
+    same numbers (bit for bit on one backend in eager mode; with clipping and a loss scale that
+    is not a power of two, the kernels' single ``inv_scale * clip_coef`` product can differ from
+    the generic path's two products by an ulp).
 
     ``engine.on_check``, when set, is called on every eager step after the check pass with
     ``(finite, leaf_nonfinite, leaf_paths)``: this rank's 0-d bool flag, a 1-d bool tensor with
