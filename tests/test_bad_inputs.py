@@ -488,26 +488,19 @@ for _iname, _inner in _FUSED_AND_GENERIC.items():
     add(f"mp-{_iname}.step_-inference-tensor-param", ValueError, ["head.b", "inference"], _inference_param)
 
     for _method in ("step", "step_"):
-        def _fp16_state_fp32_params(inner=_inner, method=_method):
-            # A state made for fp16 params (it holds fp32 masters) handed fp32 params.
-            params = params_f32()
+        def _state_for_other_dtypes(inner=_inner, method=_method, given=params_f32, made_for=params_f16):
+            # A state made by init for params of other dtypes: with masters for fp32 params, or
+            # without for fp16 ones.
+            params = given()
             tx = af.mixed_precision(inner(), loss_scale=dls())
-            state = tx.init(params_f16())
-            grads = grads_like(params)
-            return (lambda: getattr(tx, method)(params, grads, state)), (params, grads, state)
-
-        def _fp32_state_fp16_params(inner=_inner, method=_method):
-            # A state made for fp32 params (no master) handed fp16 params.
-            params = params_f16()
-            tx = af.mixed_precision(inner(), loss_scale=dls())
-            state = tx.init(params_f32())
+            state = tx.init(made_for())
             grads = grads_like(params)
             return (lambda: getattr(tx, method)(params, grads, state)), (params, grads, state)
 
         add(f"mp-{_iname}.{_method}-state-with-masters-fp32-params", ValueError, ["master", "init"],
-            _fp16_state_fp32_params)
+            _state_for_other_dtypes)
         add(f"mp-{_iname}.{_method}-state-without-masters-fp16-params", ValueError, ["enc.w", "master", "init"],
-            _fp32_state_fp16_params)
+            lambda f=_state_for_other_dtypes: f(given=params_f16, made_for=params_f32))
 
     def _scale_cast_to_fp64(inner=_inner):
         params = params_f16()
