@@ -401,7 +401,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     when ``tx`` is registered with them (``sgd``/``adam``/``adamw``, optionally after
     ``clip_by_global_norm``) and the params are fp32, and the generic path otherwise, with the
     same numbers. Params live in the policy's param dtype (fp32 by default; the compute copy is
-    a cast inside the step, as jmp does).
+    a cast inside the step, as jmp does), except those ``keep`` names (the norm layers by
+    default), which stay in the module's dtype beside their fp32 buffers.
 
     Args:
       model: the ``nn.Module`` (its weights seed ``init``; the step never writes it).
@@ -484,7 +485,9 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             # not inside the first run of a compiled step (whose first op call would otherwise
             # load them: ops._loading_first).
             ops.load()
-        params = tree_map(lambda p: p.detach().to(policy.param_dtype, copy=True), params_of(model))
+        # Stored in the policy's param dtype, except the leaves `keep` names (the norm layers by
+        # default): they stay as the module holds them (fp32), as their buffers do.
+        params = cast_params(tree_map(lambda p: p.detach().clone(), params_of(model)), policy.param_dtype, keep=keep)
         buffers = tree_map(lambda b: b.detach().clone(), buffers_of(model))
         device = next((p.device for p in params.values()), torch.device("cpu"))
         # Its own copy of the scale's tensors (``.to`` returns the given ones when the device

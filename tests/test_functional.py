@@ -343,6 +343,20 @@ def test_a_skipped_make_train_step_keeps_the_batchnorm_statistics(inplace):
     assert all(bool(torch.isfinite(v).all()) for v in state.buffers.values())
 
 
+@pytest.mark.parametrize("policy", ["bf16", "half", "p=bf16,c=f32"])
+@pytest.mark.parametrize("norm", [torch.nn.BatchNorm1d, torch.nn.LayerNorm])
+def test_low_precision_param_policies_store_the_norm_layers_in_fp32(policy, norm):
+    # Norm weights beside fp32 buffers (or an fp32 input): stored in the param dtype they made
+    # torch refuse the forward ("expected scalar type BFloat16 but found Float").
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), norm(16), torch.nn.Linear(16, 4))
+    train = af.make_train_step(model, lambda fwd, x: fwd(x).float().square().mean(), af.sgd(1e-3), policy)
+    state = train.init()
+    low = af.get_policy(policy).param_dtype
+    assert state.params["0.weight"].dtype == low and state.params["1.weight"].dtype == torch.float32
+    state, out = train.step(state, torch.randn(8, 8))
+    assert bool(out.finite) and state.params["1.weight"].dtype == torch.float32
+
+
 def test_eager_make_train_step_differentiates_by_autograd_with_torch_funcs_numbers(monkeypatch):
     # Eager, the step differentiates with plain autograd (no torch.func transform layer per op);
     # torch.func.grad stays for compiled graphs and other transforms. Both give the same bits,
