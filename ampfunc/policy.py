@@ -502,9 +502,10 @@ def cast_params(params: PyTree, dtype: DTypeLike, keep: Keep = None) -> PyTree:
     ``keep`` is ``None``, a path or collection of paths (a path also keeps every leaf below it:
     ``"encoder.norm"`` keeps ``"encoder.norm.weight"``), the result of :func:`norm_layers`, or
     a predicate ``(path, leaf) -> bool`` called for each floating leaf not yet in ``dtype``.
-    Kept leaves, leaves already in ``dtype``, integer and bool leaves and non-tensors are
-    returned as they are. Pure and differentiable (usable inside ``torch.func.grad``: the
-    grads of fp32 params come back fp32).
+    Kept leaves, leaves already in ``dtype``, integer and bool leaves, loss scales and
+    non-tensors are returned as they are. A tuple or list of dicts at the top (``(params,
+    buffers)``, as ``functional_call`` takes them) is cast dict by dict, each with its own paths. Pure and
+    differentiable (usable inside ``torch.func.grad``: the grads of fp32 params come back fp32).
 
     A cast leaf is a new tensor, so in-place updates a forward makes to it (BatchNorm's
     running statistics) never reach the original; kept leaves are the originals, which is one
@@ -529,8 +530,13 @@ def cast_params(params: PyTree, dtype: DTypeLike, keep: Keep = None) -> PyTree:
     whose dtype changes, nothing for the others; no host sync.
     """
     dtype = parse_dtype(dtype, "cast_params dtype")
+    if type(params) in (tuple, list) and params and all(isinstance(part, dict) for part in params):
+        # (params, buffers), as functional_call takes them: each part keeps its own paths, so
+        # norm_layers(model)'s "1.weight" still names the norm weight (not "0.1.weight").
+        return type(params)(cast_params(part, dtype, keep) for part in params)
     kept = None if keep is None else _keep_predicate(keep)
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(params, namespace=NAMESPACE)
+    # Loss scales are leaves here and pass through: their fp32 state is not a param.
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(params, is_leaf=_is_loss_scale, namespace=NAMESPACE)
     out = []
     for accessor, leaf in zip(accessors, leaves):
         if isinstance(leaf, torch.Tensor) and torch.is_floating_point(leaf) and leaf.dtype != dtype \

@@ -426,6 +426,25 @@ def test_cast_params_kept_batchnorm_buffers_receive_running_stat_updates_under_g
     assert model[1].running_mean.dtype == F32
 
 
+def test_cast_params_of_params_and_buffers_keeps_each_parts_norm_paths():
+    # The (params, buffers) pair functional_call takes: "1.weight" names the norm weight in the
+    # params dict, not "0.1.weight" in the pair.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    p, b = af.cast_params((af.params_of(model), af.buffers_of(model)), torch.bfloat16, keep=af.norm_layers(model))
+    assert p["0.weight"].dtype == torch.bfloat16 and p["1.weight"].dtype == torch.float32
+    assert b["1.running_var"].dtype == torch.float32
+    # a list of tensors keeps its index paths
+    w, v = af.cast_params([torch.ones(2), torch.ones(2)], torch.bfloat16, keep="1")
+    assert w.dtype == torch.bfloat16 and v.dtype == torch.float32
+
+
+def test_cast_params_leaves_a_loss_scale_alone():
+    tree = {"w": torch.ones(2), "ls": af.DynamicLossScale()}
+    out = af.cast_params(tree, torch.float16)
+    assert out["w"].dtype == torch.float16 and out["ls"] is tree["ls"]
+    assert float(out["ls"].loss_scale) == 2.0 ** 16  # cast to fp16 it was inf
+
+
 def test_cast_params_rejects_bad_dtype_and_bad_keep():
     with pytest.raises(ValueError, match="int8"):
         af.cast_params({"w": torch.ones(1)}, torch.int8)
