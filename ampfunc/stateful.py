@@ -31,7 +31,8 @@ from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import check_same_structure
+from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, tree_structure,
+                          tree_unflatten)
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
@@ -240,6 +241,22 @@ class ModuleTrainer:
         if not isinstance(new, TrainerState):
             raise TypeError(f"ModuleTrainer.state must be a TrainerState, got {type(new).__name__}")
         check_same_structure(new, self._state, "new state", "current state")
+        # Every tensor as the current one is (a state from another model would only fail at the
+        # next step, after replacing the good one); on another device it is moved, as
+        # torch.optim's load_state_dict moves optimizer state to its params' device.
+        paths, current = zip(*leaves_with_paths(self._state)) if tree_leaves(self._state) else ((), ())
+        given = tree_leaves(new)
+        for path, cur, giv in zip(paths, current, given):
+            if isinstance(cur, torch.Tensor) and (not isinstance(giv, torch.Tensor) or giv.shape != cur.shape
+                                                  or giv.dtype != cur.dtype):
+                got = f"{giv.dtype} {tuple(giv.shape)}" if isinstance(giv, torch.Tensor) else type(giv).__name__
+                raise ValueError(f"ModuleTrainer.state: leaf {path!r} is {got} in the new state but "
+                                 f"{cur.dtype} {tuple(cur.shape)} in this trainer's: the state was made for another "
+                                 "model or configuration")
+        if any(isinstance(c, torch.Tensor) and g.device != c.device for c, g in zip(current, given)):
+            spec = tree_structure(new)
+            new = tree_unflatten(spec, [g.to(c.device) if isinstance(c, torch.Tensor) else g
+                                        for c, g in zip(current, given)])
         self._state = new
 
     @property

@@ -699,6 +699,25 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 
 
+def _trainer_for(out_features, flat):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, out_features)
+    return model, af.ModuleTrainer(model, af.adamw(1e-3), flat=flat)
+
+
+for _flat in (False, True):
+    def _other_models_state(flat=_flat):
+        # A Linear(4, 3) trainer's state into a Linear(4, 2) trainer: refused at the load, not
+        # at the next step after the good state was replaced.
+        _, other = _trainer_for(3, flat)
+        model, trainer = _trainer_for(2, flat)
+        sd = other.state_dict()
+        return (lambda: trainer.load_state_dict(sd)), (model, trainer.state)
+
+    add(f"ModuleTrainer{'-flat' if _flat else ''}.load_state_dict-other-model", ValueError,
+        ["ModuleTrainer.state", "opt_state.exp_avg", "another model"], _other_models_state)
+
+
 @case("GradScaler-init_scale-zero", ValueError, "init_scale")
 def _():
     return (lambda: af.compat.GradScaler("cpu", init_scale=0.0)), None
