@@ -26,7 +26,9 @@ The gradient of the state is never scaled by the loss scale nor summed with anyt
 unscale/check/clip must see only the parameter gradients (pass the state as its own argument).
 Every layer the policy names must run exactly once per differentiated forward (as with
 Transformer Engine): a layer that did not run gets a zero "gradient", which the next step treats
-as an empty history (it falls back to the current amax, see :class:`DelayedScaling`).
+as an empty history (it falls back to the current amax, see :class:`DelayedScaling`); a layer
+that runs twice (shared, tied, or looped over) raises ``ValueError`` naming it, since its state
+would record the sum of both amaxes.
 
 How layers are found: :meth:`Fp8Policy.apply` runs ``torch.func.functional_call`` under a
 ``TorchFunctionMode`` that intercepts ``F.linear`` calls whose weight *is* (by identity) the
@@ -452,6 +454,7 @@ class _Fp8Mode(TorchFunctionMode):
     def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], policy: "Fp8Policy"):
         super().__init__()
         self.weights, self.states, self.policy = weights, states, policy
+        self.ran = [False] * len(weights)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -459,8 +462,18 @@ class _Fp8Mode(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            for weight, state in zip(self.weights, self.states):
+            for i, (weight, state) in enumerate(zip(self.weights, self.states)):
                 if w is weight:
+                    if self.ran[i]:
+                        # Each run returns the advanced state as the state's "gradient", and
+                        # autograd sums them: the history would record twice the amax.
+                        name = self.policy.layers[i]
+                        raise ValueError(
+                            f"Fp8Policy: layer {name!r} ran twice in one forward (a shared or tied Linear, "
+                            "or a loop over one layer); its scaling state would record the sum of both "
+                            f"amaxes. Keep it out of FP8 (fp8_policy(model, exclude=({name!r},))) or give "
+                            "each use its own layer")
+                    self.ran[i] = True
                     p = self.policy
                     return fp8_linear(x, w, b, state, p.recipe, backend=p.backend, group=p.group)
         return func(*args, **kwargs)
