@@ -271,7 +271,8 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 def fp8_available(device: torch.device | str | None = None) -> bool:
     """Whether ``torch._scaled_mm`` takes fp8 operands on ``device``: CUDA compute capability
-    8.9+ (Ada, Hopper, Blackwell; or ROCm), or a CPU on a torch that has the CPU kernel."""
+    8.9+ (Ada, Hopper, Blackwell), or a ROCm GPU or a CPU where a probe call of the kernel
+    succeeds."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     device = torch.device("cpu" if device is None else device)
@@ -288,9 +289,9 @@ def _probe(device: torch.device) -> bool:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return False
-        if torch.version.hip is not None:
-            return True
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+        if torch.version.hip is None:
+            return torch.cuda.get_device_capability(device) >= (8, 9)
+        # ROCm: only some generations (MI300) have fp8 matmuls; ask the kernel, as on the CPU.
     try:
         one = torch.ones((), device=device)
         a = torch.zeros(16, 16, dtype=E4M3, device=device)
