@@ -367,7 +367,10 @@ class Engine:
             master = copy_packed(params, self.master_dtype_for)
         device = leaves[0].device if leaves else torch.device("cpu")
         inner_state = self.inner.init(master if master is not None else params)
-        return MixedPrecisionState(master, inner_state, loss_scale.to(device), *skip_stats(device))
+        # The state's own copy of the scale's tensors (`.to` hands back the given ones on the
+        # same device): step_ writes them, and neither the caller's scale object nor a second
+        # state from init may change with it.
+        return MixedPrecisionState(master, inner_state, _cloned(loss_scale.to(device)), *skip_stats(device))
 
     # -- lining the leaves up ----------------------------------------------------------------
 

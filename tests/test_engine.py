@@ -335,3 +335,18 @@ def test_make_train_step_never_writes_the_state_it_is_given():
         ids = {id(t) for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)}
         assert not ids & {id(t) for t in af.tree.tree_leaves(new_state.params)}
         state = new_state
+
+
+def test_each_init_owns_its_loss_scale_tensors():
+    # step_ writes the scale in place: it must write the state's own copy, never the scale object
+    # the caller passed nor another state's.
+    ls = af.DynamicLossScale(2.0 ** 10)
+    tx = af.mixed_precision(af.adamw(1e-3), ls)
+    params = {"w": torch.zeros(3, dtype=torch.float16)}
+    a, b = tx.init(params), tx.init(params)
+    params, a = tx.step_(params, {"w": torch.full((3,), float("inf"), dtype=torch.float16)}, a)
+    assert float(a.loss_scale.loss_scale) == 2.0 ** 9
+    assert float(b.loss_scale.loss_scale) == float(ls.loss_scale) == float(tx.init(params).loss_scale.loss_scale) == 2.0 ** 10
+    t1 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
+    t2 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
+    assert t1.loss_scale.loss_scale.data_ptr() not in (t2.loss_scale.loss_scale.data_ptr(), ls.loss_scale.data_ptr())
