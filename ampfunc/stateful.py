@@ -18,6 +18,7 @@ on the local shards, so its optimizer state is sharded too; clip with
 
 from __future__ import annotations
 
+import collections
 import operator
 import warnings
 from itertools import repeat
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ampfunc import ops
-from ampfunc.engine import Engine, MixedPrecisionState
+from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
@@ -35,6 +36,8 @@ from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, 
                           tree_unflatten)
 
 __all__ = ["TrainerState", "ModuleTrainer"]
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class TrainerState(NamedTuple):
@@ -84,6 +87,9 @@ class _Packed:
                 raise ValueError(f"{where}: parameter {name!r} is not a contiguous dense tensor (strides "
                                  f"{tuple(p.stride())}); flat=True packs contiguous params only: make it "
                                  "contiguous first, or leave flat off")
+        # Two params sharing memory would be copied into two slots of the buffer and trained
+        # apart (untied): refused, as the unpacked trainer refuses them.
+        check_no_overlap(where, [("parameter", collections.OrderedDict(named), [p for _, p in named])])
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         flat = flatten(self.params)  # one buffer per (device, dtype), the params copied in
@@ -203,7 +209,11 @@ class ModuleTrainer:
         self.tx = tx
         self.group = group
         self.set_grads_to_none = set_grads_to_none
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._all = list(model.named_parameters())
+        # Which params were trainable when the trainer was made: the set it steps (checked
+        # every step: a param frozen or unfrozen later would be fed zeros, or never trained).
+        self._trainable = [p.requires_grad for _, p in self._all]
+        self._named = [(n, p) for n, p in self._all if p.requires_grad]
         if not self._named:
             raise ValueError("ModuleTrainer: the model has no parameter with requires_grad=True")
         for name, p in self._named:
@@ -315,6 +325,13 @@ class ModuleTrainer:
         No host sync.
         """
         st = self._state
+        if list(map(_requires_grad, (p for _, p in self._all))) != self._trainable:
+            name, p = next((n, p) for (n, p), was in zip(self._all, self._trainable) if p.requires_grad != was)
+            now = "requires grad" if p.requires_grad else "no longer requires grad"
+            raise RuntimeError(f"ModuleTrainer.step: parameter {name!r} {now} since the trainer was made; it steps "
+                               "the set of trainable parameters it was made with (a frozen one would still move "
+                               "with momentum and weight decay, an unfrozen one would never train): make a new "
+                               "ModuleTrainer after changing requires_grad")
         params = self._params()
         if self._packed is not None:
             self._packed.rebind("ModuleTrainer.step")
@@ -323,8 +340,13 @@ class ModuleTrainer:
             grads = self._grads(params)
         mp = MixedPrecisionState(st.master, st.opt_state, st.loss_scale, st.finite, st.skipped)
         # autograd gives every .grad its param's shape: no per-leaf shape check needed.
-        _, mp = self._engine.step_(params, grads, mp, trust_grads=True)
+        _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
         self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
+        if self._packed is not None and not torch.compiler.is_compiling():
+            # The kernels wrote the buffers, whose views are the params' .data: the params' own
+            # version counters must move, as after torch.optim's step, so that a backward through
+            # a graph that saved them before the step fails instead of using the new values.
+            torch.autograd.graph.increment_version(self._packed.params)
         if self.set_grads_to_none:
             if self._packed is not None:
                 self._packed.zero_grads()

@@ -165,3 +165,40 @@ def test_a_trainer_made_before_any_kernel_call_checks_its_params_in_c():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] in ("Tensor", "no-door")
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_step_bumps_the_params_versions_so_a_stale_graph_fails_as_with_torch_optim(flat):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))  # the graph saves model[1].weight
+    trainer = af.ModuleTrainer(model, af.sgd(0.1), flat=flat)
+    loss = model(torch.randn(4, 3)).square().sum()
+    loss.backward(retain_graph=True)
+    before = model[1].weight._version
+    trainer.step()
+    assert model[1].weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_changing_requires_grad_after_the_trainer_is_made_is_refused_by_name(flat, change):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(False)
+    trainer = af.ModuleTrainer(model, af.adamw(1e-2, weight_decay=0.1), flat=flat)
+    model[0].weight.requires_grad_(change == "unfreeze")
+    model(torch.randn(4, 3)).square().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'0\.weight' (requires grad|no longer requires grad)"):
+        trainer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_flat_trainer_refuses_two_params_sharing_memory_as_the_unpacked_one_does():
+    model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    model[1].weight = nn.Parameter(model[0].weight.data)  # two Parameters, one storage
+    with pytest.raises(ValueError, match=r"'0\.weight' and parameter leaf '1\.weight' are the same tensor"):
+        af.ModuleTrainer(model, af.sgd(0.1), flat=True)
