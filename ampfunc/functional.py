@@ -130,10 +130,13 @@ def _unscale_and_check_batched(grads: PyTree, ls: LossScale) -> tuple[PyTree, to
     float_leaves_with_paths(grads, "value_and_grad: grads")
     inv = ls.inv_scale
     leaves, spec = tree_flatten(grads)
-    outs = [g.to(torch.float32) * inv.to(g.device) for g in leaves]
+    # fp32, or fp64 for fp64 gradients, as the unbatched unscale gives them.
+    wide = [torch.float64 if g.dtype == torch.float64 else torch.float32 for g in leaves]
+    outs = [g.to(dt) * inv.to(g.device, dt) for g, dt in zip(leaves, wide)]
+    valid = ls.is_valid()  # a scale set by hand out of range: skip, as unbatched
     if not leaves:
-        return grads, torch.ones((), dtype=torch.bool)
-    finite = torch.stack([g.isfinite().all() for g in leaves]).all()
+        return grads, valid
+    finite = torch.stack([g.isfinite().all() for g in leaves]).all() & valid.to(leaves[0].device)
     return tree_unflatten(spec, outs), finite
 
 

@@ -175,6 +175,19 @@ def test_vmap_per_example_grads_in_fp16_equal_the_loop_over_examples(overflowing
             assert torch.allclose(grads[k][i], grads_i[k], rtol=1e-2, atol=1e-3), (i, k)
 
 
+def test_vmap_value_and_grad_flags_an_invalid_scale_and_keeps_fp64_grads_as_unbatched():
+    params, x, y, loss_fn = fp16_per_example_setup()
+    vg = af.value_and_grad(loss_fn)
+    bad = af.DynamicLossScale.from_tensors(torch.tensor(0.0), torch.tensor(0, dtype=torch.int32),
+                                           torch.tensor(1, dtype=torch.int32), af.DynamicLossScale().config)
+    _, _, finite = torch.vmap(vg, in_dims=(None, None, 0, 0))(bad, params, x, y)
+    assert not bool(finite.any()) and not bool(vg(bad, params, x[0], y[0])[2])  # scale 0 set by hand: skip
+    wide = af.tree_map(lambda p: p.double(), params)
+    vg64 = af.value_and_grad(lambda p, xi, yi: loss_fn(af.cast_params(p, torch.float16), xi, yi))
+    _, grads, _ = torch.vmap(vg64, in_dims=(None, None, 0, 0))(af.DynamicLossScale(2.0 ** 10), wide, x, y)
+    assert all(g.dtype == torch.float64 for g in grads.values())
+
+
 def test_clip_per_example_equals_clip_grad_norm_per_example_then_the_mean():
     params, x, y, loss_fn = fp16_per_example_setup()
     ls = af.DynamicLossScale(2.0**10)
