@@ -135,8 +135,10 @@ def init_from_env(backend: str | None = None, device_type: str | None = None) ->
 def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
     """A new tree: each floating leaf averaged over the ranks of ``group``.
 
-    Leaves are packed into one flat buffer per (device, dtype) so the cost is one all-reduce per
-    group of leaves, not one per leaf. Integer leaves and ``None`` pass through. Inputs are not
+    Each value is divided by the world size before the sum, as DDP's default communication hook
+    does (in fp16, summing first can overflow values that each fit). Leaves are packed into one
+    flat buffer per (device, dtype) so the cost is one all-reduce per group of leaves, not one
+    per leaf. Integer leaves and ``None`` pass through. Inputs are not
     modified. No host sync (the collective is enqueued like any kernel).
     """
     world = dist.get_world_size(group)
@@ -148,8 +150,10 @@ def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
             buckets.setdefault((x.device, x.dtype), []).append(i)
     for idx in buckets.values():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        # Divided before the sum, as DDP's default hook does: summed first, scaled fp16
+        # gradients that each fit overflow (40000 + 40000), and every rank would skip the step.
+        flat.div_(world)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat = flat / world
         offset = 0
         for i in idx:
             n = leaves[i].numel()

@@ -122,6 +122,10 @@ def scenario_ddp(env, out):
     single = run_steps(None, lambda x, y: (x, y))
     out.update(train_step=mine, train_step_reference=single)
 
+    # fp16 gradients that each fit but whose sum does not: averaged, not summed first.
+    big = {"w": torch.full((4,), 40000.0, dtype=torch.float16)}
+    out.update(fp16_mean=af.dist.all_reduce_mean(big, env.group)["w"])
+
 
 def shard(model):
     try:

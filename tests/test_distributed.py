@@ -104,6 +104,12 @@ def test_value_and_grad_with_a_group_averages_grads_and_agrees_on_finite(ddp):
         assert torch.equal(ddp[0]["functional_grads"][k], ddp[1]["functional_grads"][k])
 
 
+def test_all_reduce_mean_divides_before_it_sums_so_fp16_gradients_do_not_overflow(ddp):
+    # 40000 + 40000 is inf in fp16; DDP's default hook divides first and so does all_reduce_mean.
+    for out in ddp:
+        assert out["fp16_mean"].dtype == torch.float16 and out["fp16_mean"].tolist() == [40000.0] * 4
+
+
 @slow
 def test_make_train_step_with_a_group_equals_one_process_on_the_global_batch(ddp):
     ref_params, ref_finite, ref_scale = ddp[0]["train_step_reference"]
