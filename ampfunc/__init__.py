@@ -100,8 +100,10 @@ from ampfunc.functional import (  # noqa: F401,E402
 from ampfunc.stateful import ModuleTrainer, TrainerState  # noqa: F401,E402
 # -- FP8 linear layers (ampfunc/fp8.py): af.fp8.fp8_policy, af.fp8.DelayedScaling, ...
 from ampfunc import fp8  # noqa: F401,E402
-# -- migration facades (ampfunc/compat/): torch.amp.GradScaler now, apex on first use
+# -- migration facades (ampfunc/compat/): torch.amp.GradScaler, and apex's checkpoint classes
+# registered for torch.load(weights_only=True) (amp itself loads on first use)
 from ampfunc import compat  # noqa: F401,E402
+import ampfunc.compat.apex  # noqa: F401,E402
 # -- flat buffers and the fused step (ampfunc/flat.py, ampfunc/fused.py)
 from ampfunc import flat, fused  # noqa: F401,E402
 # -- checkpoints with a format version and a checksum (ampfunc/checkpoint.py)

@@ -19,7 +19,10 @@ The rules (the practice guide's, made concrete):
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import platform
+import re
+from collections import abc
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -74,7 +77,7 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() in ("flags", "Features"):
-                    flags = set(value.split())
+                    flags = set(value.lower().split())
                     return [flag for flag in _CPU_BF16_FLAGS if flag in flags]
     except OSError:
         pass
@@ -86,32 +89,76 @@ def _fp8_available() -> bool:
     return importlib.util.find_spec("ampfunc.fp8") is not None
 
 
+def _flag_set(cpu_flags) -> set:
+    """``cpu_flags`` (a string of flags separated by whitespace or commas, as /proc/cpuinfo's
+    ``flags`` line, or an iterable of such strings) as a set of lower-case flag names."""
+    if isinstance(cpu_flags, str):
+        items = [cpu_flags]
+    elif isinstance(cpu_flags, (bytes, bytearray)) or not isinstance(cpu_flags, abc.Iterable):
+        raise TypeError("recommend_policy: cpu_flags must be a string of flags (e.g. /proc/cpuinfo's 'flags' "
+                        f"line) or a list of flag strings, got {type(cpu_flags).__name__}")
+    else:
+        items = list(cpu_flags)
+        bad = [f for f in items if not isinstance(f, str)]
+        if bad:
+            raise TypeError(f"recommend_policy: cpu_flags must hold strings, got {bad[0]!r} "
+                            f"({type(bad[0]).__name__})")
+    return {flag.lower() for item in items for flag in re.split(r"[\s,]+", item) if flag}
+
+
+def _check_capability(capability) -> tuple:
+    if isinstance(capability, (str, bytes)) or not isinstance(capability, abc.Sequence):
+        raise TypeError(f"recommend_policy: capability must be a (major, minor) pair of ints, got "
+                        f"{type(capability).__name__} {capability!r}")
+    if len(capability) != 2:
+        raise ValueError(f"recommend_policy: capability must be a (major, minor) pair of ints, got {capability!r}")
+    for c in capability:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise TypeError(f"recommend_policy: capability must be a (major, minor) pair of ints, got "
+                            f"{capability!r} (holding a {type(c).__name__})")
+        if c < 0:
+            raise ValueError(f"recommend_policy: capability must be a (major, minor) pair of ints >= 0, "
+                             f"got {capability!r}")
+    return (int(capability[0]), int(capability[1]))
+
+
 def recommend_policy(device: Union[str, torch.device, None] = None, *,
                      capability: Optional[Sequence[int]] = None,
-                     cpu_flags: Optional[Sequence[str]] = None,
+                     cpu_flags: Union[str, Sequence[str], None] = None,
                      n_params: Optional[int] = None,
                      stability: str = "normal") -> Recommendation:
     """The precision to train in on ``device``, with the reason and the requirements.
 
     Args:
-      device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` (CUDA when
+      device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` (``"cuda"``
+        when ``capability`` is given, ``"cpu"`` when ``cpu_flags`` is given, else CUDA when
         available, else CPU).
-      capability: ``(major, minor)`` CUDA compute capability to plan for a GPU you do not have
-        (``device`` then defaults to ``"cuda"``); by default the device's own.
-      cpu_flags: instruction flags to plan for a CPU you do not have (e.g. ``["avx512_bf16"]``);
-        by default this machine's (:func:`cpu_bf16_flags`).
-      n_params: the model's parameter count, when known. It sizes the master-weight
-        requirement, and fp8 is only advised from 100M parameters.
+      capability: ``(major, minor)`` CUDA compute capability (two ints >= 0; bools are not
+        ints) to plan for a GPU you do not have; by default the device's own. Refused
+        (``ValueError``) for a CPU plan, where it has no meaning.
+      cpu_flags: instruction flags to plan for a CPU you do not have: a list of flags (e.g.
+        ``["avx512_bf16"]``) or one string of them separated by whitespace or commas (e.g.
+        /proc/cpuinfo's ``flags`` line), matched case-insensitively; by default this machine's
+        (:func:`cpu_bf16_flags`). Refused (``ValueError``) for a CUDA plan.
+      n_params: the model's parameter count (an int >= 0, not a bool), when known. It sizes
+        the master-weight requirement, and fp8 is only advised from 100M parameters.
       stability: ``"normal"`` or ``"high"``. ``"high"`` never advises fp8, and before sm80
         advises a dynamic scale that tolerates one overflow before backing off (hysteresis 2).
 
     Returns:
       A :class:`Recommendation` (``policy``, ``loss_scale``, ``reason``, ``requirements``, ...).
 
+    Raises:
+      TypeError: ``capability``, ``cpu_flags`` or ``n_params`` of the wrong type (named).
+      ValueError: a value out of range, an unknown ``stability`` or device type, or a setting
+        that does not apply to the device planned for (named).
+
     Example:
       >>> rec = af.recommend_policy("cuda", capability=(8, 0))
       >>> str(rec.policy), type(rec.loss_scale).__name__
       ('p=f32,c=bf16,o=f32', 'NoOpLossScale')
+      >>> af.recommend_policy("cpu", cpu_flags="fpu sse avx512_bf16").precision
+      'bf16'
 
     Cost: no tensor work, no host sync. At most ``torch.cuda.is_available()`` (no
     ``capability`` given), ``get_device_capability`` (CUDA without ``capability``) and one read
@@ -119,17 +166,35 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
     """
     if stability not in ("normal", "high"):
         raise ValueError(f"recommend_policy: stability must be 'normal' or 'high', got {stability!r}")
-    if n_params is not None and (not isinstance(n_params, int) or n_params < 0):
-        raise ValueError(f"recommend_policy: n_params must be a non-negative int, got {n_params!r}")
+    if n_params is not None:
+        if isinstance(n_params, bool) or not isinstance(n_params, numbers.Integral):
+            raise TypeError(f"recommend_policy: n_params must be a non-negative int, got "
+                            f"{type(n_params).__name__} {n_params!r}")
+        if n_params < 0:
+            raise ValueError(f"recommend_policy: n_params must be a non-negative int, got {n_params!r}")
+        n_params = int(n_params)
+    if capability is not None:
+        capability = _check_capability(capability)
+    flags = None if cpu_flags is None else _flag_set(cpu_flags)
     if device is None:
-        device = "cuda" if capability is not None or torch.cuda.is_available() else "cpu"
+        if capability is not None and flags is not None:
+            raise ValueError("recommend_policy: capability= plans for a CUDA GPU and cpu_flags= for a CPU; pass "
+                             "one of them (or device=)")
+        device = ("cuda" if capability is not None else "cpu" if flags is not None
+                  else "cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
+    if dev.type == "cpu" and capability is not None:
+        raise ValueError(f"recommend_policy: capability={capability!r} is a CUDA compute capability and does not "
+                         "apply to a CPU plan (device='cpu'); drop it, or plan for device='cuda'")
+    if dev.type == "cuda" and flags is not None:
+        raise ValueError("recommend_policy: cpu_flags= describes a CPU and does not apply to a CUDA plan "
+                         f"(device={str(device)!r}); drop it, or plan for device='cpu'")
     requirements = []
     if n_params is not None:
         requirements.append(f"fp32 master weights: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
                             "(keep them: updates smaller than half a low-precision ulp would be lost)")
     if dev.type == "cpu":
-        return _recommend_cpu(cpu_flags, requirements)
+        return _recommend_cpu(flags, requirements)
     if dev.type != "cuda":
         raise ValueError(f"recommend_policy: device type {dev.type!r} is not planned for; use 'cpu' or 'cuda' "
                          "(with capability=(major, minor) for a GPU you do not have)")
@@ -137,14 +202,12 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
         if not torch.cuda.is_available():
             raise ValueError("recommend_policy: no CUDA device here; pass capability=(major, minor) to plan "
                              "for a GPU you do not have, e.g. capability=(8, 0) for an A100")
-        capability = torch.cuda.get_device_capability(dev)
-    if (len(capability) != 2 or not all(isinstance(c, int) and c >= 0 for c in capability)):
-        raise ValueError(f"recommend_policy: capability must be (major, minor) ints, got {capability!r}")
-    return _recommend_cuda(tuple(capability), n_params, stability, requirements)
+        capability = _check_capability(tuple(torch.cuda.get_device_capability(dev)))
+    return _recommend_cuda(capability, n_params, stability, requirements)
 
 
-def _recommend_cpu(cpu_flags, requirements) -> Recommendation:
-    flags = cpu_bf16_flags() if cpu_flags is None else [f for f in _CPU_BF16_FLAGS if f in set(cpu_flags)]
+def _recommend_cpu(flag_set, requirements) -> Recommendation:
+    flags = cpu_bf16_flags() if flag_set is None else [f for f in _CPU_BF16_FLAGS if f in flag_set]
     cpu = f"this CPU ({platform.machine() or 'unknown'})"
     if flags:
         return Recommendation(

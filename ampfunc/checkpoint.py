@@ -92,8 +92,60 @@ def save(obj: Any, f: PathOrFile) -> None:
         raise
 
 
+def _read_exact(fh: IO[bytes], n: int) -> bytes:
+    """Up to ``n`` bytes from ``fh``: fewer only at the end of the stream (short reads are retried)."""
+    chunks, left = [], n
+    while left > 0:
+        chunk = fh.read(min(left, 1 << 26))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_checkpoint(fh: IO[bytes], name: str, whole: bool) -> bytes:
+    """The verified payload of the checkpoint at ``fh``'s position; ``fh`` is left right after it.
+    ``whole``: ``fh`` is a file that must hold this checkpoint only (trailing bytes refused)."""
+    header = _read_exact(fh, _HEADER_LEN)
+    if not header:
+        raise CheckpointError(f"{name!r}: no checkpoint there: " + ("the file is empty" if whole else
+                              "the stream is at its end (every checkpoint in it was read)"))
+    if not header.startswith(_MAGIC):
+        raise CheckpointError(f"{name!r} is not an ampfunc checkpoint (no ampfunc header); a file from plain "
+                              "torch.save is read with torch.load, which does not verify its bytes")
+    if len(header) < _HEADER_LEN:
+        raise CheckpointError(f"{name!r}: truncated ampfunc checkpoint ({len(header)} bytes, shorter than its "
+                              "header)")
+    version, length = _FIELDS.unpack_from(header, len(_MAGIC))
+    if version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(f"{name!r}: checkpoint format version {version} is not supported (this ampfunc "
+                              f"reads versions 1 to {FORMAT_VERSION}); upgrade ampfunc")
+    digest = header[len(_MAGIC) + _FIELDS.size:]
+    payload = _read_exact(fh, length)
+    if len(payload) < length:
+        raise CheckpointError(f"{name!r}: checkpoint truncated: the header records {length} payload bytes, "
+                              f"the {'file' if whole else 'stream'} holds {len(payload)}")
+    if whole:
+        extra = len(fh.read())
+        if extra:
+            raise CheckpointError(f"{name!r}: checkpoint has extra bytes: the header records {length} payload "
+                                  f"bytes, the file holds {length + extra}")
+    if _digest(version, payload) != digest:
+        raise CheckpointError(f"{name!r}: checkpoint corrupted: its bytes do not match the recorded SHA-256 "
+                              "(the file was modified after it was written)")
+    return payload
+
+
 def load(f: PathOrFile, *, map_location=None, weights_only: bool = True) -> Any:
     """Reads what :func:`save` wrote, after checking its header, length and checksum.
+
+    A path must hold one checkpoint and nothing else. From a binary file object exactly the
+    checkpoint at its current position is read (the header records the payload's length) and
+    the object is left positioned right after it, so checkpoints saved one after another into
+    one stream are loaded one after another (``torch.load`` cannot: it leaves a stream at an
+    unspecified position). When a file object's checkpoint is refused and the object is
+    seekable, it is put back where it was.
 
     Args:
       f: a path or a binary file object positioned at the checkpoint.
@@ -106,36 +158,30 @@ def load(f: PathOrFile, *, map_location=None, weights_only: bool = True) -> Any:
 
     Raises:
       CheckpointError: the file has no ampfunc header (a plain ``torch.save`` file: load it with
-        ``torch.load``), was written by a newer format version, is truncated or has extra bytes,
-        or its bytes do not match the recorded SHA-256. The message names the file.
+        ``torch.load``), was written by a newer format version, is truncated, has extra bytes
+        (a path only), or its bytes do not match the recorded SHA-256. The message names the
+        file.
 
     Example:
       >>> state = af.checkpoint.load("ckpt.pt", map_location="cpu")  # doctest: +SKIP
+      >>> with open("run.ckpts", "rb") as fh:                        # doctest: +SKIP
+      ...     first, second = af.checkpoint.load(fh), af.checkpoint.load(fh)
 
-    Cost: one read of the file and one SHA-256 pass before ``torch.load``.
+    Cost: one read of the checkpoint's bytes and one SHA-256 pass before ``torch.load``.
     """
     name = _name(f)
     if isinstance(f, (str, os.PathLike)):
         with open(f, "rb") as fh:
-            blob = fh.read()
+            payload = _read_checkpoint(fh, name, whole=True)
     else:
-        blob = f.read()
-    if not blob.startswith(_MAGIC):
-        raise CheckpointError(f"{name!r} is not an ampfunc checkpoint (no ampfunc header); a file from plain "
-                              "torch.save is read with torch.load, which does not verify its bytes")
-    if len(blob) < _HEADER_LEN:
-        raise CheckpointError(f"{name!r}: truncated ampfunc checkpoint ({len(blob)} bytes, shorter than its header)")
-    version, length = _FIELDS.unpack_from(blob, len(_MAGIC))
-    if version > FORMAT_VERSION or version < 1:
-        raise CheckpointError(f"{name!r}: checkpoint format version {version} is not supported (this ampfunc "
-                              f"reads versions 1 to {FORMAT_VERSION}); upgrade ampfunc")
-    digest = blob[len(_MAGIC) + _FIELDS.size:_HEADER_LEN]
-    payload = blob[_HEADER_LEN:]
-    if len(payload) != length:
-        what = "truncated" if len(payload) < length else "has extra bytes"
-        raise CheckpointError(f"{name!r}: checkpoint {what}: the header records {length} payload bytes, "
-                              f"the file holds {len(payload)}")
-    if _digest(version, payload) != digest:
-        raise CheckpointError(f"{name!r}: checkpoint corrupted: its bytes do not match the recorded SHA-256 "
-                              "(the file was modified after it was written)")
+        try:
+            start = f.tell() if f.seekable() else None
+        except (AttributeError, OSError, ValueError):
+            start = None
+        try:
+            payload = _read_checkpoint(f, name, whole=False)
+        except CheckpointError:
+            if start is not None:
+                f.seek(start)
+            raise
     return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=weights_only)

@@ -266,3 +266,274 @@ def test_grad_scaler_update_accepts_what_torch_accepts():
     scaler.scale(torch.tensor(1.0))
     with pytest.raises(AssertionError, match="1-element"):  # torch's own refusal, kept
         scaler.update(torch.tensor([2.0, 3.0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. checkpoints and loads: bad entries refused before anything changes (GradScaler, FP16_Optimizer,
+#    amp), a hand-set invalid GradScaler scale skips, apex checkpoints load weights_only, streams
+# ----------------------------------------------------------------------------------------------
+
+def _gs_after_one_step(**kw):
+    torch.manual_seed(0)
+    scaler = af.compat.GradScaler("cpu", init_scale=1024.0, growth_interval=7, **kw)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.randn(1, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler
+
+
+_GS_BAD_LOADS = [
+    ("scale", {"scale": 0.0}, ValueError), ("scale", {"scale": -1.0}, ValueError),
+    ("scale", {"scale": NAN}, ValueError), ("scale", {"scale": INF}, ValueError),
+    ("scale", {"scale": 1e39}, ValueError), ("scale", {"scale": "8"}, TypeError),
+    ("scale", {"scale": True}, TypeError),
+    ("_growth_tracker", {"_growth_tracker": -5}, ValueError),
+    ("_growth_tracker", {"_growth_tracker": 2**31}, ValueError),
+    ("_growth_tracker", {"_growth_tracker": 2.5}, ValueError),
+    ("_growth_tracker", {"_growth_tracker": True}, TypeError),
+    ("growth_interval", {"growth_interval": 0}, ValueError),
+    ("growth_factor", {"growth_factor": None}, TypeError),
+    ("_hysteresis_tracker", {"min_scale": 1.0, "max_scale": 2.0**24, "hysteresis": 2, "_hysteresis_tracker": 99},
+     ValueError),
+    ("scale", {"min_scale": 4096.0, "max_scale": 2.0**24, "hysteresis": 1}, ValueError),  # scale 1024 < min_scale
+]
+
+
+@pytest.mark.parametrize("key, change, error", _GS_BAD_LOADS,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(_GS_BAD_LOADS)])
+def test_grad_scaler_load_state_dict_refuses_bad_entries_before_loading(key, change, error):
+    scaler = _gs_after_one_step()
+    before, settings = scaler.state_dict(), scaler._settings()
+    # growth_factor changed too: a partial load would show in the settings
+    bad = {**scaler.state_dict(), "growth_factor": 3.0, **change}
+    with pytest.raises(error, match=rf"load_state_dict.*{key}"):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before and scaler._settings() == settings
+
+
+def test_grad_scaler_load_state_dict_still_takes_torch_and_tensor_entries():
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=5)
+    scaler = _gs_after_one_step()
+    scaler.load_state_dict(theirs.state_dict())
+    assert scaler.state_dict() == theirs.state_dict()
+    scaler.load_state_dict({**theirs.state_dict(), "scale": torch.tensor(16.0), "_growth_tracker": torch.tensor(3)})
+    assert scaler.get_scale() == 16.0 and scaler._get_growth_tracker() == 3
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        scaler.load_state_dict({k: v for k, v in theirs.state_dict().items() if k != "_growth_tracker"})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adamw-fused"])
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale_-step"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, NAN, INF])
+def test_grad_scaler_hand_set_invalid_scale_skips_the_step(bad, unscale, fused):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = af.compat.GradScaler("cpu")
+    scaler.scale(torch.zeros(()))
+    scaler._scale.fill_(bad)  # set by hand, as frameworks reach into torch's attribute
+    scaler.scale(model(torch.randn(3, 4)).square().mean()).backward()
+    params = [p.detach().clone() for p in model.parameters()]
+    if unscale:
+        scaler.unscale_(opt)
+    _, found_inf = scaler.step(opt, return_found_inf=True)
+    assert bool(found_inf)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    scaler.update()
+    if bad in (0.0, -1.0):  # backs off to the floor and trains again
+        assert scaler.get_scale() == 2.0**-126
+
+
+def _fp16_adam(fp32_shape):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3).half())
+    norm = torch.nn.Parameter(torch.randn(fp32_shape))
+    opt = FP16_Optimizer(torch.optim.Adam([w, norm], lr=1e-2), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 8.0}, verbose=False)
+    return (w, norm), opt
+
+
+def _fp16_adam_step(ps, opt):
+    opt.zero_grad()
+    opt.backward((ps[0].float() ** 2).sum() + (ps[1] ** 2).sum())
+    opt.step()
+
+
+@pytest.mark.parametrize("saved_shape, loaded_shape", [((5,), (6,)), ((4, 3), (3, 4))],
+                         ids=["fp32-param-resized", "fp32-param-transposed"])
+def test_fp16_optimizer_load_refuses_optimizer_state_of_other_shapes(saved_shape, loaded_shape):
+    import io
+    ps, opt = _fp16_adam(saved_shape)
+    for _ in range(2):
+        _fp16_adam_step(ps, opt)
+    assert "exp_avg" in opt.state[ps[1]]
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    ps2, opt2 = _fp16_adam(loaded_shape)
+    _fp16_adam_step(ps2, opt2)
+    snap = tree_clone((opt2.optimizer.state_dict(), opt2.fp32_from_fp16_groups, [p.detach() for p in ps2]))
+    scale = opt2.loss_scale
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*'exp_avg'"):
+        opt2.load_state_dict(torch.load(buf))
+    assert _same(snap, (opt2.optimizer.state_dict(), opt2.fp32_from_fp16_groups, [p.detach() for p in ps2]))
+    assert opt2.loss_scale == scale
+    _fp16_adam_step(ps2, opt2)  # still trains
+
+
+def test_fp16_optimizer_load_refuses_swapped_fp16_and_fp32_params():
+    import io
+    torch.manual_seed(0)
+    a16, b32 = torch.nn.Parameter(torch.randn(4, 3).half()), torch.nn.Parameter(torch.randn(5))
+    opt = FP16_Optimizer(torch.optim.Adam([a16, b32], lr=1e-2), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 8.0}, verbose=False)
+    opt.zero_grad()
+    opt.backward((a16.float() ** 2).sum() + (b32 ** 2).sum())
+    opt.step()
+    assert "exp_avg" in opt.state[b32]
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    b2, a2 = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(4, 3).half())
+    opt2 = FP16_Optimizer(torch.optim.Adam([b2, a2], lr=1e-2), dynamic_loss_scale=True, verbose=False)
+    snap = tree_clone((opt2.optimizer.state_dict(), opt2.fp32_from_fp16_groups))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*'exp_avg'"):
+        opt2.load_state_dict(torch.load(buf))
+    assert _same(snap, (opt2.optimizer.state_dict(), opt2.fp32_from_fp16_groups))
+
+
+def test_fp16_optimizer_load_of_matching_state_still_resumes():
+    import io
+    ps, opt = _fp16_adam((5,))
+    for _ in range(2):
+        _fp16_adam_step(ps, opt)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    ps2, opt2 = _fp16_adam((5,))
+    opt2.load_state_dict(torch.load(buf))
+    assert torch.equal(opt2.state[ps2[1]]["exp_avg"], opt.state[ps[1]]["exp_avg"])
+    _fp16_adam_step(ps2, opt2)
+
+
+def test_amp_load_state_dict_refuses_unskipped_beyond_int32_before_loading(_amp_model):
+    sd = amp.state_dict()
+    bad = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2**31},
+           "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}}
+    with pytest.raises(ValueError, match=r"loss_scaler0.*unskipped.*2\*\*31"):
+        amp.load_state_dict(bad)
+    assert amp.state_dict() == sd
+    ok = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2**31 - 1},
+          "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}}
+    amp.load_state_dict(ok)
+    assert amp.state_dict() == ok
+
+
+def test_apex_scaler_unskipped_setter_refuses_beyond_int32():
+    from ampfunc.compat.apex._scaler import LossScaler
+    ls = LossScaler("dynamic")
+    with pytest.raises(ValueError, match="_unskipped"):
+        ls._unskipped = 2**31
+    assert ls._unskipped == 0
+
+
+def test_apex_checkpoints_load_weights_only_after_importing_compat_apex(tmp_path):
+    import subprocess
+    import sys
+    model = torch.nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    from ampfunc.compat.apex.fp16_utils import DynamicLossScaler
+    path = tmp_path / "apex_facade.pt"
+    torch.save({"optimizer": opt.state_dict(), "old_scaler": DynamicLossScaler()}, path)
+    code = ("import sys, torch, ampfunc.compat.apex\n"
+            "assert 'ampfunc.compat.apex.amp' not in sys.modules\n"
+            f"ck = torch.load({str(path)!r})\n"
+            "print(type(ck['optimizer']['loss_scaler']).__name__, type(ck['old_scaler']).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["LossScaler", "DynamicLossScaler"]
+
+
+def test_checkpoint_stream_holds_several_checkpoints_back_to_back():
+    import io
+    buf = io.BytesIO()
+    af.checkpoint.save({"step": torch.tensor(1)}, buf)
+    end_first = buf.tell()
+    af.checkpoint.save({"step": torch.tensor(2)}, buf)
+    buf.seek(0)
+    assert int(af.checkpoint.load(buf)["step"]) == 1 and buf.tell() == end_first
+    assert int(af.checkpoint.load(buf)["step"]) == 2 and buf.tell() == len(buf.getvalue())
+    with pytest.raises(af.checkpoint.CheckpointError, match="end"):
+        af.checkpoint.load(buf)
+    # a truncated second checkpoint is still refused, and the stream is put back where it was
+    cut = io.BytesIO(buf.getvalue()[:-7])
+    af.checkpoint.load(cut)
+    at = cut.tell()
+    with pytest.raises(af.checkpoint.CheckpointError, match="truncated"):
+        af.checkpoint.load(cut)
+    assert cut.tell() == at
+    # corrupted payload bytes in the first checkpoint are refused too
+    blob = bytearray(buf.getvalue())
+    blob[end_first - 10] ^= 0xFF
+    with pytest.raises(af.checkpoint.CheckpointError, match="corrupted"):
+        af.checkpoint.load(io.BytesIO(bytes(blob)))
+
+
+def test_checkpoint_path_with_extra_bytes_still_refused(tmp_path):
+    path = tmp_path / "two.ckpt"
+    with open(path, "wb") as fh:
+        af.checkpoint.save({"step": torch.tensor(1)}, fh)
+        af.checkpoint.save({"step": torch.tensor(2)}, fh)
+    with pytest.raises(af.checkpoint.CheckpointError, match="extra bytes"):
+        af.checkpoint.load(path)
+    with open(path, "rb") as fh:
+        assert [int(af.checkpoint.load(fh)["step"]) for _ in range(2)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. recommend_policy: cpu_flags as a string, capability / n_params checked
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", ["avx512_bf16", "fpu vme sse avx512_bf16 amx_bf16", "fpu,AVX512_BF16",
+                                   ["AMX_BF16"], ("fpu sse", "avx512_bf16")])
+def test_recommend_policy_cpu_flags_string_or_list_case_insensitive(flags):
+    assert af.recommend_policy("cpu", cpu_flags=flags).precision == "bf16"
+
+
+@pytest.mark.parametrize("flags", ["", "avx2 avx512f", "avx512_bf16x", []])
+def test_recommend_policy_cpu_flags_without_bf16(flags):
+    assert af.recommend_policy("cpu", cpu_flags=flags).precision == "fp32"
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"cpu_flags": 3}, TypeError, "cpu_flags"),
+    ({"cpu_flags": [b"avx512_bf16"]}, TypeError, "cpu_flags"),
+    ({"cpu_flags": b"avx512_bf16"}, TypeError, "cpu_flags"),
+    ({"n_params": True}, TypeError, "n_params"),
+    ({"n_params": 1.5}, TypeError, "n_params"),
+    ({"n_params": -1}, ValueError, "n_params"),
+    ({"capability": (8, 0)}, ValueError, "capability.*CPU"),
+])
+def test_recommend_policy_cpu_plan_refuses(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        af.recommend_policy("cpu", **kwargs)
+
+
+@pytest.mark.parametrize("capability, error", [
+    ((True, 0), TypeError), ((8, False), TypeError), ((8.0, 0), TypeError), ("80", TypeError), (8, TypeError),
+    ((8,), ValueError), ((8, 0, 0), ValueError), ((-1, 0), ValueError),
+])
+def test_recommend_policy_capability_must_be_an_int_pair(capability, error):
+    with pytest.raises(error, match="capability"):
+        af.recommend_policy("cuda", capability=capability)
+
+
+def test_recommend_policy_cpu_flags_for_a_cuda_plan_refused():
+    with pytest.raises(ValueError, match="cpu_flags"):
+        af.recommend_policy("cuda", capability=(8, 0), cpu_flags="avx512_bf16")
+    with pytest.raises(ValueError, match="capability.*cpu_flags|cpu_flags.*capability"):
+        af.recommend_policy(capability=(8, 0), cpu_flags="avx512_bf16")
+    assert af.recommend_policy(cpu_flags="avx512_bf16").device == "cpu"  # cpu_flags plans a CPU

@@ -223,16 +223,32 @@ class GradScaler:
         As torch: fp16 grads raise ``ValueError`` unless ``allow_fp16``; sparse fp16 grads are
         coalesced first. Returns ``{device: found_inf}`` for each device holding grads, each a
         fresh 0-d fp32 copy of ``found_inf`` set to ``1.`` if that device's grads held an
-        inf/NaN (``found_inf`` itself is not written). One pass per device
+        inf/NaN, or if the scale is not valid (held outside ``SCALE_RANGE``, e.g. set to 0 by hand,
+        or ``inv_scale`` not finite and nonzero): such a step is skipped instead of writing NaN
+        into the params (``found_inf`` itself is not written). One pass per device
         (:func:`ampfunc.ops.unscale_`), no host sync.
         """
         per_device_found_inf: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
+            # The kernel judges the gradients it reads; a scale set by hand outside SCALE_RANGE (0,
+            # negative, inf, NaN) gives an inverse that turns finite gradients into NaN/inf (or
+            # zeros), so the scale's validity is part of the flag: such a step is skipped.
+            valid = self._valid_scale_flag(inv_scale)
             for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
-                finite = ops.unscale_(grads, inv_scale.to(device=device, non_blocking=True)).reshape(())
+                inv = inv_scale.to(device=device, non_blocking=True)
+                finite = ops.unscale_(grads, inv).reshape(()).to(device) & valid.to(device=device, non_blocking=True)
                 found = found_inf.to(device=device, non_blocking=True, copy=True)
-                per_device_found_inf[device] = found.masked_fill_(~finite.to(device), 1.0)
+                per_device_found_inf[device] = found.masked_fill_(~finite, 1.0)
         return per_device_found_inf
+
+    def _valid_scale_flag(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """0-d bool: the held scale lies in SCALE_RANGE and ``inv_scale`` (if given) is finite
+        and nonzero. No host sync."""
+        valid = self._ls.is_valid() if self._ls is not None else torch.ones((), dtype=torch.bool)
+        if inv_scale is not None:
+            inv = inv_scale.detach().reshape(())
+            valid = valid.to(inv.device) & torch.isfinite(inv) & (inv != 0)
+        return valid
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale, in place, and records whether they are finite.
@@ -342,12 +358,14 @@ class GradScaler:
         """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads, leaving them as they are.
 
         A read-only pass per device (:func:`ampfunc.ops.all_finite`; torch multiplies by 1
-        instead); fp16 grads are allowed. No host sync.
+        instead); fp16 grads are allowed. A scale outside ``SCALE_RANGE`` (set by hand) is
+        recorded as an inf, so the step is skipped. No host sync.
         """
         self._check_initialized("_check_inf_per_device")
         per_device: dict[torch.device, torch.Tensor] = {}
+        valid = self._valid_scale_flag()  # a hand-set invalid scale must skip the fused step too
         for device, grads in self._grads_by_device(optimizer, allow_fp16=True).items():
-            finite = ops.all_finite(grads).reshape(()).to(device)
+            finite = ops.all_finite(grads).reshape(()).to(device) & valid.to(device=device, non_blocking=True)
             per_device[device] = (~finite).to(torch.float32)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
@@ -465,22 +483,99 @@ class GradScaler:
                 **self._non_torch_settings()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a :meth:`state_dict` of this class or of ``torch.amp.GradScaler``; a no-op when disabled."""
+        """Loads a :meth:`state_dict` of this class or of ``torch.amp.GradScaler``; a no-op when disabled.
+
+        Every entry is checked before anything is loaded, so a refused state dict leaves the
+        scaler as it was: ``scale`` must lie in :data:`ampfunc.loss_scale.SCALE_RANGE` once
+        stored in fp32 (0, negative, NaN, inf and ``1e39`` are refused, as at construction;
+        torch would take them and then write inf/NaN into the params), and in
+        ``[min_scale, max_scale]``; ``growth_factor``, ``backoff_factor``, ``growth_interval``
+        (and the extras ``min_scale``, ``max_scale``, ``hysteresis``) follow the constructor's
+        rules; ``_growth_tracker`` must be an integer in ``[0, 2**31 - 1]`` (torch's int32
+        tracker), ``_hysteresis_tracker`` one in ``[1, hysteresis]``. Numbers may be Python
+        numbers or one-element tensors (bools are refused).
+
+        Args:
+          state_dict: a mapping with torch's five entries (``scale``, ``growth_factor``,
+            ``backoff_factor``, ``growth_interval``, ``_growth_tracker``) and optionally
+            ``min_scale``, ``max_scale``, ``hysteresis``, ``_hysteresis_tracker``.
+
+        Returns:
+          None.
+
+        Raises:
+          RuntimeError: ``state_dict`` is empty (saved from a disabled scaler), as torch.
+          KeyError: a required entry is missing (torch's error type), naming it.
+          TypeError, ValueError: an entry of the wrong type or out of range, naming it.
+
+        Example:
+          >>> scaler = GradScaler("cpu")
+          >>> scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=8.0).state_dict())
+          >>> scaler.get_scale()
+          8.0
+
+        Cost: a few host-side checks; rebuilds the 0-d scale tensors when they exist.
+        """
         if not self._enabled:
             return
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"GradScaler.load_state_dict: state_dict must be a mapping (from state_dict()), "
+                            f"got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        change = {"growth_factor": float(state_dict["growth_factor"]),
-                  "backoff_factor": float(state_dict["backoff_factor"]),
-                  "growth_interval": int(state_dict["growth_interval"])}
+        where = "GradScaler.load_state_dict"
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in state_dict:
+                raise KeyError(f"{where}: state_dict has no {key!r} entry (keys: {sorted(map(str, state_dict))})")
+
+        def number(key: str, integer: bool):
+            value = state_dict[key]
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 or value.dtype == torch.bool or value.is_complex() \
+                        or value.device.type == "meta":
+                    raise TypeError(f"{where}: state_dict[{key!r}] must be a number or a one-element real tensor, "
+                                    f"got a {value.dtype} tensor of shape {tuple(value.shape)}")
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{where}: state_dict[{key!r}] must be {'an integer' if integer else 'a number'}, "
+                                f"got {type(value).__name__}")
+            if integer:
+                if not (isinstance(value, int) or (math.isfinite(value) and value == int(value))):
+                    raise ValueError(f"{where}: state_dict[{key!r}] must be an integer, got {value!r}")
+                return int(value)
+            return float(value)
+
+        change = {key: number(key, key == "growth_interval")
+                  for key in ("growth_factor", "backoff_factor", "growth_interval")}
         for key in ("min_scale", "max_scale", "hysteresis"):
             if key in state_dict:
-                change[key] = state_dict[key]
-        self._config = self._settings()._replace(**change).validate()
-        self._init_scale = float(state_dict["scale"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._config.hysteresis))
+                change[key] = number(key, key == "hysteresis")
+        try:
+            config = self._settings()._replace(**change).validate()
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        if isinstance(state_dict["scale"], bool):
+            raise TypeError(f"{where}: state_dict['scale'] must be a number or a one-element tensor, got bool")
+        scale = float(_scale_tensor(state_dict["scale"], "cpu", f"{where}: state_dict['scale']"))
+        if not (config.min_scale <= scale <= config.max_scale):
+            raise ValueError(f"{where}: state_dict['scale'] = {scale!r} lies outside [min_scale, max_scale] = "
+                             f"[{config.min_scale!r}, {config.max_scale!r}]")
+        growth_tracker = number("_growth_tracker", True)
+        if not (0 <= growth_tracker <= 2**31 - 1):
+            raise ValueError(f"{where}: state_dict['_growth_tracker'] must be an integer in [0, 2**31 - 1] (a count "
+                             f"of clean steps, held in int32), got {growth_tracker!r}")
+        hysteresis_tracker = config.hysteresis
+        if "_hysteresis_tracker" in state_dict:
+            hysteresis_tracker = number("_hysteresis_tracker", True)
+            if not (1 <= hysteresis_tracker <= config.hysteresis):
+                raise ValueError(f"{where}: state_dict['_hysteresis_tracker'] must be an integer in [1, hysteresis] = "
+                                 f"[1, {config.hysteresis}], got {hysteresis_tracker!r}")
+        # Everything checked: load.
+        self._config = config
+        self._init_scale = scale
+        self._init_growth_tracker = growth_tracker
+        self._init_hysteresis_tracker = hysteresis_tracker
         if self._ls is not None:
             self._lazy_init(self._ls.loss_scale.device)
 

@@ -32,6 +32,21 @@ from ampfunc.mixed import update_scale as _update_scale
 __all__ = ["LossScaler", "all_finite_flags"]
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_unskipped(value, dynamic: bool, name: str) -> int:
+    """``value`` as an int, refused unless an integer ``>= 0`` (bools refused) that fits the
+    scaler's counter: int32 (``<= 2**31 - 1``) for a dynamic scaler, any size for a static one.
+    ``ValueError``/``TypeError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0 or (dynamic and value > INT32_MAX):
+        limit = " and <= 2**31 - 1 (a dynamic scaler counts in int32)" if dynamic else ""
+        raise ValueError(f"{name} must be an int >= 0{limit}, got {value!r}")
+    return int(value)
+
+
 def checked_scale(value, name: str) -> float:
     """``value`` as a float, refused unless it lies in :data:`ampfunc.SCALE_RANGE` once stored in
     fp32 (NaN, inf, 0, negative, subnormal and fp32-overflowing values such as ``1e39`` are: the
@@ -169,6 +184,8 @@ class LossScaler:
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
+        # Checked before anything changes: a dynamic scaler keeps the count in an int32 tensor.
+        check_unskipped(value, self.dynamic, "LossScaler._unskipped")
         if self.dynamic:
             ls = self._ls
             t = torch.full((), int(value), dtype=torch.int32, device=ls.loss_scale.device)
@@ -266,6 +283,7 @@ class LossScaler:
         if missing:
             raise ValueError(f"LossScaler: a stored apex amp scaler needs {missing} (has {sorted(state)})")
         checked_scale(state["_loss_scale"], "LossScaler: the stored _loss_scale")
+        check_unskipped(state["_unskipped"], bool(state["dynamic"]), "LossScaler: the stored _unskipped")
         buf = state.get("_overflow_buf")
         device = buf.device if isinstance(buf, torch.Tensor) else torch.device("cpu")
         self._build(state["dynamic"], float(state["_loss_scale"]), state.get("_min_loss_scale"),

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from ampfunc.compat.apex._scaler import LossScaler, all_finite_flags, checked_scale
+from ampfunc.compat.apex._scaler import INT32_MAX, LossScaler, all_finite_flags, checked_scale
 from ampfunc.compat.apex.amp._state import _amp_state, _Handle, maybe_print
 from ampfunc.compat.apex.amp.functions import _USER_REGISTRY, _cast_wrapper
 from ampfunc.compat.apex.amp.model import check_models, patch_forward, register_fp32_state_dict
@@ -179,7 +179,20 @@ def load_state_dict(state_dict: dict) -> None:
 
     Every entry is checked before any is loaded: a ``loss_scale`` outside
     :data:`ampfunc.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
-    that is not an int ``>= 0`` raises ``ValueError`` naming the entry, and no scaler changes.
+    that is not an int ``>= 0`` (``<= 2**31 - 1`` for a dynamic scaler, whose counter is int32)
+    raises ``ValueError`` naming the entry, and no scaler changes.
+
+    Args:
+      state_dict: what :func:`state_dict` returned (``{"loss_scaler0": {"loss_scale": ...,
+        "unskipped": ...}, ...}``).
+
+    Returns:
+      None.
+
+    Example:
+      >>> amp.load_state_dict(checkpoint["amp"])
+
+    Cost: host-side checks, then one 0-d tensor write per scaler.
     """
     if len(state_dict) != len(_amp_state.loss_scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(_amp_state.loss_scalers)} "
@@ -199,6 +212,10 @@ def load_state_dict(state_dict: dict) -> None:
         if isinstance(unskipped, bool) or not isinstance(unskipped, numbers.Integral) or unskipped < 0:
             raise ValueError(f"amp.load_state_dict: state_dict[{key!r}]['unskipped'] must be an int >= 0, "
                              f"got {unskipped!r}")
+        # A dynamic scaler counts in an int32 tensor: a larger count would fail halfway through the load.
+        if _amp_state.loss_scalers[idx].dynamic and unskipped > INT32_MAX:
+            raise ValueError(f"amp.load_state_dict: state_dict[{key!r}]['unskipped'] must be an int in "
+                             f"[0, 2**31 - 1] (loss_scaler{idx} is dynamic and counts in int32), got {unskipped!r}")
     for idx, key in enumerate(state_dict):
         if idx >= len(_amp_state.loss_scalers):
             print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(_amp_state.loss_scalers)}")

@@ -36,6 +36,14 @@ __all__ = ["FP16_Optimizer"]
 
 _DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 
+# torch.optim's per-element state (one value per param element, shaped like the param): checked
+# against the param on load. Scalars (``step``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``)
+# and factored state (Adafactor's ``row_var``/``col_var``) are not param-shaped.
+_PER_ELEMENT_STATE = frozenset({
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum",
+    "ax", "grad_avg", "prev", "step_size", "exp_inf",
+})
+
 
 class FP16_Optimizer:  # noqa: N801 - apex's name
     """Wraps ``init_optimizer`` so that it updates fp32 master copies of its fp16 params.
@@ -278,9 +286,38 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         attributes ``dynamic``, ``_loss_scale``, ``_unskipped``, ``_min_loss_scale``,
         ``_max_loss_scale``, ``_scale_seq_len`` carry over exactly), or an older apex
         ``fp16_utils`` scaler (see :meth:`LossScaler.from_apex`). The fp32 masters are copied
-        from the saved ones (no fp16 round trip). Raises ``ValueError`` naming the shapes if the
-        saved masters do not match this optimizer's, before changing anything.
+        from the saved ones (no fp16 round trip).
+
+        Everything is checked before anything changes (a refused checkpoint leaves the
+        optimizer, its state, the masters and the scaler as they were): ``KeyError`` naming a
+        missing entry; ``ValueError`` naming the shapes if the saved masters do not match this
+        optimizer's; ``ValueError`` naming the param (``param_groups[g]['params'][i]``) and the
+        state key if a per-element state tensor of the wrapped optimizer (``exp_avg``,
+        ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``, ``square_avg``, ... and any
+        key whose tensor this optimizer already holds) does not have the shape of the param it
+        would belong to: a checkpoint of a model with other shapes, or with its fp16 and fp32
+        params in another order (torch's ``Optimizer.load_state_dict`` checks only the counts,
+        and the next step would fail after updating the first params). Scalar entries such as
+        ``step`` are not checked.
+
+        Args:
+          state_dict: a :meth:`state_dict` (this class's or apex's).
+
+        Returns:
+          None.
+
+        Example:
+          >>> opt.load_state_dict(checkpoint["optimizer"])
+
+        Cost: one pass over the saved state's shapes (no tensor data read), then the load.
         """
+        where = "FP16_Optimizer.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{where}: state_dict must be a dict (from state_dict()), got {type(state_dict).__name__}")
+        for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
+                    "optimizer_state_dict", "fp32_from_fp16"):
+            if key not in state_dict:
+                raise KeyError(f"{where}: state_dict has no {key!r} entry (keys: {sorted(map(str, state_dict))})")
         saved = state_dict["fp32_from_fp16"]
         if len(saved) != len(self.fp32_from_fp16_groups) or any(
                 len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b))
@@ -288,6 +325,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             raise ValueError("FP16_Optimizer.load_state_dict: the saved fp32_from_fp16 masters "
                              f"({[[tuple(t.shape) for t in g] for g in saved]}) do not match this optimizer's "
                              f"({[[tuple(t.shape) for t in g] for g in self.fp32_from_fp16_groups]})")
+        self._check_optimizer_state(state_dict["optimizer_state_dict"], where)
         loss_scaler = AmpLossScaler.from_apex(state_dict["loss_scaler"])
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = loss_scaler
@@ -298,6 +336,46 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved):
                 for current, value in zip(current_group, saved_group):
                     current.copy_(value)
+
+    def _check_optimizer_state(self, opt_sd, where: str) -> None:
+        """Refuses (``ValueError`` naming the param and key) a saved optimizer state whose
+        per-element tensors do not fit the params they would be loaded into. Group and param
+        counts that differ are left to torch's own ``load_state_dict`` (it refuses them before
+        loading anything)."""
+        if not isinstance(opt_sd, dict) or not isinstance(opt_sd.get("state"), dict) \
+                or not isinstance(opt_sd.get("param_groups"), (list, tuple)):
+            raise TypeError(f"{where}: state_dict['optimizer_state_dict'] must be a torch optimizer state_dict "
+                            "(a dict with 'state' and 'param_groups')")
+        groups = self.optimizer.param_groups
+        saved_groups = opt_sd["param_groups"]
+        if len(saved_groups) != len(groups) or any(
+                len(sg.get("params", ())) != len(g["params"]) for sg, g in zip(saved_groups, groups)):
+            return  # torch's load_state_dict raises its ValueError before changing anything
+        state = opt_sd["state"]
+        for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+            for pi, (pid, param) in enumerate(zip(sg["params"], g["params"])):
+                entry = state.get(pid)
+                if not isinstance(entry, dict):
+                    continue
+                live = self.optimizer.state.get(param, {})
+                for key, value in entry.items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    held = live.get(key)
+                    if isinstance(held, torch.Tensor):
+                        expected = held.shape
+                    elif key in _PER_ELEMENT_STATE:
+                        expected = param.shape
+                    else:
+                        continue
+                    if value.shape != expected:
+                        kind = ("the fp32 master of an fp16/bf16 param" if any(param is m for m in
+                                self.all_fp32_from_fp16_params) else f"a {param.dtype} param")
+                        raise ValueError(
+                            f"{where}: optimizer_state_dict state of param_groups[{gi}]['params'][{pi}] ({kind} of "
+                            f"shape {tuple(param.shape)}) has {key!r} of shape {tuple(value.shape)}, expected "
+                            f"{tuple(expected)}: the checkpoint is from a model with other shapes or with its params "
+                            "in another order; nothing was loaded")
 
     # -- promoted attributes ----------------------------------------------------------------
 
