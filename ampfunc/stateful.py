@@ -37,8 +37,6 @@ from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, 
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
-_requires_grad = operator.attrgetter("requires_grad")
-
 
 class TrainerState(NamedTuple):
     """The state of a :class:`ModuleTrainer` (``trainer.state``), as one pytree of tensors.
@@ -212,7 +210,8 @@ class ModuleTrainer:
         self._all = list(model.named_parameters())
         # Which params were trainable when the trainer was made: the set it steps (checked
         # every step: a param frozen or unfrozen later would be fed zeros, or never trained).
-        self._trainable = [p.requires_grad for _, p in self._all]
+        self._all_params = [p for _, p in self._all]
+        self._trainable = bytes(p.requires_grad for p in self._all_params)
         self._named = [(n, p) for n, p in self._all if p.requires_grad]
         if not self._named:
             raise ValueError("ModuleTrainer: the model has no parameter with requires_grad=True")
@@ -325,8 +324,9 @@ class ModuleTrainer:
         No host sync.
         """
         st = self._state
-        if list(map(_requires_grad, (p for _, p in self._all))) != self._trainable:
-            name, p = next((n, p) for (n, p), was in zip(self._all, self._trainable) if p.requires_grad != was)
+        changed = ops.requires_grad_changed(self._all_params, self._trainable)
+        if changed >= 0:
+            name, p = self._all[changed]
             now = "requires grad" if p.requires_grad else "no longer requires grad"
             raise RuntimeError(f"ModuleTrainer.step: parameter {name!r} {now} since the trainer was made; it steps "
                                "the set of trainable parameters it was made with (a frozen one would still move "
@@ -346,7 +346,7 @@ class ModuleTrainer:
             # The kernels wrote the buffers, whose views are the params' .data: the params' own
             # version counters must move, as after torch.optim's step, so that a backward through
             # a graph that saved them before the step fails instead of using the new values.
-            torch.autograd.graph.increment_version(self._packed.params)
+            ops.bump_versions(self._packed.params)
         if self.set_grads_to_none:
             if self._packed is not None:
                 self._packed.zero_grads()

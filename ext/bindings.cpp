@@ -2003,6 +2003,34 @@ py::tuple check_bound(const py::list& params, const Tensor& signature) {
   return py::make_tuple(moved, unbound);
 }
 
+// A version-counter bump for every tensor of the list, as an in-place torch op makes
+// (torch.autograd.graph.increment_version at C speed): ModuleTrainer(flat=True) writes its
+// params through the flat buffer, whose views do not share the params' counters.
+void bump_versions(const py::list& tensors) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(PyList_GET_ITEM(tensors.ptr(), i))) throw py::type_error("ampfunc: bump_versions takes a list of tensors");
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) bump(THPVariable_Unpack(PyList_GET_ITEM(tensors.ptr(), i)));
+}
+
+// The first index whose requires_grad differs from expected[i] (a bytes object of 0/1), or -1.
+int64_t requires_grad_changed(const py::list& tensors, const py::bytes& expected) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  char* want = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(expected.ptr(), &want, &len) != 0 || len != n) {
+    PyErr_Clear();
+    throw py::value_error("ampfunc: requires_grad_changed takes a list and a bytes object of its length");
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: requires_grad_changed takes a list of tensors");
+    if (THPVariable_Unpack(o).requires_grad() != (want[i] != 0)) return i;
+  }
+  return -1;
+}
+
 // `params[i].grad = grads[i]` for every i, at C speed (ModuleTrainer(flat=True) putting its
 // gradient views back). Shapes, dtypes and devices must match, as Python's .grad setter demands.
 void set_grads(const py::list& params, const py::list& grads) {
@@ -2139,6 +2167,8 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     });
     m.def("check_bound", &direct::check_bound);
     m.def("set_grads", &direct::set_grads);
+    m.def("bump_versions", &direct::bump_versions);
+    m.def("requires_grad_changed", &direct::requires_grad_changed);
     m.def("pool_stats", &direct::pool_stats);
     m.def("empty_cache", &direct::empty_cache);
     return m.release().ptr();
