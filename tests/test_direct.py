@@ -394,3 +394,17 @@ def test_sgd_step_checked_is_check_then_sgd_step_bit_for_bit(poison, momentum, f
     assert bool(got[4]) == (poison == "none")
     for x, y in zip(_flat(list(got)), _flat(list(want))):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("door", [True, False], ids=["direct", "torch"])
+def test_bump_versions_and_requires_grad_changed_on_both_doors(door, monkeypatch):
+    if not door:
+        monkeypatch.setattr(ops, "_DIRECT", [None])
+    ts = [torch.zeros(2, requires_grad=True), torch.zeros(3), torch.zeros(1, requires_grad=True)]
+    before = [t._version for t in ts]
+    ops.bump_versions(ts)
+    assert [t._version for t in ts] == [v + 1 for v in before]
+    assert ops.requires_grad_changed(ts, bytes([1, 0, 1])) == -1
+    ts[1].requires_grad_(True)
+    assert ops.requires_grad_changed(ts, bytes([1, 0, 1])) == 1
+    assert ops.requires_grad_changed(ts, bytes([0, 1, 1])) == 0
