@@ -24,7 +24,7 @@ from ampfunc.dist import agree_finite
 from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, select_tree, tree_leaves
+from ampfunc.tree import PyTree, check_flag, float_leaves_with_paths, leaves_with_paths, select_tree, tree_leaves
 
 __all__ = [
     "scale_loss",
@@ -195,14 +195,41 @@ def update_scale(ls, finite):
     Cost: per dynamic scale, three 0-d copies and one 0-d kernel on its device (nothing for
     static and no-op scales); no host sync.
     """
-    if isinstance(ls, Mapping):
-        flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
-        return {k: update_scale(v, flags[k]) for k, v in ls.items()}
-    if isinstance(ls, (list, tuple)):
-        flags = finite if isinstance(finite, (list, tuple)) else [finite] * len(ls)
-        return type(ls)(update_scale(v, f) for v, f in zip(ls, flags))
+    if isinstance(ls, (Mapping, list, tuple)):
+        pairs = _scales_and_flags(ls, finite, "update_scale")
+        new = [update_scale(v, f) for _, v, f in pairs]
+        return dict(zip((k for k, _, _ in pairs), new)) if isinstance(ls, Mapping) else type(ls)(new)
     _check_loss_scale(ls, "update_scale")
     return ls.adjust(finite)
+
+
+def _scales_and_flags(ls, finite, where: str) -> list:
+    """``[(key, scale, flag), ...]`` for a dict/list/tuple of scales and one flag or a matching
+    container of flags; every scale and flag checked before any is used (an in-place update
+    must not write the first scale and then refuse the second's flag)."""
+    if isinstance(ls, Mapping):
+        keys = list(ls)
+        if isinstance(finite, Mapping):
+            if set(finite) != set(keys):
+                raise ValueError(f"{where}: the flags' keys {sorted(map(str, finite))} are not the scales' "
+                                 f"{sorted(map(str, keys))}")
+            flags = [finite[k] for k in keys]
+        else:
+            flags = [finite] * len(keys)
+        scales = list(ls.values())
+    else:
+        keys = list(range(len(ls)))
+        scales = list(ls)
+        if isinstance(finite, (list, tuple)):
+            if len(finite) != len(scales):
+                raise ValueError(f"{where}: {len(finite)} flags for {len(scales)} loss scales")
+            flags = list(finite)
+        else:
+            flags = [finite] * len(scales)
+    for k, v, f in zip(keys, scales, flags):
+        _check_loss_scale(v, f"{where}[{k!r}]")
+        check_flag(f, f"{where}: finite[{k!r}]")
+    return list(zip(keys, scales, flags))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,9 +342,8 @@ def update_scale_(ls, finite):
     Cost: one 0-d kernel per dynamic scale, writing its three tensors; no host sync.
     """
     if isinstance(ls, Mapping):
-        flags = finite if isinstance(finite, Mapping) else {k: finite for k in ls}
-        for k, v in ls.items():
-            update_scale_(v, flags[k])
+        for _, v, f in _scales_and_flags(ls, finite, "update_scale_"):
+            update_scale_(v, f)
         return ls
     _check_loss_scale(ls, "update_scale_")
     ls.adjust_(finite)  # static and no-op scales only check the flag

@@ -259,6 +259,25 @@ for _fname, (_flag, _exc) in _BAD_FLAGS.items():
     add(f"skip_or_apply_-flag-{_fname}", _exc, ["finite"], _skip_)
 
 
+@case("update_scale-list-one-flag-for-two-scales", ValueError, "1 flags for 2")
+def _():
+    scales, f = [dls(), dls()], [torch.tensor(False)]
+    return (lambda: af.update_scale(scales, f)), (scales, f)
+
+
+@case("update_scale-dict-flag-keys-differ", ValueError, "'b'", "'typo'")
+def _():
+    scales, f = {"a": dls(), "b": dls()}, {"a": torch.tensor(False), "typo": torch.tensor(True)}
+    return (lambda: af.update_scale(scales, f)), (scales, f)
+
+
+@case("update_scale_-dict-bad-second-flag", TypeError, "finite['b']")
+def _():
+    # "a" comes first: it must not be halved before "b"'s float flag is refused.
+    scales, f = {"a": dls(), "b": dls()}, {"a": torch.tensor(False), "b": torch.tensor(0.0)}
+    return (lambda: af.update_scale_(scales, f)), (scales, f)
+
+
 @case("skip_or_apply-structure", ValueError, "head.b")
 def _():
     new, old = params_f32(), without_leaf(params_f32(), "head.b")
