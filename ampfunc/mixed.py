@@ -388,6 +388,10 @@ class MixedPrecision(GradientTransformation):
       tensor([0.5000, 0.5000])
     """
 
+    # It unscales, checks and skips the whole step: combinators refuse it as an inner transform
+    # (ampfunc.transform.refuse_outermost_only).
+    OUTERMOST_ONLY = True
+
     @property
     def step(self) -> Callable:
         return self.engine.step

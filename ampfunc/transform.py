@@ -194,6 +194,17 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def refuse_outermost_only(t: Any, where: str) -> None:
+    """Raises ``TypeError`` when ``t`` is a transform that must be the outermost one (a
+    ``mixed_precision`` wrapper: it unscales, checks and skips the whole step, so inside a
+    chain, a mask or ``accumulate`` it would see scaled gradients clipped, masked or dropped
+    before its check, and its loss scale would never back off)."""
+    if getattr(t, "OUTERMOST_ONLY", False):
+        raise TypeError(f"{where}: a mixed_precision(...) transform must be the outermost one (it unscales, "
+                        "checks and skips the whole step): wrap the rest inside it, e.g. "
+                        "af.mixed_precision(af.accumulate(af.chain(...), k), loss_scale)")
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is the tuple of their states.
 
@@ -220,6 +231,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
+        refuse_outermost_only(t, f"chain: argument {i}")
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
@@ -331,6 +343,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
     Cost: ``inner``'s cost on the selected leaves, plus per call a structure check and a few
     flattens of the mask, params and updates (no tensor data read); no host sync of its own.
     """
+    refuse_outermost_only(inner, "masked: inner")
 
     def init(params):
         ml = _mask_leaves(_resolve(mask, params), params, "masked")
@@ -381,6 +394,8 @@ def partition(transforms: Mapping[str, GradientTransformation],
     a few flattens per label (no tensor data read); no host sync of its own.
     """
     transforms = dict(transforms)
+    for label, t in transforms.items():
+        refuse_outermost_only(t, f"partition: transform {label!r}")
 
     def _labels(tree, where):
         lab = _resolve(labels, tree)

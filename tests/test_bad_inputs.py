@@ -677,6 +677,16 @@ _BAD_HPARAMS = [
     ("from_torch-unknown-hparam", TypeError, ["bogus"], lambda: af.from_torch(torch.optim.SGD, lr=0.1, bogus=1)),
     ("scale-nan", ValueError, ["step_size"], lambda: af.scale(NAN)),
     ("chain-not-a-transform", TypeError, ["chain"], lambda: af.chain(af.sgd(0.1), "adam")),
+    # mixed_precision must be the outermost transform: inside, it would see clipped, masked or
+    # dropped scaled gradients, and under accumulate its scale would never back off.
+    ("accumulate-of-mixed_precision", TypeError, ["accumulate", "outermost"],
+     lambda: af.accumulate(af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()), 2)),
+    ("chain-with-mixed_precision-inside", TypeError, ["chain: argument 1", "outermost"],
+     lambda: af.chain(af.clip_by_global_norm(1.0), af.mixed_precision(af.adamw(1e-3)))),
+    ("masked-of-mixed_precision", TypeError, ["masked", "outermost"],
+     lambda: af.masked(af.mixed_precision(af.adamw(1e-3)), {"w": True})),
+    ("partition-with-mixed_precision", TypeError, ["partition", "'a'", "outermost"],
+     lambda: af.partition({"a": af.mixed_precision(af.adamw(1e-3))}, {"w": "a"})),
     ("get_policy-bad-dtype", ValueError, ["float33"], lambda: af.get_policy("params=float33")),
     ("get_policy-int-compute", ValueError, ["int8"], lambda: af.get_policy("p=f32,c=int8,o=f32")),
     ("get_policy-unknown-key", ValueError, ["weights"], lambda: af.get_policy("weights=f32")),

@@ -8,7 +8,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.optim.base import checked_inputs, step_device
-from ampfunc.transform import GradientTransformation
+from ampfunc.transform import GradientTransformation, refuse_outermost_only
 from ampfunc.tree import PyTree, select_tree, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["AccumulateState", "accumulate"]
@@ -80,6 +80,9 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         raise ValueError(f"accumulate: every_k must be an int >= 1, got {every_k!r}")
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"accumulate: inner is {type(inner).__name__}, not a GradientTransformation")
+    # Inside, mixed_precision would never see the overflowing mini-steps accumulate drops: its
+    # scale would not back off, and every step would be dropped for good.
+    refuse_outermost_only(inner, "accumulate: inner")
 
     def init(params):
         grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
