@@ -239,17 +239,19 @@ def sharded_global_norm(tree: PyTree, group=None) -> torch.Tensor:
 
 
 def scale_tree(tree: PyTree, coef: torch.Tensor) -> PyTree:
-    """A new tree: every tensor leaf times the 0-d ``coef`` (in the leaf's dtype); DTensor
-    leaves are scaled shard by shard and stay DTensors with their placements. No host sync."""
+    """A new tree: every tensor leaf times the 0-d ``coef``, kept in the leaf's dtype (the
+    product taken as torch takes a 0-d factor: in fp32 for fp16/bf16 leaves, rounded once, as
+    the clip without a group does); DTensor leaves are scaled shard by shard and stay DTensors
+    with their placements. No host sync."""
     DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
 
     def scale(u):
         if isinstance(u, DTensor):
             local = u.to_local()
-            return DTensor.from_local(local * coef.to(local.device, local.dtype), u.device_mesh, u.placements,
+            return DTensor.from_local(local * coef.to(local.device), u.device_mesh, u.placements,
                                       run_check=False, shape=u.shape, stride=u.stride())
         if isinstance(u, torch.Tensor):
-            return u * coef.to(u.device, u.dtype)
+            return u * coef.to(u.device)  # a 0-d fp32 factor: u's dtype, one rounding
         return u
 
     return tree_map(scale, tree)

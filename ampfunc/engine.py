@@ -722,12 +722,17 @@ class Engine:
 
     def update(self, grads: PyTree, state: MixedPrecisionState, params: PyTree):
         """optax's ``update``: ``(updates, new_state)`` with ``apply_updates(params, updates)``
-        the new params (deltas in fp32: added in fp32 and rounded once per param)."""
+        the new params (deltas in fp32, fp64 for fp64 params: added and rounded once per param)."""
         if params is None:
             raise ValueError(f"{self.where}.update needs params (the master copy and the skip depend on them)")
         new_params, new_state = self.step(params, grads, state, where=f"{self.where}.update")
-        updates = tree_map(lambda n, p: n.to(torch.float32) - p.to(torch.float32), new_params, params)
+        updates = tree_map(lambda n, p: n.to(_delta_dtype(p)) - p.to(_delta_dtype(p)), new_params, params)
         return updates, new_state
+
+
+def _delta_dtype(p: torch.Tensor) -> torch.dtype:
+    # fp32 deltas, fp64 for fp64 params (their step is computed in fp64)
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def _copy_into(dst: PyTree, src: PyTree) -> None:

@@ -279,3 +279,15 @@ def test_clip_with_a_group_uses_the_all_reduced_norm_and_leaves_the_fused_path()
             torch.testing.assert_close(out[k], ref[k])
     finally:
         dist.destroy_process_group()
+
+
+def test_clip_with_a_group_rounds_fp16_updates_once_as_without_one():
+    # dist.scale_tree is the group path's scaling: the fp32 coefficient must not be rounded to
+    # fp16 before the product (62 of 1000 elements differed).
+    g = torch.Generator().manual_seed(3)
+    tree = {"w": (torch.randn(1000, generator=g) * 3).half()}
+    coef = torch.tensor(0.3712345)
+    grouped = af.dist.scale_tree(tree, coef)["w"]
+    once = torch._foreach_mul([tree["w"]], coef)[0]
+    assert grouped.dtype == torch.float16 and torch.equal(grouped, once)
+    assert torch.equal(once, (tree["w"].float() * coef).half())

@@ -99,6 +99,22 @@ def test_mixed_precision_keeps_fp64_grads_and_params_in_fp64(loss_scale):
     assert grads["w"].dtype == torch.float64 and bool(finite)
 
 
+def test_fp64_params_keep_fp64_through_mixed_precision_update_and_accumulate():
+    params = af.tree_map(lambda p: p.double(), make_params())
+    grads = _TRAJECTORY.grads_at(params, 0)
+    mp = af.mixed_precision(af.sgd(1e-2, momentum=0.9))
+    new, _ = mp.step(params, grads, mp.init(params))
+    updates, _ = mp.update(grads, mp.init(params), params)
+    assert all(u.dtype == torch.float64 for u in tree_leaves(updates))
+    assert _max_diff(af.apply_updates(params, updates), new) < 1e-15  # fp32 deltas were ~1e-7 off
+    acc = af.accumulate(af.sgd(1.0), 1)
+    state = acc.init(params)
+    assert all(t.dtype == torch.float64 for t in tree_leaves(state.grad_sum))
+    u_acc, _ = acc.update(grads, state, params)
+    u_sgd, _ = af.sgd(1.0).update(grads, af.sgd(1.0).init(params), params)
+    assert _max_diff(u_acc, u_sgd) == 0.0
+
+
 def test_adamw_defaults_are_torchs():
     params = make_params()
     assert_rel_close(run_native(af.adamw(), params)[0], run_torch(torch.optim.AdamW, params)[0], initial=params)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ampfunc import ops
-from ampfunc.optim.base import checked_inputs, step_device
+from ampfunc.optim.base import checked_inputs, state_dtype, step_device
 from ampfunc.transform import GradientTransformation, refuse_outermost_only
 from ampfunc.tree import PyTree, select_tree, tree_flatten, tree_map, tree_structure, tree_unflatten
 
@@ -20,7 +20,8 @@ class AccumulateState(NamedTuple):
     Attributes:
       mini_step: 0-d int32 tensor on the params' device, the number of finite mini-steps summed
         since ``inner`` last applied.
-      grad_sum: fp32 pytree like the params, the sum of those mini-steps' gradients.
+      grad_sum: fp32 pytree like the params (fp64 leaves for fp64 params), the sum of those
+        mini-steps' gradients.
       inner: the inner transform's state (advanced only by applied updates).
 
     Example:
@@ -69,8 +70,8 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
       >>> updates["w"][0, 0].item(), state.mini_step.item()  # -0.25 * mean(1, 3)
       (-0.5, 0)
 
-    Cost: ``init`` allocates one fp32 zero tree like the params (``zeros_like`` per leaf), a 0-d
-    counter and ``inner``'s state. ``update`` makes one read pass over the gradients for the
+    Cost: ``init`` allocates one fp32 zero tree like the params (``zeros_like`` per leaf; fp64
+    for fp64 params), a 0-d counter and ``inner``'s state. ``update`` makes one read pass over the gradients for the
     finiteness check, then per leaf four new fp32 tensors of its size (the masked gradient, the
     new sum, the mean, the kept sum; plus a cast for non-fp32 gradients); ``inner.update`` runs on
     every call, and its updates and state are selected with ``torch.where`` (one more read and
@@ -85,7 +86,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     refuse_outermost_only(inner, "accumulate: inner")
 
     def init(params):
-        grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+        grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=state_dtype(p.dtype)), params)  # fp64 stays fp64
         mini_step = torch.zeros((), dtype=torch.int32, device=step_device(params))
         return AccumulateState(mini_step, grad_sum, inner.init(params))
 
@@ -99,7 +100,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         for g, s in zip(gs, sums):
             f = finite if finite.device == g.device else finite.to(g.device, non_blocking=True)
             # where (not multiply) so that a NaN in a dropped mini-step cannot leak into the sum
-            new_sums.append(s + torch.where(f, g.to(torch.float32), 0.0))
+            new_sums.append(s + torch.where(f, g.to(s.dtype), 0.0))
         mini_step = state.mini_step + finite.to(torch.int32)
         apply = mini_step >= every_k
         mean = tree_unflatten(tree_structure(state.grad_sum), [s / every_k for s in new_sums])
