@@ -415,6 +415,10 @@ def partition(transforms: Mapping[str, GradientTransformation],
         return {k: t.init(_mask_tree(params, [l == k for l in ls])) for k, t in transforms.items()}
 
     def update(updates, state, params=None):
+        if not isinstance(state, Mapping) or set(state) != set(transforms):
+            got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"partition: state must hold one entry per label {sorted(transforms)}, got {got} "
+                             "(a state made by another partition?)")
         ls = _labels(params if params is not None else updates, "update")
         leaves, spec = tree_flatten(updates)
         merged = list(leaves)

@@ -677,6 +677,16 @@ _BAD_HPARAMS = [
     ("from_torch-unknown-hparam", TypeError, ["bogus"], lambda: af.from_torch(torch.optim.SGD, lr=0.1, bogus=1)),
     ("scale-nan", ValueError, ["step_size"], lambda: af.scale(NAN)),
     ("chain-not-a-transform", TypeError, ["chain"], lambda: af.chain(af.sgd(0.1), "adam")),
+    # A state made by another configuration: refused by name, not silently dropped or a bare error.
+    ("sgd-state-with-momentum-buffer-momentum-0", ValueError, ["momentum_buffer", "momentum == 0"],
+     lambda: af.sgd(0.1).update(params_f32(), af.sgd(0.1, momentum=0.9).init(params_f32()), params_f32())),
+    ("adam-state-with-max_exp_avg_sq-amsgrad-off", ValueError, ["max_exp_avg_sq", "amsgrad"],
+     lambda: af.adam(1e-3).update(params_f32(), af.adam(1e-3, amsgrad=True).init(params_f32()), params_f32())),
+    ("scale_by_schedule-foreign-state", TypeError, ["scale_by_schedule", "AdamState"],
+     lambda: af.scale_by_schedule(af.constant_schedule(0.1)).update(params_f32(), af.adam(1e-3).init(params_f32()))),
+    ("partition-foreign-state", ValueError, ["partition", "'n'"],
+     lambda: af.partition({"d": af.sgd(0.1), "x": af.identity()}, {"enc": {"w": "d"}, "head": {"b": "x"}}).update(
+         params_f32(), {"d": af.sgd(0.1).init(params_f32()), "n": ()}, params_f32())),
     # mixed_precision must be the outermost transform: inside, it would see clipped, masked or
     # dropped scaled gradients, and under accumulate its scale would never back off.
     ("accumulate-of-mixed_precision", TypeError, ["accumulate", "outermost"],

@@ -125,6 +125,9 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
         if amsgrad and state.max_exp_avg_sq is None:
             raise ValueError(f"{kind}: amsgrad=True but state.max_exp_avg_sq is None; "
                              f"was the state made without amsgrad?")
+        if not amsgrad and state.max_exp_avg_sq is not None:
+            raise ValueError(f"{kind}: state.max_exp_avg_sq is set but amsgrad=False (it would be dropped); "
+                             f"was the state made with amsgrad?")
         lr_t = lr_at(lr, state.step)
         fast = _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize,
                              decoupled)

@@ -147,6 +147,9 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         if momentum != 0 and state.momentum_buffer is None:
             raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
                              "was the state made by an sgd without momentum?")
+        if momentum == 0 and state.momentum_buffer is not None:
+            raise ValueError("sgd: state.momentum_buffer is set but momentum == 0 (it would be dropped); "
+                             "was the state made by an sgd with momentum?")
         lr_t = lr_at(lr, state.step)
         fast = _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay, nesterov, maximize)
         if fast is not None:

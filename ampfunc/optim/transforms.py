@@ -93,6 +93,9 @@ def scale_by_schedule(schedule) -> GradientTransformation:
         return ScaleByScheduleState(torch.zeros((), dtype=torch.float32, device=step_device(params)))
 
     def update(updates, state, params=None):
+        if not isinstance(state, ScaleByScheduleState):
+            raise TypeError(f"scale_by_schedule: state is {type(state).__name__}, expected ScaleByScheduleState "
+                            "(from scale_by_schedule(...).init)")
         us, _ = checked_inputs(updates, None, None, "", "scale_by_schedule")
         factor = lr_at(schedule, state.count)
         out = [u * on(factor, u.device) for u in us]
