@@ -15,13 +15,15 @@ so a step built from them can be captured in a CUDA graph or compiled with
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ampfunc import ops
-from ampfunc.dist import agree_finite
-from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap
+from ampfunc.dist import agree_finite as _agree_finite
+from ampfunc.engine import Engine, check_no_overlap
+from ampfunc.engine import MixedPrecisionState as _MixedPrecisionState
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import PyTree, check_flag, float_leaves_with_paths, leaves_with_paths, select_tree, tree_leaves
@@ -35,8 +37,6 @@ __all__ = [
     "unscale_and_check_",
     "skip_or_apply_",
     "update_scale_",
-    "agree_finite",
-    "MixedPrecisionState",
     "MixedPrecision",
     "mixed_precision",
     "loss_scale_of",
@@ -136,7 +136,7 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
     _check_loss_scale(ls, "unscale_and_check")
     out, finite = ls.unscale_and_check(grads, "unscale_and_check: grads")
     if group is not None:
-        finite = agree_finite(finite, group)
+        finite = _agree_finite(finite, group)
     return out, finite
 
 
@@ -280,7 +280,7 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
         # NaN when the scale is outside SCALE_RANGE: not a clean step, even with no elements.
         finite = ops.unscale_(leaves, inv_scale) & ~inv_scale.isnan()
     if group is not None:
-        finite = agree_finite(finite, group)
+        finite = _agree_finite(finite, group)
     return grads, finite
 
 
@@ -495,7 +495,7 @@ def loss_scale_of(state: Any) -> LossScale:
 
     Cost: a walk over the containers in Python; no tensor is read, no kernel.
     """
-    if isinstance(state, MixedPrecisionState):
+    if isinstance(state, _MixedPrecisionState):
         return state.loss_scale
     if isinstance(state, LossScale):
         return state
@@ -506,3 +506,17 @@ def loss_scale_of(state: Any) -> LossScale:
         except ValueError:
             continue
     raise ValueError(f"loss_scale_of: no MixedPrecisionState or loss scale found in {type(state).__name__}")
+
+
+# Names that moved (README "Names that changed"): the old spellings still work for one release.
+_MOVED = {"agree_finite": ("ampfunc.dist.agree_finite", _agree_finite),
+          "MixedPrecisionState": ("ampfunc.engine.MixedPrecisionState", _MixedPrecisionState)}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        where, obj = _MOVED[name]
+        warnings.warn(f"ampfunc.mixed.{name} is deprecated and will be removed in the next release: use {where} "
+                      f"(or af.{name})", DeprecationWarning, stacklevel=2)
+        return obj
+    raise AttributeError(f"module 'ampfunc.mixed' has no attribute {name!r}")

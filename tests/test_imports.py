@@ -176,6 +176,16 @@ def test_every_public_name_resolves_and_the_removed_ones_warn():
     with pytest.warns(DeprecationWarning, match=r"ampfunc.global_norm"):
         norm = af.dist.global_norm({"w": torch.full((4,), 2.0)})
     assert float(norm) == 4.0
+    import ampfunc.mixed
+    import ampfunc.optim.base
+
+    with pytest.warns(DeprecationWarning, match=r"ampfunc.engine.MixedPrecisionState"):
+        assert ampfunc.mixed.MixedPrecisionState is af.MixedPrecisionState
+    with pytest.warns(DeprecationWarning, match=r"ampfunc.dist.agree_finite"):
+        assert ampfunc.mixed.agree_finite is af.agree_finite
+    with pytest.warns(DeprecationWarning, match=r"ampfunc.transform.FusedSpec"):
+        assert ampfunc.optim.base.FusedSpec is af.FusedSpec
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         af.skip_or_apply, af.global_norm, af.clip_by_global_norm  # the kept names do not warn
+        af.MixedPrecisionState, af.agree_finite, af.FusedSpec, af.optim.FusedSpec

@@ -2,7 +2,7 @@
 
 (:class:`~ampfunc.transform.FusedSpec`, the spec a native optimizer registers so that the
 engine runs it with the fused kernels, lives in :mod:`ampfunc.transform` beside the registry;
-it is re-exported here for the optimizer modules.)
+its old spelling here, ``ampfunc.optim.base.FusedSpec``, warns for one release.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ampfunc.transform import FusedSpec
+from ampfunc.transform import FusedSpec as _FusedSpec
 from ampfunc.tree import (
     PyTree,
     check_same_structure,
@@ -22,7 +22,7 @@ from ampfunc.tree import (
     tree_leaves,
 )
 
-__all__ = ["FusedSpec", "Schedule", "ScalarOrSchedule"]
+__all__ = ["Schedule", "ScalarOrSchedule"]
 
 Schedule = Callable[[torch.Tensor], Union[torch.Tensor, float]]
 ScalarOrSchedule = Union[float, Schedule]
@@ -179,3 +179,11 @@ def arithmetic_groups(grads: list, params: list | None, slot: list | None) -> di
 def as_dtype(tensors: list, dtype: torch.dtype) -> list:
     """The tensors in ``dtype`` (no copy for those already in it)."""
     return [t.to(dtype) for t in tensors]
+
+
+def __getattr__(name: str):
+    if name == "FusedSpec":  # moved to ampfunc.transform (README "Names that changed")
+        warnings.warn("ampfunc.optim.base.FusedSpec is deprecated and will be removed in the next release: use "
+                      "ampfunc.transform.FusedSpec (or af.FusedSpec)", DeprecationWarning, stacklevel=2)
+        return _FusedSpec
+    raise AttributeError(f"module 'ampfunc.optim.base' has no attribute {name!r}")
