@@ -307,10 +307,11 @@ class Engine:
       where: the name errors start with.
 
     The fused plan is chosen once from the kernel registry (:func:`ampfunc.fused.plan_for`)
-    and used on every step whose trees allow it; the generic plan otherwise. Both give the
-    same numbers (bit for bit on one backend in eager mode; with clipping and a loss scale that
-    is not a power of two, the kernels' single ``inv_scale * clip_coef`` product can differ from
-    the generic path's two products by an ulp).
+    and used on every step whose trees allow it; the generic plan otherwise. Both take the same
+    arithmetic; they part by an ulp where the generic plan's ``p + (new - p)`` rounds (it
+    applies the inner transform's updates, the kernels write the new value), and, with clipping
+    and a loss scale that is not a power of two, where the kernels' single
+    ``inv_scale * clip_coef`` product differs from the generic path's two.
 
     ``engine.on_check``, when set, is called on every eager step after the check pass with
     ``(finite, leaf_nonfinite, leaf_paths)``: this rank's 0-d bool flag, a 1-d bool tensor with
