@@ -414,14 +414,19 @@ def _list_device(*candidates) -> torch.device:
     return meta if meta is not None else torch.device("cpu")
 
 
-def _fake_devices(op: str, lists) -> None:
+def _fake_devices(op: str, lists, scalars=()) -> None:
     """The fake kernels' share of validation (they also serve real meta tensors): one device per
-    call, so a meta tensor among real ones is refused rather than answered with empty memory."""
-    dev = _list_device(*[ts for _, ts in lists])
+    call, so a meta tensor among real ones is refused rather than answered with empty memory.
+    ``scalars`` are the call's 0-d arguments ``[(name, tensor or None)]``: one of them on the
+    meta device routes the whole call here, and would make a step a silent no-op."""
+    dev = _list_device(*[ts for _, ts in lists], *[t for _, t in scalars if t is not None])
     for name, ts in lists:
         for i, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.device != dev:
                 _check_tensor(op, name, i, t, (t.dtype,), dev)
+    for name, t in scalars:
+        if isinstance(t, torch.Tensor) and t.device != dev:
+            _check_tensor(op, name, -1, t, (t.dtype,), dev)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1392,34 +1397,39 @@ def _fake_check(tensors, per_leaf):
 
 
 def _fake_check_norm(tensors, inv_scale, per_leaf):
-    _fake_devices("check_norm", [("tensors", tensors)])
+    _fake_devices("check_norm", [("tensors", tensors)], [("inv_scale", inv_scale)])
     return _fake_check(tensors, per_leaf)
 
 
 def _fake_unscale_(tensors, inv_scale):
-    _fake_devices("unscale_", [("tensors", tensors)])
+    _fake_devices("unscale_", [("tensors", tensors)], [("inv_scale", inv_scale)])
     return torch.empty((), dtype=torch.bool, device=tensors[0].device if tensors else inv_scale.device)
 
 
 def _fake_unscale(tensors, inv_scale):
-    _fake_devices("unscale", [("tensors", tensors)])
+    _fake_devices("unscale", [("tensors", tensors)], [("inv_scale", inv_scale)])
     return ([torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format) for t in tensors],
             _fake_unscale_(tensors, inv_scale))
 
 
-def _fake_sgd_step_(params, grads, momentum_buffers, model_params, *rest):
+def _fake_sgd_step_(params, grads, momentum_buffers, model_params, step=None, grad_scale=None, finite=None,
+                    lr=None, lr_tensor=None, *rest):
     _fake_devices("sgd_step_", [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers),
-                                ("model_params", model_params)])
+                                ("model_params", model_params)],
+                  [("step", step), ("grad_scale", grad_scale), ("finite", finite), ("lr", lr_tensor)])
 
 
-def _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, *rest):
+def _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step=None,
+                     grad_scale=None, finite=None, lr=None, lr_tensor=None, *rest):
     _fake_devices("adam_step_", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                                  ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs),
-                                 ("model_params", model_params)])
+                                 ("model_params", model_params)],
+                  [("step", step), ("grad_scale", grad_scale), ("finite", finite), ("lr", lr_tensor)])
 
 
-def _fake_none(*args):
-    return None
+def _fake_update_scale_(scale, growth_tracker, hysteresis_tracker, finite, *rest):
+    _fake_devices("update_scale_", [], [("scale", scale), ("growth_tracker", growth_tracker),
+                                        ("hysteresis_tracker", hysteresis_tracker), ("finite", finite)])
 
 
 def _empties(tensors) -> list:
@@ -1432,28 +1442,31 @@ def _fp32_empties(tensors) -> list:
 
 def _fake_sgd_step(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor,
                    weight_decay, momentum, *rest):
-    _fake_sgd_step_(params, grads, momentum_buffers, model_params)
+    _fake_sgd_step_(params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr, lr_tensor)
     return (_empties(params), _empties(momentum_buffers) if momentum != 0 else [], _empties(model_params),
             torch.empty_like(step))
 
 
 def _fake_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
                     lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, *rest):
-    _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params)
+    _fake_adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
+                     lr, lr_tensor)
     return (_empties(params), _empties(exp_avgs), _empties(exp_avg_sqs), _empties(max_exp_avg_sqs) if amsgrad else [],
             _empties(model_params), torch.empty_like(step))
 
 
 def _fake_sgd_update(params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum,
                      *rest):
-    _fake_devices("sgd_update", [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)])
+    _fake_devices("sgd_update", [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)],
+                  [("step", step), ("grad_scale", grad_scale), ("lr", lr_tensor)])
     return _fp32_empties(grads), _empties(momentum_buffers) if momentum != 0 else [], torch.empty_like(step)
 
 
 def _fake_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor,
                       beta1, beta2, eps, weight_decay, amsgrad, *rest):
     _fake_devices("adam_update", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
-                                  ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs)])
+                                  ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs)],
+                  [("step", step), ("grad_scale", grad_scale), ("lr", lr_tensor)])
     return (_fp32_empties(grads), _empties(exp_avgs), _empties(exp_avg_sqs),
             _empties(max_exp_avg_sqs) if amsgrad else [], torch.empty_like(step))
 
@@ -1475,7 +1488,7 @@ _FAKE = {
     "sgd_update": _fake_sgd_update,
     "adam_update": _fake_adam_update,
     "apply_updates": _fake_apply_updates,
-    "update_scale_": _fake_none,
+    "update_scale_": _fake_update_scale_,
 }
 
 

@@ -947,3 +947,18 @@ def test_sgd_with_a_tensor_lr_equals_the_reference_bit_for_bit(momentum):
                  lr=lr, momentum=momentum)
         runs[backend] = p
     assert _same_bits(runs["compiled"], runs["reference"])
+
+
+@pytest.mark.parametrize("arg", ["step", "grad_scale", "finite", "lr"])
+def test_a_meta_scalar_argument_is_refused_not_a_silent_no_op(arg):
+    # One meta argument routes the call to the fake kernel: it must refuse, naming it, instead
+    # of returning without a write (in place) or with uninitialized memory (out of place).
+    p, g, m, v = [torch.ones(64)], [torch.ones(64)], [torch.zeros(64)], [torch.zeros(64)]
+    args = {"step": torch.zeros(()), "grad_scale": torch.ones(()), "finite": torch.ones((), dtype=torch.bool),
+            "lr": torch.tensor(0.1)}
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=rf"{arg} is on the meta device"):
+        ops.adam_step_(p, g, m, v, None, None, args["step"], args["grad_scale"], args["finite"], lr=args["lr"])
+    assert torch.equal(p[0], torch.ones(64)) and torch.equal(m[0], torch.zeros(64))
+    with pytest.raises(ValueError, match=rf"{arg} is on the meta device"):
+        ops.sgd_step(p, g, None, None, args["step"], args["grad_scale"], args["finite"], lr=args["lr"])
