@@ -459,9 +459,10 @@ def _ref_check(tensors: Sequence[torch.Tensor], per_leaf: bool = False):
             acc = torch.float32 if group[0].dtype.itemsize <= 4 else None  # float64 stays float64
             for i, m, n in zip(idx, torch._foreach_norm(group, float("inf")),
                                torch._foreach_norm(group, 2, dtype=acc)):
-                maxabs[i] = m.to(torch.float32).to(dev)
+                # finiteness in the tensor's own dtype: a finite fp64 1e300 is inf in fp32
+                maxabs[i] = m.isfinite().to(dev)
                 norms[i] = n.to(dev)
-        leaf_finite = torch.stack([maxabs[i] for i in nonempty]).isfinite()
+        leaf_finite = torch.stack([maxabs[i] for i in nonempty])
         finite = leaf_finite.all()
         sumsq = torch.stack([norms[i].to(torch.float64) for i in nonempty]).square().sum().to(torch.float32)
         if per_leaf:

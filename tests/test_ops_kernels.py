@@ -962,3 +962,15 @@ def test_a_meta_scalar_argument_is_refused_not_a_silent_no_op(arg):
     assert torch.equal(p[0], torch.ones(64)) and torch.equal(m[0], torch.zeros(64))
     with pytest.raises(ValueError, match=rf"{arg} is on the meta device"):
         ops.sgd_step(p, g, None, None, args["step"], args["grad_scale"], args["finite"], lr=args["lr"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_finite_fp64_value_beyond_fp32s_range_is_finite_on_both_backends(backend):
+    # Judged in the tensor's own dtype: the reference cast its max to fp32 first (inf), so the
+    # two backends took different skip decisions.
+    t = [torch.tensor([1e300, 1.0], dtype=torch.float64), torch.ones(3)]
+    finite, _, leaf = _check(backend, t, per_leaf=True)
+    assert bool(finite) and leaf.tolist() == [False, False]
+    t[0][1] = float("nan")
+    finite, _, leaf = _check(backend, t, per_leaf=True)
+    assert not bool(finite) and leaf.tolist() == [True, False]
