@@ -667,7 +667,9 @@ def fma_rounded(a: Sequence[torch.Tensor], b: torch.Tensor, c: Sequence[torch.Te
         bv = s - prod
         err = (prod - (s - bv)) + (y64 - bv)  # s + err == prod + y exactly (TwoSum)
         r = s.to(torch.float32)
-        r64 = r.to(torch.float64)
+        # Past fp32's largest number the rounding went to inf: its midpoint with the largest
+        # number is taken against 2**128, where the next exponent would put it.
+        r64 = torch.where(r.isinf() & s.isfinite(), torch.copysign(s.new_tensor(2.0 ** 128), s), r.to(torch.float64))
         up, down = torch.nextafter(r, r.new_tensor(math.inf)), torch.nextafter(r, r.new_tensor(-math.inf))
         # s halfway between r and a neighbour: round towards the exact value's side.
         r = torch.where((s > r64) & (s == (r64 + up.to(torch.float64)) / 2) & (err > 0), up, r)

@@ -928,6 +928,13 @@ def test_fma_rounded_is_the_correctly_rounded_a_times_b_plus_c():
             for i in range(len(bs))]
     assert got.tolist() == want
     assert want[-2] == 1 + e and want[-1] == -(1 + e)  # the crafted ties
+    # the tie at the overflow boundary: just below the midpoint of fp32's max and 2**128
+    fmax = torch.finfo(torch.float32).max
+    a2, c2 = torch.tensor([-(2.0 ** 24 - 2) * 2.0 ** 75]), torch.tensor([fmax])
+    b2 = torch.tensor((2.0 ** 24 + 2) * 2.0 ** -20)
+    want2 = _round_to_fp32(Fraction(float(a2)) * Fraction(float(b2)) + Fraction(fmax))
+    for sign in (1.0, -1.0):
+        assert ops.fma_rounded([a2 * sign], b2, [c2 * sign])[0].item() == want2 * sign
     twice = (c + a * b)[:3000]
     assert not torch.equal(twice, got[:3000])  # two roundings differ somewhere: the test can fail
 
