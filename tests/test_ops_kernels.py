@@ -901,12 +901,14 @@ def test_new_ops_trace_under_torch_compile_fullgraph():
 
 def _round_to_fp32(x: Fraction) -> float:
     """``x`` correctly rounded to fp32 (ties to even), by exact comparison with the neighbours."""
-    r = torch.tensor(float(x), dtype=torch.float32)
+    fmax = torch.finfo(torch.float32).max
+    r = torch.tensor(max(min(float(x), fmax), -fmax), dtype=torch.float32)  # a finite start
     best = None
     for cand in (torch.nextafter(r, torch.tensor(-math.inf)), r, torch.nextafter(r, torch.tensor(math.inf))):
         c = float(cand)
-        dist = abs(Fraction(c) - x)
-        even = (cand.view(torch.int32).item() & 1) == 0
+        # inf stands where 2**128 would be, and counts as even (ties at the boundary go to it)
+        dist = abs((Fraction(2 ** 128) * (1 if c > 0 else -1) if math.isinf(c) else Fraction(c)) - x)
+        even = math.isinf(c) or (cand.view(torch.int32).item() & 1) == 0
         if best is None or dist < best[0] or (dist == best[0] and even):
             best = (dist, c)
     return best[1]
@@ -930,7 +932,7 @@ def test_fma_rounded_is_the_correctly_rounded_a_times_b_plus_c():
     assert want[-2] == 1 + e and want[-1] == -(1 + e)  # the crafted ties
     # the tie at the overflow boundary: just below the midpoint of fp32's max and 2**128
     fmax = torch.finfo(torch.float32).max
-    a2, c2 = torch.tensor([-(2.0 ** 24 - 2) * 2.0 ** 75]), torch.tensor([fmax])
+    a2, c2 = torch.tensor([(2.0 ** 24 - 2) * 2.0 ** 75]), torch.tensor([fmax])
     b2 = torch.tensor((2.0 ** 24 + 2) * 2.0 ** -20)
     want2 = _round_to_fp32(Fraction(float(a2)) * Fraction(float(b2)) + Fraction(fmax))
     for sign in (1.0, -1.0):
