@@ -903,8 +903,11 @@ def check_norm(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None =
     in float64), so the norm is finite whenever it fits in fp32 -- e.g. fp32 gradients of
     1e20 under a loss scale of 2**16. ``check_norm(scaled, inv_scale)`` and
     ``check_norm(unscale(scaled, inv_scale)[0])`` are the same number (the same products, the
-    same sums), so a fused clip and the generic one agree. ``finite`` is judged on the inputs.
-    With ``per_leaf=True`` a third result flags the tensors holding a non-finite value.
+    same sums), so a fused clip and the generic one agree. The fp32 squares of values below
+    about 1e-19 lose precision and below about 1e-23 vanish (the compiled kernels recompute a
+    block in float64 when it overflows, not when it underflows): a norm under about 1e-19 reads
+    low or 0, which leaves a clipping coefficient at 1 either way. ``finite`` is judged on the
+    inputs. With ``per_leaf=True`` a third result flags the tensors holding a non-finite value.
     Cost: one read pass, no writes, no host sync (CUDA: the same sums on the device, fp32
     blocks, an overflowing block re-read once and summed in double, combined in double).
     """
