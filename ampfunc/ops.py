@@ -370,6 +370,10 @@ def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
             if k > 0 and t.shape != ref[i].shape:
                 raise ValueError(f"ampfunc: {name}[{i}] has shape {tuple(t.shape)} but {ref_name}[{i}] has shape "
                                  f"{tuple(ref[i].shape)} ({op})")
+            if written and t.is_inference() and not torch.is_inference_mode_enabled():
+                raise ValueError(f"ampfunc: {name}[{i}] is an inference tensor (made under torch.inference_mode()); "
+                                 f"an in-place op cannot update it outside inference mode: pass a copy made "
+                                 f"outside it ({op})")
             if written and _self_overlaps(t):
                 raise ValueError(f"ampfunc: {name}[{i}] has elements that share memory (an expand()ed or stride-0 "
                                  f"view); an in-place op needs distinct elements: clone it ({op})")

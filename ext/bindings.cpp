@@ -302,6 +302,10 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
                           shape_str(ref.ts[i].sizes()), " (", op, ")");
       }
       if (L.written) {
+        // torch refuses it too, but only after the tensors before it were written
+        TORCH_CHECK_VALUE(!d.inference || c10::InferenceMode::is_enabled(), "ampfunc: ", item_name(L.name, i),
+                          " is an inference tensor (made under torch.inference_mode()); an in-place op cannot ",
+                          "update it outside inference mode: pass a copy made outside it (", op, ")");
         TORCH_CHECK_VALUE(d.contiguous || !self_overlaps(L.ts[i]), "ampfunc: ", L.name, "[", i,
                           "] has elements that share memory (an expand()ed or stride-0 view); an in-place op ",
                           "needs distinct elements: clone it (", op, ")");

@@ -983,3 +983,24 @@ def test_a_finite_fp64_value_beyond_fp32s_range_is_finite_on_both_backends(backe
     t[0][1] = float("nan")
     finite, _, leaf = _check(backend, t, per_leaf=True)
     assert not bool(finite) and leaf.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inference_tensor_to_write_is_refused_before_anything_is_written(backend):
+    # torch refuses to update one in place, but only after the tensors before it were written.
+    with torch.inference_mode():
+        buf = torch.zeros(8)
+    p, g = [torch.ones(8), torch.ones(8)], [torch.ones(8), torch.ones(8)]
+    step = torch.zeros(())
+    with pytest.raises(ValueError, match=r"momentum_buffers\[1\] is an inference tensor"):
+        if backend == "reference":  # the validated reference op (what the reference backend registers)
+            ops._ref_sgd_step_op(p, g, [torch.zeros(8), buf], [], step, torch.ones(()), torch.tensor(True), 0.1, None,
+                                 0.0, 0.9, 0.0, False, False)
+        else:
+            ops.sgd_step_(p, g, [torch.zeros(8), buf], None, step, torch.ones(()), torch.tensor(True), lr=0.1,
+                          momentum=0.9)
+    assert all(torch.equal(t, torch.ones(8)) for t in p) and float(step) == 0.0
+    with torch.inference_mode():  # inside inference mode, as torch allows it
+        q = [torch.ones(8)]
+        _sgd(backend, q, [torch.ones(8)], [], None, torch.zeros(()), torch.ones(()), torch.tensor(True), lr=0.5)
+    assert torch.equal(q[0], torch.full((8,), 0.5))

@@ -75,6 +75,7 @@ class Tensors {
     at::Device device = at::Device(at::kCPU);
     int8_t ndim;  // -1: more than kInlineDims dims (validation compares the tensors' sizes)
     int64_t dims[kInlineDims];
+    bool inference = false;  // made under torch.inference_mode(): not writable outside it
   };
 
   class iterator {
@@ -190,6 +191,7 @@ class Tensors {
     d.contiguous = t.is_contiguous();
     d.dense = !(t.is_sparse() || t.is_sparse_csr() || t.is_mkldnn());
     d.device = t.device();
+    d.inference = t.is_inference();
     const auto sizes = t.sizes();
     if (sizes.size() <= static_cast<size_t>(kInlineDims)) {
       d.ndim = static_cast<int8_t>(sizes.size());
