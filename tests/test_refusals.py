@@ -537,3 +537,53 @@ def test_recommend_policy_cpu_flags_for_a_cuda_plan_refused():
     with pytest.raises(ValueError, match="capability.*cpu_flags|cpu_flags.*capability"):
         af.recommend_policy(capability=(8, 0), cpu_flags="avx512_bf16")
     assert af.recommend_policy(cpu_flags="avx512_bf16").device == "cpu"  # cpu_flags plans a CPU
+
+
+# -- 8. amp.initialize and the fp16_utils scalers refuse before they change anything ------------
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"loss_scale": float("inf")}, "loss_scale"), ({"loss_scale": 1e39}, "loss_scale"),
+    ({"min_loss_scale": -5.0}, "min_loss_scale"), ({"max_loss_scale": float("nan")}, "max_loss_scale"),
+    ({"max_loss_scale": None}, "max_loss_scale"),
+])
+def test_amp_initialize_refuses_bad_scale_settings_before_casting_anything(kwargs, name):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rf"amp.initialize\(.*{name}"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0, **kwargs)
+    assert model[0].weight.dtype == torch.float32 and not hasattr(opt, "_amp_stash")
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)  # the fixed retry works
+    assert model[0].weight.dtype == torch.float16
+
+
+def test_a_second_amp_initialize_says_it_undoes_the_first_ones_registrations():
+    if _amp_state.handle is not None:  # a fresh process, as far as amp can tell
+        _amp_state.handle._deactivate()
+    amp.register_float_function(torch, "sigmoid")
+    amp.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    with pytest.warns(UserWarning, match="called before"):
+        amp.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    _amp_state.handle._deactivate()
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: __import__("ampfunc.compat.apex.fp16_utils", fromlist=["x"]).DynamicLossScaler(scale_factor=0),
+     "scale_factor"),
+    (lambda: __import__("ampfunc.compat.apex.fp16_utils", fromlist=["x"]).DynamicLossScaler(scale_factor=1),
+     "scale_factor"),
+    (lambda: __import__("ampfunc.compat.apex.fp16_utils", fromlist=["x"]).DynamicLossScaler(scale_window=2.5),
+     "scale_window"),
+    (lambda: __import__("ampfunc.compat.apex.fp16_utils", fromlist=["x"]).LossScaler("abc"), "scale"),
+])
+def test_fp16_utils_scalers_name_their_own_bad_settings(make, name):
+    with pytest.raises((TypeError, ValueError), match=name):
+        make()
+
+
+def test_fp16_utils_dynamic_scaler_refuses_an_infinite_cur_scale():
+    from ampfunc.compat.apex.fp16_utils import DynamicLossScaler
+    s = DynamicLossScaler(init_scale=256.0)
+    with pytest.raises(ValueError, match="cur_scale"):
+        s.cur_scale = float("inf")
+    assert s.cur_scale == 256.0

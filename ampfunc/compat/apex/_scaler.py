@@ -115,7 +115,13 @@ class LossScaler:
         if isinstance(scale_window, bool) or not isinstance(scale_window, numbers.Real) \
                 or not math.isfinite(scale_window) or int(scale_window) != scale_window or scale_window < 1:
             raise ValueError(f"LossScaler: scale_window must be an integer >= 1, got {scale_window!r}")
-        if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
+        for name, bound in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+            if bound is None and name == "min_loss_scale":
+                continue  # no floor (apex's default)
+            if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound) or bound < 0:
+                raise ValueError(f"LossScaler: {name} must be a number >= 0{' or None' if name[:3] == 'min' else ''}, "
+                                 f"got {bound!r}")
+        if min_loss_scale is not None and min_loss_scale > max_loss_scale:
             raise ValueError(f"LossScaler: min_loss_scale ({min_loss_scale}) > max_loss_scale ({max_loss_scale})")
         self._build(dynamic, min(max_loss_scale, init_scale) if dynamic else value, min_loss_scale,
                     max_loss_scale, int(scale_window), 0, torch.device("cpu"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 
 import torch
 
@@ -71,7 +72,19 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError(f"amp.initialize: optimizers[{i}] was already processed by amp.initialize")
 
+    # The scalers first: a bad loss_scale / min_loss_scale / max_loss_scale is refused before a
+    # model is cast or an optimizer patched (a retry would otherwise find fp16 params).
+    try:
+        scalers = [LossScaler(props.loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+                   for _ in range(int(num_losses))]
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"amp.initialize(loss_scale={loss_scale!r}, min_loss_scale={min_loss_scale!r}, "
+                      f"max_loss_scale={max_loss_scale!r}): {e}") from None
     if _amp_state.handle is not None:
+        if _amp_state.handle._patched:
+            warnings.warn("amp.initialize was called before in this process: the functions registered for that "
+                          "call (register_half_function, ...) are put back to torch's own, for its models too; apex "
+                          "expects one call with every model and optimizer", UserWarning, stacklevel=2)
         _amp_state.handle._deactivate()
     for model in model_list:
         if props.cast_model_type:
@@ -87,8 +100,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         if props.cast_model_type:
             opt.load_state_dict(opt.state_dict())  # state follows the cast params' dtype (apex)
         patch_optimizer(opt, bool(props.master_weights))
-    _amp_state.loss_scalers = [LossScaler(props.loss_scale, min_loss_scale=min_loss_scale,
-                                          max_loss_scale=max_loss_scale) for _ in range(int(num_losses))]
+    _amp_state.loss_scalers = scalers
     _amp_state.opt_properties = props
     handle = _Handle(props.patch_torch_functions)
     if props.patch_torch_functions:

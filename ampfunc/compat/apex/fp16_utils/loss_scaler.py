@@ -15,6 +15,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.loss_scale import DynamicLossScale, StaticLossScale
+from ampfunc.compat.apex._scaler import checked_scale
 from ampfunc.mixed import scale_loss, update_scale
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
@@ -69,11 +70,11 @@ class LossScaler(_ScalerBase):
     """
 
     def __init__(self, scale: float = 1):
-        self._ls = StaticLossScale(float(scale))
+        self._ls = StaticLossScale(checked_scale(scale, "LossScaler: scale"))
 
     @_ScalerBase.cur_scale.setter
     def cur_scale(self, value: float) -> None:
-        self._ls = StaticLossScale(float(value), device=self._ls.loss_scale.device)
+        self._ls = StaticLossScale(checked_scale(value, "LossScaler.cur_scale"), device=self._ls.loss_scale.device)
 
     def has_overflow(self, params) -> bool:
         return False
@@ -103,6 +104,13 @@ class DynamicLossScaler(_ScalerBase):
     """
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000):
+        # apex's own names in the errors (the rule's would be growth_factor, growth_interval)
+        if isinstance(scale_factor, bool) or not isinstance(scale_factor, (int, float)) or \
+                not 1.0 < scale_factor < math.inf:
+            raise ValueError(f"DynamicLossScaler: scale_factor must be a finite number > 1, got {scale_factor!r}")
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            raise ValueError(f"DynamicLossScaler: scale_window must be an int >= 1, got {scale_window!r}")
+        init_scale = checked_scale(init_scale, "DynamicLossScaler: init_scale")
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)
         self._ls = DynamicLossScale(float(init_scale), growth_factor=self.scale_factor,
@@ -114,7 +122,8 @@ class DynamicLossScaler(_ScalerBase):
     @_ScalerBase.cur_scale.setter
     def cur_scale(self, value: float) -> None:
         ls = self._ls
-        value = torch.full((), float(value), dtype=torch.float32, device=ls.loss_scale.device)
+        value = torch.full((), checked_scale(value, "DynamicLossScaler.cur_scale"), dtype=torch.float32,
+                           device=ls.loss_scale.device)
         self._ls = DynamicLossScale.from_tensors(value, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
 
     def has_overflow(self, params) -> bool:
