@@ -311,7 +311,10 @@ def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
     out = []
     for path, m in leaves_with_paths(mask):
         if not isinstance(m, bool):
-            raise TypeError(f"{where}: mask leaf {path!r} is {m!r}; masks hold Python bools")
+            if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # numpy's bool_
+                m = bool(m)
+            else:
+                raise TypeError(f"{where}: mask leaf {path!r} is {m!r}; masks hold Python (or numpy) bools")
         out.append(m)
     return out
 

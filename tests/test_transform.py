@@ -97,3 +97,21 @@ def test_chains_of_registered_transforms_are_registered_as_typed_specs():
     assert kernel_spec(af.GradientTransformation(init, update)) == opt.fused
     with pytest.raises(TypeError, match="FusedSpec or ChainSpec"):
         af.transform.register_kernel(af.identity(), ("chain", ()))
+
+
+def test_optax_options_add_decayed_weights_mask_and_scale_by_learning_rate_flip_sign():
+    import numpy as np
+
+    params = {"w": torch.ones(2), "b": torch.ones(2)}
+    zeros = {"w": torch.zeros(2), "b": torch.zeros(2)}
+    for mask in ({"w": True, "b": False}, {"w": np.bool_(True), "b": np.bool_(False)},
+                 lambda p: {k: k == "w" for k in p}):
+        tx = af.add_decayed_weights(0.5, mask=mask)
+        updates, _ = tx.update(zeros, tx.init(params), params)
+        assert updates["w"].tolist() == [0.5, 0.5] and updates["b"].tolist() == [0.0, 0.0]
+    for lr in (0.25, af.constant_schedule(0.25)):
+        up, _ = af.scale_by_learning_rate(lr, flip_sign=False).update(params, af.scale_by_learning_rate(lr).init(params))
+        down, _ = af.scale_by_learning_rate(lr).update(params, af.scale_by_learning_rate(lr).init(params))
+        assert up["w"].tolist() == [0.25, 0.25] and down["w"].tolist() == [-0.25, -0.25]
+    with pytest.raises(TypeError, match="flip_sign"):
+        af.scale_by_learning_rate(0.1, flip_sign=1)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ampfunc.optim.base import ScalarOrSchedule, check_lr, check_nonneg, checked_inputs, lr_at, on, step_device
-from ampfunc.transform import EmptyState, GradientTransformation
+from ampfunc.transform import EmptyState, GradientTransformation, masked
 from ampfunc.tree import tree_structure, tree_unflatten
 
 __all__ = ["ScaleByScheduleState", "scale", "scale_by_schedule", "scale_by_learning_rate", "add_decayed_weights"]
@@ -104,7 +104,7 @@ def scale_by_schedule(schedule) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransformation:
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
     """Multiplies updates by ``-learning_rate``, turning a direction into a descent step (optax's).
 
     ``chain(..., scale_by_learning_rate(lr))`` ends a hand-made optimizer: it is
@@ -113,6 +113,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
 
     Args:
       learning_rate: a float ``>= 0`` or a schedule (a callable of the step count).
+      flip_sign: multiply by ``-learning_rate`` (the default, a descent step); ``False``
+        multiplies by ``learning_rate`` itself (optax's option, for an ascent or a direction
+        already negated).
 
     Returns:
       A ``GradientTransformation``: stateless (:class:`~ampfunc.EmptyState`) for a float, with
@@ -131,12 +134,15 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
     one new tensor per update, plus the schedule's few 0-d ops. No host sync.
     """
     check_lr(learning_rate, "scale_by_learning_rate")
+    if not isinstance(flip_sign, bool):
+        raise TypeError(f"scale_by_learning_rate: flip_sign must be a bool, got {flip_sign!r}")
+    sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: -learning_rate(count))
-    return scale(-float(learning_rate))
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * float(learning_rate))
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
     """Adds ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
 
     Before a rescaling transform (e.g. :func:`scale_by_adam`) this is L2 decay; right before
@@ -147,6 +153,9 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     Args:
       weight_decay: the decay coefficient, a float ``>= 0``; when non-zero ``update`` needs
         ``params``.
+      mask: optax's option: a pytree of bools like the params, or a function of the params
+        returning one; only the leaves where it is ``True`` decay (``masked(add_decayed_weights(
+        weight_decay), mask)``). ``None``: every leaf.
 
     Returns:
       A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; updates keep their
@@ -168,6 +177,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     with ``weight_decay == 0``. No host sync.
     """
     check_nonneg(weight_decay, "weight_decay")
+    if mask is not None:
+        return masked(add_decayed_weights(weight_decay), mask)
 
     def init(params):
         return EmptyState()
