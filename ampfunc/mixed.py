@@ -392,6 +392,14 @@ class MixedPrecision(GradientTransformation):
     # (ampfunc.transform.refuse_outermost_only).
     OUTERMOST_ONLY = True
 
+    def __getattr__(self, name: str):
+        # Only reached when `engine` (or `inner`) was never set: the pair was rebuilt from its
+        # two fields (`_replace`, a tree map over the transform), which carry no engine.
+        if name in ("engine", "inner", "step", "step_"):
+            raise AttributeError(f"this MixedPrecision has no {name}: it was rebuilt from its (init, update) fields "
+                                 "(`_replace`, a tree map over the transform); build it with af.mixed_precision(...)")
+        raise AttributeError(f"'MixedPrecision' object has no attribute {name!r}")
+
     @property
     def step(self) -> Callable:
         return self.engine.step

@@ -387,3 +387,12 @@ def test_fused_step_lines_leaves_up_whatever_order_the_grads_dict_was_built_in()
     # and each leaf moved by its own gradient: Adam's first step is -lr * sign(g) (clipped or not)
     for k in params:
         torch.testing.assert_close(a[k], params[k] - 1e-2 * torch.sign(grads[k]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_mixed_precision_rebuilt_from_its_fields_says_it_lost_its_engine():
+    tx = af.mixed_precision(af.adamw(1e-3))
+    rebuilt = tx._replace(init=tx.init)  # a NamedTuple's fields are (init, update) only
+    for name in ("step", "step_", "engine"):
+        with pytest.raises(AttributeError, match="rebuilt from its .init, update. fields.*af.mixed_precision"):
+            getattr(rebuilt, name)
+    assert callable(tx.step) and tx.engine is not None

@@ -587,3 +587,11 @@ def test_fp16_utils_dynamic_scaler_refuses_an_infinite_cur_scale():
     with pytest.raises(ValueError, match="cur_scale"):
         s.cur_scale = float("inf")
     assert s.cur_scale == 256.0
+
+
+def test_amp_initialize_refuses_one_optimizer_passed_twice_before_patching_it():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"optimizers\[1\] is the same optimizer"):
+        amp.initialize(model, [opt, opt], opt_level="O2", verbosity=0)
+    assert model.weight.dtype == torch.float32 and not hasattr(opt, "_amp_stash")

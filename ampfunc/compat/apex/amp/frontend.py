@@ -71,6 +71,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
             raise TypeError(f"amp.initialize: optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError(f"amp.initialize: optimizers[{i}] was already processed by amp.initialize")
+        if any(opt is other for other in opt_list[:i]):  # apex: "should only be passed through once"
+            raise RuntimeError(f"amp.initialize: optimizers[{i}] is the same optimizer as an earlier entry; a given "
+                               "optimizer should only be passed through amp.initialize once")
 
     # The scalers first: a bad loss_scale / min_loss_scale / max_loss_scale is refused before a
     # model is cast or an optimizer patched (a retry would otherwise find fp16 params).
