@@ -17,10 +17,12 @@ import operator
 import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
+import optree
 import torch
 
 from ampfunc import ops
 from ampfunc.tree import (
+    NAMESPACE,
     PyTree,
     check_same_structure,
     flatten_together,
@@ -307,7 +309,10 @@ def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
     try:
         check_same_structure(mask, params, "mask", "params")
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        try:  # optax: a mask may be a prefix of the tree, a bool standing for a whole subtree
+            mask = optree.tree_broadcast_prefix(mask, params, namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"{where}: {e}") from None
     out = []
     for path, m in leaves_with_paths(mask):
         if not isinstance(m, bool):
@@ -328,9 +333,10 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
 
     Args:
       inner: the ``GradientTransformation`` to apply to the selected leaves.
-      mask: a pytree of Python bools with the structure of the params, or a function of the
-        params returning one (called at every ``init`` and ``update``; with ``params=None``,
-        on the updates).
+      mask: a pytree of Python (or numpy) bools with the structure of the params, or a prefix
+        of it (a bool for a whole subtree, as optax allows), or a function of the params
+        returning one (called at every ``init`` and ``update``; with ``params=None``, on the
+        updates).
 
     Returns:
       A ``GradientTransformation`` whose state is ``inner``'s state for the selected leaves.

@@ -115,3 +115,13 @@ def test_optax_options_add_decayed_weights_mask_and_scale_by_learning_rate_flip_
         assert up["w"].tolist() == [0.25, 0.25] and down["w"].tolist() == [-0.25, -0.25]
     with pytest.raises(TypeError, match="flip_sign"):
         af.scale_by_learning_rate(0.1, flip_sign=1)
+
+
+def test_masked_takes_a_prefix_mask_as_optax_does():
+    params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}, "dec": {"w": torch.ones(2)}}
+    grads = af.tree_map(torch.ones_like, params)
+    tx = af.masked(af.sgd(0.5), {"enc": False, "dec": True})  # a bool for each whole subtree
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["dec"]["w"].tolist() == [-0.5, -0.5] and updates["enc"]["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="masked: mask and params have different tree structures"):
+        af.masked(af.sgd(0.5), {"enc": False}).init(params)  # not a prefix: the keys differ
