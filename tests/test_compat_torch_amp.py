@@ -641,3 +641,15 @@ def test_sparse_gradients_match_torch():
 
     (s0, w0), (s1, w1) = run(GradScaler("cpu", init_scale=8.0)), run(torch.amp.GradScaler("cpu", init_scale=8.0))
     assert s0 == s1 == 4.0 and torch.equal(w0, w1)
+
+
+@pytest.mark.parametrize("cls", [torch.amp.GradScaler, GradScaler], ids=["torch", "ampfunc"])
+def test_a_fused_optimizer_without_any_grad_steps_as_a_no_op_and_update_complains_as_torchs(cls):
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    scaler = cls("cpu")
+    scaler.scale(torch.ones((), requires_grad=True) * 2)  # a scaled loss that does not reach w
+    scaler.step(opt)  # torch's fused path: found_inf 0, nothing to step
+    assert w.detach().tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()

@@ -337,7 +337,10 @@ class GradScaler:
             return retval, self._found_inf_of(state)
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        found_inf = self._found_inf_of(state)
+        # No grad anywhere: torch hands the fused optimizer a found_inf of 0 (its step is a
+        # no-op) and only update() then complains that no inf check was recorded.
+        found_inf = self._found_inf_of(state) if state["found_inf_per_device"] else \
+            torch.zeros((), dtype=torch.float32, device=self._ls.loss_scale.device)
         scale = self._get_scale_async()
         # Already unscaled by unscale_(): keep whatever grad_scale the user set (None -> no unscale).
         optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is OptState.UNSCALED
