@@ -39,6 +39,7 @@ from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,
     aligned_leaves,
+    arithmetic_dtype,
     check_same_structure,
     dict_values_aligned,
     float_leaves_with_paths,
@@ -727,13 +728,9 @@ class Engine:
         if params is None:
             raise ValueError(f"{self.where}.update needs params (the master copy and the skip depend on them)")
         new_params, new_state = self.step(params, grads, state, where=f"{self.where}.update")
-        updates = tree_map(lambda n, p: n.to(_delta_dtype(p)) - p.to(_delta_dtype(p)), new_params, params)
+        updates = tree_map(lambda n, p: n.to(arithmetic_dtype(p.dtype)) - p.to(arithmetic_dtype(p.dtype)),
+                           new_params, params)
         return updates, new_state
-
-
-def _delta_dtype(p: torch.Tensor) -> torch.dtype:
-    # fp32 deltas, fp64 for fp64 params (their step is computed in fp64)
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def _copy_into(dst: PyTree, src: PyTree) -> None:

@@ -258,7 +258,7 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype | Callable[[torch.dtype], torc
     Args:
       tree: a pytree of floating tensors (an optimizer's params).
       dtype: the dtype of the zeros, or a rule giving it from a leaf's dtype (the optimizers'
-        :func:`ampfunc.optim.base.state_dtype`: float32, float64 for float64 leaves).
+        :func:`ampfunc.tree.arithmetic_dtype`: float32, float64 for float64 leaves).
 
     Returns:
       The tree of zeros (same structure).

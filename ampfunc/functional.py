@@ -42,7 +42,8 @@ from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import PyTree, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from ampfunc.tree import (PyTree, arithmetic_dtype, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves,
+                          tree_map, tree_unflatten)
 
 __all__ = [
     "apply_module",
@@ -131,8 +132,7 @@ def _unscale_and_check_batched(grads: PyTree, ls: LossScale) -> tuple[PyTree, to
     inv = ls.inv_scale
     leaves, spec = tree_flatten(grads)
     # fp32, or fp64 for fp64 gradients, as the unbatched unscale gives them.
-    wide = [torch.float64 if g.dtype == torch.float64 else torch.float32 for g in leaves]
-    outs = [g.to(dt) * inv.to(g.device, dt) for g, dt in zip(leaves, wide)]
+    outs = [g.to(arithmetic_dtype(g.dtype)) * inv.to(g.device, arithmetic_dtype(g.dtype)) for g in leaves]
     valid = ls.is_valid()  # a scale set by hand out of range: skip, as unbatched
     if not leaves:
         return grads, valid
@@ -326,7 +326,7 @@ class StepOutput(NamedTuple):
       loss: the loss as ``loss_fn`` computed it (detached, not scaled).
       finite: 0-d bool: the step was applied (every gradient was finite).
       loss_scale: the 0-d fp32 scale this step's loss was multiplied by (with
-        :class:`~ampfunc.NoOpLossScale`, a new CPU tensor ``1.0``).
+        :class:`~ampfunc.NoOpLossScale`, a new tensor ``1.0`` on the params' device).
       aux: the ``aux`` that ``loss_fn`` returned with ``has_aux``, else ``None``.
 
     Example:
@@ -623,7 +623,9 @@ def _scale_on(ls: LossScale, device) -> torch.Tensor:
 
 def _kept_on_skip(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """``new`` where the step was applied, ``old`` where it was skipped, per tensor leaf (decided
-    on the device; the buffers' dtypes are the forward's, so no promotion)."""
+    on the device; the buffers' dtypes are the forward's, so no promotion). Not
+    :func:`ampfunc.tree.select_tree`: its path-naming checks do not trace under
+    ``torch.compile(fullgraph=True)``, which compiles this step whole."""
     return tree_map(lambda n, o: torch.where(finite.to(n.device), n, o) if isinstance(n, torch.Tensor) else n,
                     new, old)
 

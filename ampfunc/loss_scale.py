@@ -24,7 +24,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import NAMESPACE, PyTree, check_flag, float_leaves_with_paths, tree_unflatten, tree_flatten
+from ampfunc.tree import (NAMESPACE, PyTree, arithmetic_dtype, check_flag, float_leaves_with_paths, tree_unflatten,
+                          tree_flatten)
 
 __all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig", "SCALE_RANGE"]
 
@@ -94,22 +95,17 @@ def _fp32_unscaled(tree: PyTree, inv_scale: torch.Tensor | None, what: str):
     _, leaves = float_leaves_with_paths(tree, what)
     _, spec = tree_flatten(tree)
     if inv_scale is None:
-        return tree_unflatten(spec, [_widened(t) for t in leaves]), ops.all_finite(leaves)
-    wide = [i for i, t in enumerate(leaves) if t.dtype == torch.float64]
-    if wide or (torch.is_grad_enabled() and any(t.requires_grad for t in leaves)):
+        return tree_unflatten(spec, [t.to(arithmetic_dtype(t.dtype)) for t in leaves]), ops.all_finite(leaves)
+    if any(t.dtype == torch.float64 for t in leaves) or (torch.is_grad_enabled() and
+                                                         any(t.requires_grad for t in leaves)):
         # A gradient penalty differentiates through the unscale (grads taken with
         # create_graph=True), and the kernels have no backward; the kernels also write fp32
         # only. Plain torch ops then, the same values (the product in fp32, fp64 for fp64
         # leaves), with the finite flag from the check pass.
-        outs = [_widened(t) * inv_scale.to(_widened(t).dtype) for t in leaves]
+        outs = [t.to(arithmetic_dtype(t.dtype)) * inv_scale.to(arithmetic_dtype(t.dtype)) for t in leaves]
         return tree_unflatten(spec, outs), ops.all_finite([t.detach() for t in leaves])
     outs, finite = ops.unscale(leaves, inv_scale)
     return tree_unflatten(spec, outs), finite
-
-
-def _widened(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, or as it is when fp64 (no copy for an fp32 or fp64 tensor)."""
-    return t if t.dtype == torch.float64 else t.to(torch.float32)
 
 
 class LossScale:

@@ -253,7 +253,8 @@ class ModuleTrainer:
         # Every tensor as the current one is (a state from another model would only fail at the
         # next step, after replacing the good one); on another device it is moved, as
         # torch.optim's load_state_dict moves optimizer state to its params' device.
-        paths, current = zip(*leaves_with_paths(self._state)) if tree_leaves(self._state) else ((), ())
+        pairs = leaves_with_paths(self._state)
+        paths, current = [p for p, _ in pairs], [t for _, t in pairs]
         given = tree_leaves(new)
         for path, cur, giv in zip(paths, current, given):
             if isinstance(cur, torch.Tensor) and (not isinstance(giv, torch.Tensor) or giv.shape != cur.shape

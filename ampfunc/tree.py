@@ -35,6 +35,7 @@ __all__ = [
     "all_finite",
     "tree_cast",
     "is_float_tensor",
+    "arithmetic_dtype",
     "tree_zeros_like",
     "tree_clone",
     "check_flag",
@@ -240,6 +241,13 @@ def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
     leaves_b = tree_leaves(b)
     out = [_select_leaf(pred, path_to_str(acc))(x, y) for acc, x, y in zip(accessors, leaves_a, leaves_b)]
     return tree_unflatten(spec, out)
+
+
+def arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ampfunc computes in, and keeps optimizer state in, for a floating ``dtype``:
+    float32, and float64 for float64 (torch.optim's arithmetic for fp64 params: in fp32 an
+    fp64 param would only move in steps of fp32's resolution at its value)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def is_float_tensor(x: Any) -> bool:

@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ampfunc import ops
-from ampfunc.optim.base import checked_inputs, state_dtype, step_device
+from ampfunc.optim.base import checked_inputs, step_device
 from ampfunc.transform import GradientTransformation, refuse_outermost_only
-from ampfunc.tree import PyTree, select_tree, tree_flatten, tree_map, tree_structure, tree_unflatten
+from ampfunc.tree import PyTree, arithmetic_dtype, select_tree, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -86,7 +86,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     refuse_outermost_only(inner, "accumulate: inner")
 
     def init(params):
-        grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=state_dtype(p.dtype)), params)  # fp64 stays fp64
+        grad_sum = tree_map(lambda p: torch.zeros_like(p, dtype=arithmetic_dtype(p.dtype)), params)  # fp64 stays fp64
         mini_step = torch.zeros((), dtype=torch.int32, device=step_device(params))
         return AccumulateState(mini_step, grad_sum, inner.init(params))
 

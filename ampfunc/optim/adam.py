@@ -24,13 +24,12 @@ from ampfunc.optim.base import (
     checked_inputs,
     lr_at,
     on,
-    state_dtype,
     step_device,
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import (PyTree, flatten_together, float_leaves_with_paths, tree_flatten, tree_map, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import (PyTree, arithmetic_dtype, flatten_together, float_leaves_with_paths, tree_flatten, tree_map,
+                          tree_structure, tree_unflatten)
 
 __all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
 
@@ -113,7 +112,7 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
     def init(params):
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, kind)
-        zeros = lambda: zeros_packed(params, state_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
+        zeros = lambda: zeros_packed(params, arithmetic_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
@@ -323,7 +322,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def init(params):
         float_leaves_with_paths(params, "params")
-        zeros = lambda: zeros_packed(params, state_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
+        zeros = lambda: zeros_packed(params, arithmetic_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
         return AdamState(torch.zeros((), dtype=torch.float32, device=step_device(params)), zeros(), zeros(), None)
 
     def update(updates, state, params=None):

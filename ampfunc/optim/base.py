@@ -15,6 +15,7 @@ import torch
 from ampfunc.transform import FusedSpec as _FusedSpec
 from ampfunc.tree import (
     PyTree,
+    arithmetic_dtype,
     check_same_structure,
     float_leaves_with_paths,
     leaves_with_paths,
@@ -158,20 +159,13 @@ def device_groups(tensors: list) -> dict:
     return groups
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an optimizer computes in and keeps its state in for a param of ``dtype``:
-    float32, and float64 for a float64 param, as torch.optim does (in fp32, an fp64 param
-    would only move in steps of fp32's resolution at its value)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def arithmetic_groups(grads: list, params: list | None, slot: list | None) -> dict:
     """Indices of the leaves grouped by (device, arithmetic dtype), in first-seen order (one
     foreach launch each). A leaf's arithmetic dtype is its state slot's (made by ``init`` with
-    :func:`state_dtype`), else :func:`state_dtype` of its param, else of its gradient."""
+    :func:`~ampfunc.tree.arithmetic_dtype`), else that of its param, else of its gradient."""
     groups: dict = {}
     for i, g in enumerate(grads):
-        dt = slot[i].dtype if slot is not None else state_dtype((params[i] if params is not None else g).dtype)
+        dt = slot[i].dtype if slot is not None else arithmetic_dtype((params[i] if params is not None else g).dtype)
         groups.setdefault((g.device, dt), []).append(i)
     return groups
 

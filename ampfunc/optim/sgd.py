@@ -21,13 +21,12 @@ from ampfunc.optim.base import (
     checked_inputs,
     lr_at,
     on,
-    state_dtype,
     step_device,
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import (PyTree, flatten_together, float_leaves_with_paths, tree_flatten, tree_map, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import (PyTree, arithmetic_dtype, flatten_together, float_leaves_with_paths, tree_flatten, tree_map,
+                          tree_structure, tree_unflatten)
 
 __all__ = ["SgdState", "sgd"]
 
@@ -136,7 +135,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, "sgd")
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
-        buf = zeros_packed(params, state_dtype) if momentum != 0 else None
+        buf = zeros_packed(params, arithmetic_dtype) if momentum != 0 else None
         return SgdState(step, buf)
 
     def update(grads, state, params=None):
