@@ -380,6 +380,42 @@ def test_closure_with_static_scale_still_works(kernels):
         assert torch.equal(a, b)
 
 
+
+def test_closure_with_dynamic_scale_matches_the_fused_loop_with_the_overflow_skipped(kernels, capsys):
+    # apex's last version re-runs a closure whose grads overflowed at the reduced scale. The
+    # backward inside the closure takes the fused check (master grads deferred), and the clean
+    # evaluation's grads are what torch's step(closure) uses: the same numbers as the fused loop
+    # that skips the overflowing iteration and repeats it.
+    data = batches(3)
+    results = []
+    for use_closure in (True, False):
+        model, opt = facade(torch.optim.SGD, dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.5))
+        calls = [0]
+        for x, y in data:
+            def closure():
+                calls[0] += 1
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y) * (INF if calls[0] == 2 else 1.0)
+                opt.backward(loss)
+                assert opt._deferred is not None  # the fused check, not the master-grad write
+                return loss
+
+            if use_closure:
+                assert opt.step(closure) is not None
+            else:
+                closure()
+                if opt.overflow:
+                    assert opt.step() is None
+                    closure()
+                opt.step()
+        assert calls[0] == 4 and opt.loss_scale == 2.0**11
+        results.append([p.detach().clone() for p in model.parameters()]
+                       + [opt.state[p]["momentum_buffer"].clone() for g in opt.param_groups for p in g["params"]])
+    assert "OVERFLOW within closure! Skipping step, reducing loss scale to 2048.0" in capsys.readouterr().out
+    assert kernels["sgd"] > 0  # the loop without a closure stepped fused
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
 def test_bad_gradients_are_refused_as_before():
     emb = nn.Embedding(10, 4, sparse=True).half()
     opt = FP16_Optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)

@@ -282,7 +282,7 @@ def test_several_losses_with_delayed_master_grad_update():
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)  # fp16 .grad accumulation vs one pass
 
 
-def test_closure_works_with_static_scale_and_is_refused_with_dynamic():
+def test_closure_works_with_static_scale():
     data = _data(3)
     results = []
     for use_closure in (True, False):
@@ -303,9 +303,110 @@ def test_closure_works_with_static_scale_and_is_refused_with_dynamic():
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
-    opt = FP16_Optimizer(torch.optim.SGD(Mixed().parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
-    with pytest.raises(TypeError, match="closure is currently not compatible with dynamic loss scaling"):
-        opt.step(lambda: None)
+
+
+def _closure_run(make_inner, use_closure, inject, steps=3, dynamic_loss_args=None):
+    """``steps`` iterations with dynamic scaling; the evaluations counted in ``inject`` (1-based,
+    over the whole run) get an infinite loss. ``use_closure=False`` is apex's plain loop, where an
+    overflowing backward makes ``step()`` skip and the iteration is repeated by hand."""
+    model = Mixed()
+    opt = FP16_Optimizer(make_inner(model), dynamic_loss_scale=True, verbose=False,
+                         dynamic_loss_args=dynamic_loss_args or {"init_scale": 2.0**12, "scale_window": 2})
+    calls = [0]
+    for x, y in _data(steps):
+        def closure():
+            calls[0] += 1
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y) * (float("inf") if calls[0] in inject else 1.0)
+            opt.backward(loss)
+            return loss
+
+        if use_closure:
+            assert opt.step(closure) is not None
+        else:
+            closure()
+            while opt.overflow:
+                assert opt.step() is None  # skipped
+                closure()
+            opt.step()
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+             for g in opt.param_groups for p in g["params"]]
+    return [p.detach().clone() for p in model.parameters()], state, opt.loss_scale, calls[0]
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),         # the fused step's optimizer
+    lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3),                   # master grads + torch's step
+], ids=["sgd", "rmsprop"])
+def test_closure_with_dynamic_scale_reruns_an_overflowing_evaluation_at_the_reduced_scale(make_inner, capsys):
+    # apex's last FP16_Optimizer: step(closure) works with dynamic scaling; an evaluation whose
+    # grads overflowed prints "OVERFLOW within closure! ..." and the closure runs again at the
+    # halved scale. The optimizer only ever sees the clean evaluation: the result is apex's plain
+    # loop with the overflowing iteration skipped and repeated, bit for bit.
+    inject = (2, 3)  # the second iteration overflows twice before it steps
+    got = _closure_run(make_inner, True, inject)
+    out = capsys.readouterr().out
+    assert out.count("OVERFLOW within closure! Skipping step, reducing loss scale to") == 2
+    assert "reducing loss scale to 2048.0" in out and "reducing loss scale to 1024.0" in out
+    want = _closure_run(make_inner, False, inject)
+    assert got[2] == want[2] == 2048.0 and got[3] == want[3] == 5  # 1024, then 2 clean steps grow it
+    for a, b in zip(got[0], want[0]):
+        assert torch.equal(a, b)
+    assert len(got[1]) == len(want[1])
+    for sa, sb in zip(got[1], want[1]):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+
+
+def test_closure_reevaluated_by_lbfgs_reruns_only_the_overflowing_evaluation(capsys):
+    # LBFGS evaluates the closure several times per step, moving the masters in between. An
+    # overflow in a later evaluation re-runs that evaluation at the same weights with half the
+    # scale (power-of-two scales give the same unscaled grads), so the trajectory is the clean
+    # run's, with one more evaluation.
+    make_inner = lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)  # noqa: E731
+    args = {"init_scale": 2.0**12, "scale_window": 10**6}
+    clean = _closure_run(make_inner, True, (), dynamic_loss_args=args)
+    got = _closure_run(make_inner, True, (3,), dynamic_loss_args=args)
+    assert "OVERFLOW within closure! Skipping step, reducing loss scale to 2048.0" in capsys.readouterr().out
+    assert got[3] == clean[3] + 1 and (clean[2], got[2]) == (4096.0, 2048.0)
+    for a, b in zip(got[0], clean[0]):
+        assert torch.equal(a, b)
+
+
+def test_closure_that_overflows_at_the_floor_raises_and_changes_nothing(capsys):
+    # apex re-runs such a closure forever; the facade stops once the scale cannot be lowered, and
+    # the optimizer has not stepped on any of the overflowing evaluations.
+    model = Mixed()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 2.0**16, "min_loss_scale": 2.0**14}, verbose=False)
+    (x, y), = _data(1)
+    opt.zero_grad()
+    opt.backward(F.mse_loss(model(x), y))
+    opt.step()  # creates the momentum buffers
+    before = ([p.detach().clone() for p in model.parameters()],
+              [m.detach().clone() for m in opt.all_fp32_from_fp16_params],
+              [opt.state[p]["momentum_buffer"].clone() for g in opt.param_groups for p in g["params"]])
+    calls = [0]
+
+    def closure():
+        calls[0] += 1
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * float("inf")
+        opt.backward(loss)
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"overflowed again at loss scale 16384\.0, which the dynamic scale "
+                                           r"cannot lower \(min_loss_scale=16384\.0"):
+        opt.step(closure)
+    assert calls[0] == 3  # at 2**16, 2**15 and 2**14
+    assert capsys.readouterr().out.count("OVERFLOW within closure!") == 2
+    after = ([p.detach() for p in model.parameters()], opt.all_fp32_from_fp16_params,
+             [opt.state[p]["momentum_buffer"] for g in opt.param_groups for p in g["params"]])
+    for xs, ys in zip(before, after):
+        for a, b in zip(xs, ys):
+            assert torch.equal(a, b)
+    assert opt.first_closure_call_this_step is True and opt.loss_scale == 2.0**14
 
 
 def test_state_dict_keys_and_resume_bit_for_bit():

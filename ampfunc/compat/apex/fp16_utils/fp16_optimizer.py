@@ -227,11 +227,30 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
         After an overflow (dynamic scaling) prints ``Gradient overflow.  Skipping step,
         reducing loss scale to ...`` and returns ``None`` without touching params or optimizer
-        state. A ``closure`` must call ``zero_grad`` and ``backward(loss)`` itself; closures
-        with dynamic scaling raise ``TypeError`` (the closure's overflow could not be skipped).
+        state.
+
+        A ``closure`` must call ``zero_grad`` and ``backward(loss)`` itself; the wrapped
+        optimizer's ``step(closure)`` runs it. With dynamic scaling, as in apex's last version,
+        an evaluation whose gradients overflowed is never handed to the optimizer: it prints
+        ``OVERFLOW within closure! Skipping step, reducing loss scale to ...`` and runs the
+        closure again at the reduced scale until the gradients are finite, so the overflow
+        costs an evaluation and a smaller scale, nothing else. Unlike apex (which loops
+        forever), an overflow again at a scale the backoff cannot lower (``min_loss_scale``,
+        or ``2**-126``) raises ``RuntimeError``; the optimizer has then not stepped on that
+        evaluation, and the masters, model params and optimizer state are as they were
+        before it.
+
+        Args:
+          closure: ``None``, or a callable that calls :meth:`zero_grad` and :meth:`backward`
+            and returns the loss.
+
+        Returns:
+          The wrapped optimizer's return value (the closure's loss), or ``None`` when skipped.
+
+        Cost: the fused pass, or the wrapped optimizer's step plus one copy back; with a
+        dynamic scale each closure evaluation reads the overflow flag once (in
+        :meth:`backward`) and an overflowing one also reads the scale for the message.
         """
-        if closure is not None and self.dynamic_loss_scale:
-            raise TypeError("Using step with a closure is currently not compatible with dynamic loss scaling.")
         if self.overflow:
             print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
             return None
@@ -255,12 +274,33 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
                 # must see the moved weights.
                 self._master_params_to_model_params()
             loss = closure()
+            tried = None  # the scale of the last overflowing evaluation (None: not read yet)
+            while self.overflow:
+                # apex's last version: the optimizer never sees overflowed grads; the closure
+                # runs again at the scale backward just reduced. The master grads of the
+                # overflowed evaluation stay unwritten (fused check) or are overwritten.
+                scale = self.loss_scaler.loss_scale()
+                if scale == tried:
+                    raise RuntimeError(
+                        "FP16_Optimizer.step(closure): the closure's gradients overflowed again at loss scale "
+                        f"{scale}, which the dynamic scale cannot lower (min_loss_scale="
+                        f"{self.loss_scaler._min_loss_scale!r}; the scale never goes below 2**-126), so "
+                        "re-running the closure would loop forever (apex's does). The loss or the model is not "
+                        "finite at any scale, or the closure does not call FP16_Optimizer.backward. The wrapped "
+                        "optimizer has not stepped on these gradients: the masters, the model params and the "
+                        "optimizer state are as they were before this evaluation")
+                tried = scale
+                print(f"OVERFLOW within closure! Skipping step, reducing loss scale to {scale}")
+                loss = closure()
             self._materialize_master_grads()  # the wrapped optimizer reads the master grads
             return loss
 
-        retval = self.optimizer.step(wrapped_closure)
-        self.first_closure_call_this_step = True
-        return retval
+        try:
+            return self.optimizer.step(wrapped_closure)
+        finally:
+            # Also after an error in the closure: the next step's first evaluation must not
+            # copy the masters over the model first.
+            self.first_closure_call_this_step = True
 
     def _master_params_to_model_params(self) -> None:
         self.masters.masters_to_model()
