@@ -581,6 +581,40 @@ def test_model_param_without_grad_clears_master_grad():
     assert master_params[0].grad is None
 
 
+
+def test_flat_master_refuses_a_param_without_grad_naming_it_and_writes_nothing():
+    # One flat master grad cannot skip a param the way flat_master=False does (master grad None),
+    # and zeros would let momentum / weight decay move it: refused, naming the param.
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(2, 2)}).half()
+    model_params, master_params = prep_param_lists(model, flat_master=True)
+    model["used"](torch.randn(5, 3).half()).float().sum().backward()
+    before = master_params[0].grad.clone()
+    with pytest.raises(ValueError, match=r"model_params\[2\] \(shape \(2, 2\), torch.float16\) has no grad.*"
+                                         r"flat_master=False"):
+        model_grads_to_master_grads(model_params, master_params, flat_master=True)
+    assert torch.equal(master_params[0].grad, before)
+
+
+def test_flat_master_grad_is_reallocated_after_zero_grad_set_to_none():
+    # torch's optimizer.zero_grad() sets the master's grad to None; the copy allocates it again,
+    # as flat_master=False does.
+    model = nn.Linear(3, 2).half()
+    model_params, master_params = prep_param_lists(model, flat_master=True)
+    torch.optim.SGD(master_params, lr=0.1).zero_grad()
+    assert master_params[0].grad is None
+    model(torch.randn(5, 3).half()).float().sum().backward()
+    model_grads_to_master_grads(model_params, master_params, flat_master=True)
+    assert torch.equal(master_params[0].grad, torch.cat([p.grad.float().flatten() for p in model_params]))
+
+
+def test_flat_master_of_a_model_without_trainable_params_is_refused_naming_it():
+    with pytest.raises(ValueError, match="the ReLU has no trainable parameters"):
+        prep_param_lists(nn.ReLU(), flat_master=True)
+    frozen = nn.Linear(2, 2).half().requires_grad_(False)
+    with pytest.raises(ValueError, match="the Linear has no trainable parameters"):
+        prep_param_lists(frozen, flat_master=True)
+    assert prep_param_lists(frozen) == ([], [])  # unflattened: empty lists, as apex
+
 def test_to_python_float():
     assert to_python_float(torch.tensor(2.5)) == 2.5 and to_python_float([3.0]) == 3.0
     assert math.isnan(to_python_float(torch.tensor(float("nan"))))

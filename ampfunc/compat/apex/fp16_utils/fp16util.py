@@ -112,10 +112,14 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
 
     With ``flat_master=True`` the masters are one flat fp32 tensor (a one-element list, with a
     ``.grad`` allocated); every model param must then have the same dtype, else ``TypeError``
-    naming the dtypes found.
+    naming the dtypes found, and there must be at least one, else ``ValueError`` (apex fails
+    in ``torch.cat``).
     """
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
+        if not model_params:
+            raise ValueError(f"prep_param_lists(flat_master=True): the {type(model).__name__} has no trainable "
+                             "parameters (requires_grad=True) to flatten into a master")
         dtypes = {p.dtype for p in model_params}
         if len(dtypes) > 1:
             named = {}
@@ -140,10 +144,42 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
 def model_grads_to_master_grads(model_params, master_params, flat_master: bool = False) -> None:
     """Copies the model grads into the master grads (allocating them in fp32 when missing).
 
-    A model param without a grad leaves its master's grad ``None`` (apex's rule).
+    A model param without a grad leaves its master's grad ``None`` (apex's rule), so the
+    optimizer skips it. With ``flat_master=True`` there is one master grad and no param can be
+    skipped, so a param without a grad raises ``ValueError`` naming its index in
+    ``model_params`` (its position among the model's trainable params), shape and dtype, and
+    nothing is written (apex fails inside ``torch.cat``). A zero grad is not filled in for it:
+    momentum and weight decay would then move that param, unlike ``flat_master=False``.
+
+    Args:
+      model_params: the model params from :func:`prep_param_lists`.
+      master_params: the masters from :func:`prep_param_lists` (one flat tensor with
+        ``flat_master=True``).
+      flat_master: whether the masters were made with ``flat_master=True``.
+
+    Returns:
+      None.
+
+    Example:
+      >>> model_grads_to_master_grads(model_params, master_params)
+
+    Cost: one copy of the grads (``_foreach_copy_``; flat: one concatenation and one copy); no
+    host sync.
     """
     if flat_master:
-        master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
+        for i, p in enumerate(model_params):
+            if p.grad is None:
+                raise ValueError(
+                    f"model_grads_to_master_grads(flat_master=True): model_params[{i}] (shape {tuple(p.shape)}, "
+                    f"{p.dtype}) has no grad (unused in the forward, or its grad set to None); the flat master "
+                    "cannot skip one param. Use flat_master=False (its master grad is then None and the "
+                    "optimizer skips it, as apex does), or set its .grad to zeros if it should still be stepped "
+                    "(momentum, weight decay); nothing was written")
+        flat = _flatten_dense_tensors([p.grad for p in model_params])
+        master = master_params[0]
+        if master.grad is None:  # e.g. after the master optimizer's zero_grad(set_to_none=True)
+            master.grad = torch.empty_like(master)
+        master.grad.copy_(flat)
         return
     dst, src = [], []
     for model, master in zip(model_params, master_params):
