@@ -22,6 +22,7 @@ from ampfunc.compat.apex.fp16_utils import (
     FP16Model,
     LossScaler,
     convert_module,
+    convert_network,
     master_params_to_model_params,
     model_grads_to_master_grads,
     network_to_half,
@@ -532,6 +533,39 @@ def test_fp16_model_keeps_only_affine_batchnorm_fp32_and_outputs_fp16():
         assert t.dtype == expected, name
     assert model(torch.randn(2, 3, 8, 8)).dtype == torch.float16
 
+
+
+class BNWithProj(nn.BatchNorm1d):
+    """An affine BatchNorm subclass holding a child module."""
+
+    def __init__(self):
+        super().__init__(4)
+        self.proj = nn.Linear(4, 4)
+
+
+def test_convert_network_keeps_only_the_batchnorms_own_tensors_fp32():
+    # apex's convert_network skips the affine BatchNorm module itself (convert_module is not
+    # recursive) and still visits its children: they are cast, the BatchNorm's own weight, bias
+    # and running stats stay fp32. Also when the network itself is the BatchNorm.
+    for net, bn in ((lambda m: (nn.Sequential(m), m))(BNWithProj()), (lambda m: (m, m))(BNWithProj())):
+        convert_network(net, torch.half)
+        assert {n: t.dtype for n, t in bn.named_parameters(recurse=False)} == \
+            {"weight": torch.float32, "bias": torch.float32}
+        assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
+        assert bn.proj.weight.dtype == bn.proj.bias.dtype == torch.float16
+    model = FP16Model(nn.Sequential(nn.Linear(4, 4), BNWithProj()))
+    assert model.network[1].weight.dtype == torch.float32 and model.network[1].proj.weight.dtype == torch.float16
+    assert model(torch.randn(3, 4)).dtype == torch.float16
+
+
+def test_convert_network_casts_a_tensor_a_batchnorm_shares_with_another_module():
+    # apex converts every module but the affine BatchNorms, so a tied tensor is cast through the
+    # other module that holds it.
+    net = nn.ModuleDict({"bn": nn.BatchNorm1d(4), "lin": nn.Linear(4, 4)})
+    net["lin"].bias = net["bn"].weight  # named_parameters lists it once, as "bn.weight"
+    convert_network(net, torch.half)
+    assert net["bn"].weight is net["lin"].bias and net["bn"].weight.dtype == torch.float16
+    assert net["bn"].bias.dtype == torch.float32
 
 def test_network_to_half_and_bn_convert_float():
     net = network_to_half(DummyNet())

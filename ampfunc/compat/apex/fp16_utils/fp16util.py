@@ -1,7 +1,8 @@
 """apex's manual master-parameter helpers and fp16 model conversion (``apex.fp16_utils.fp16util``).
 
-Model conversion keeps affine BatchNorm modules in fp32 (apex's rule) and is built on
-:func:`ampfunc.cast_params`: the kept modules are passed as ``keep=`` paths. Master-param
+Model conversion keeps the own params and buffers of affine BatchNorm modules in fp32 (apex's
+rule: modules inside such a BatchNorm are cast) and is built on :func:`ampfunc.cast_params`:
+the kept tensors are passed as ``keep=``. Master-param
 copies use ``torch._foreach_copy_`` (one launch per dtype group rather than one per tensor).
 Unlike apex, everything here works on CPU tensors too.
 """
@@ -64,20 +65,43 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Casts ``network`` to ``dtype`` in place, except affine BatchNorm modules (apex's rule); returns it.
+    """Casts ``network`` to ``dtype`` in place, except affine BatchNorm modules' own params and buffers (apex's rule); returns it.
 
-    The casts are computed by :func:`ampfunc.cast_params` over the network's params and
-    buffers with the affine BatchNorm modules as ``keep`` paths, then written back into the
-    module (grads of cast params are cast too). RNN weights are re-flattened afterwards.
+    As apex, only the affine BatchNorm module's own tensors stay as they are: modules inside it
+    (a BatchNorm subclass holding a projection, say) are cast like any other, and so is a tensor
+    a BatchNorm shares with another module. The casts are computed by :func:`ampfunc.cast_params`
+    over the network's params and buffers with the kept tensors as ``keep``, then written back
+    into the module (grads of cast params are cast too). RNN weights are re-flattened afterwards.
+
+    Args:
+      network: the module to convert, in place.
+      dtype: the floating dtype to cast to (``torch.half`` for :class:`FP16Model`).
+
+    Returns:
+      ``network``.
+
+    Example:
+      >>> net = convert_network(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), torch.half)
+      >>> net[0].weight.dtype, net[1].weight.dtype
+      (torch.float16, torch.float32)
+
+    Cost: one cast per tensor whose dtype changes; no host sync.
     """
-    kept = [name for name, m in network.named_modules() if isinstance(m, _BatchNorm) and m.affine is True]
-    if "" in kept:  # the network itself is an affine BatchNorm
-        return network
+    # apex: for each module of network.modules(), skip it if it is an affine BatchNorm, else
+    # convert its own (non-recursive) tensors. So a tensor stays only if every module holding it
+    # directly is an affine BatchNorm.
+    bn_own, other_own = set(), set()
+    for m in network.modules():
+        own = {id(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+        (bn_own if isinstance(m, _BatchNorm) and m.affine is True else other_own).update(own)
+    kept_ids = bn_own - other_own
     tensors = {**{"p." + k: v for k, v in params_of(network).items()},
                **{"b." + k: v for k, v in buffers_of(network).items()}}
-    cast = cast_params(tensors, dtype, keep=["p." + k for k in kept] + ["b." + k for k in kept])
     params = dict(network.named_parameters())
     buffers = dict(network.named_buffers())
+    kept = {"p." + k for k, t in params.items() if id(t) in kept_ids} | \
+        {"b." + k for k, t in buffers.items() if id(t) in kept_ids}
+    cast = cast_params(tensors, dtype, keep=lambda path, leaf: path in kept)
     for key, value in cast.items():
         kind, name = key[:1], key[2:]
         target = params[name] if kind == "p" else buffers[name]
