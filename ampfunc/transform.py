@@ -305,16 +305,51 @@ def _mask_tree(tree: PyTree, mask_leaves: list[bool]) -> PyTree:
     return tree_unflatten(spec, [x if m else None for x, m in zip(leaves, mask_leaves)])
 
 
+def _parting(prefix: PyTree, tree: PyTree, what: str, path: str = "") -> Optional[str]:
+    """Where ``prefix`` stops being a prefix of ``tree``: a sentence naming the path, or None."""
+    if optree.tree_is_leaf(prefix, namespace=NAMESPACE):
+        return None  # a leaf stands for the whole subtree below it
+    at = repr(path) if path else "the root"
+    if optree.tree_is_leaf(tree, namespace=NAMESPACE):
+        return f"at {at} {what} has a {type(prefix).__name__} where params have a leaf"
+    kids, _, entries, _ = optree.tree_flatten_one_level(prefix, namespace=NAMESPACE)
+    tkids, _, tentries, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
+    if type(prefix) is not type(tree) or tuple(entries) != tuple(tentries):
+        if isinstance(prefix, Mapping) and isinstance(tree, Mapping):
+            only_p = sorted(map(str, set(entries) - set(tentries)))
+            only_t = sorted(map(str, set(tentries) - set(entries)))
+            parts = ([f"has keys {only_p} that params lack"] if only_p else []) + (
+                [f"lacks keys {only_t} that params have"] if only_t else [])
+            return f"at {at} {what} " + " and ".join(parts)
+        return (f"at {at} {what} is a {type(prefix).__name__} of {len(kids)} where params are a "
+                f"{type(tree).__name__} of {len(tkids)}")
+    for entry, p, t in zip(entries, kids, tkids):
+        name = str(getattr(entry, "entry", entry))
+        found = _parting(p, t, what, f"{path}.{name}" if path else name)
+        if found:
+            return found
+    return None
+
+
+def _per_leaf(prefix: PyTree, params: PyTree, what: str, where: str) -> list[tuple[str, Any]]:
+    """``(path, value)`` per leaf of ``params``: ``prefix`` has ``params``' structure, or is a
+    prefix of it (a leaf standing for the whole subtree below it, as optax allows); else a
+    ``ValueError`` naming the path where the two part."""
+    if optree.tree_structure(prefix, namespace=NAMESPACE) != optree.tree_structure(params, namespace=NAMESPACE):
+        parting = _parting(prefix, params, what)
+        if parting is not None:
+            raise ValueError(f"{where}: {what} and params have different tree structures, and {what} is not a "
+                             f"prefix of params (a leaf standing for a whole subtree) either: {parting}")
+        try:
+            prefix = optree.tree_broadcast_prefix(prefix, params, namespace=NAMESPACE)
+        except ValueError as e:  # a node type optree tells apart and the walk above does not
+            raise ValueError(f"{where}: {what} is not params' structure nor a prefix of it: {e}") from None
+    return leaves_with_paths(prefix)
+
+
 def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
-    try:
-        check_same_structure(mask, params, "mask", "params")
-    except ValueError as e:
-        try:  # optax: a mask may be a prefix of the tree, a bool standing for a whole subtree
-            mask = optree.tree_broadcast_prefix(mask, params, namespace=NAMESPACE)
-        except ValueError:
-            raise ValueError(f"{where}: {e}") from None
     out = []
-    for path, m in leaves_with_paths(mask):
+    for path, m in _per_leaf(mask, params, "mask", where):
         if not isinstance(m, bool):
             if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # numpy's bool_
                 m = bool(m)
@@ -382,9 +417,10 @@ def partition(transforms: Mapping[str, GradientTransformation],
     Args:
       transforms: a mapping label -> ``GradientTransformation``.
       labels: a pytree of strings (keys of ``transforms``) with the structure of the params,
-        or a function of the params returning one (called at every ``init`` and ``update``;
-        with ``params=None``, on the updates). An unknown label raises ``ValueError`` naming
-        the leaf.
+        or a prefix of it (a label for a whole subtree, as optax allows), or a function of the
+        params returning one (called at every ``init`` and ``update``; with ``params=None``, on
+        the updates). An unknown label, or labels that do not fit the params, raise
+        ``ValueError`` naming the path.
 
     Returns:
       A ``GradientTransformation`` whose state is a dict label -> that transform's state. It
@@ -407,13 +443,8 @@ def partition(transforms: Mapping[str, GradientTransformation],
         refuse_outermost_only(t, f"partition: transform {label!r}")
 
     def _labels(tree, where):
-        lab = _resolve(labels, tree)
-        try:
-            check_same_structure(lab, tree, "labels", "params")
-        except ValueError as e:
-            raise ValueError(f"partition: {e}") from None
         out = []
-        for path, l in leaves_with_paths(lab):
+        for path, l in _per_leaf(_resolve(labels, tree), tree, "labels", "partition"):
             if l not in transforms:
                 raise ValueError(f"partition: leaf {path!r} has label {l!r}, not one of {sorted(transforms)}")
             out.append(l)

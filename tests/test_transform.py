@@ -125,3 +125,28 @@ def test_masked_takes_a_prefix_mask_as_optax_does():
     assert updates["dec"]["w"].tolist() == [-0.5, -0.5] and updates["enc"]["w"].tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="masked: mask and params have different tree structures"):
         af.masked(af.sgd(0.5), {"enc": False}).init(params)  # not a prefix: the keys differ
+
+
+def test_partition_takes_prefix_labels_as_optax_multi_transform_does():
+    # optax.multi_transform: param_labels "the same shape or a prefix" of the params, or a
+    # function returning one.
+    params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}, "head": {"w": torch.ones(2)}}
+    grads = af.tree_map(torch.ones_like, params)
+    for labels in ({"enc": "fast", "head": "slow"}, lambda p: {"enc": "fast", "head": "slow"}):
+        tx = af.partition({"fast": af.sgd(1.0), "slow": af.sgd(0.25)}, labels)  # a label per subtree
+        updates, _ = tx.update(grads, tx.init(params), params)
+        assert updates["enc"]["w"].tolist() == updates["enc"]["b"].tolist() == [-1.0, -1.0]
+        assert updates["head"]["w"].tolist() == [-0.25, -0.25]
+
+
+def test_partition_labels_that_do_not_fit_name_the_path():
+    params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}, "head": {"w": torch.ones(2)}}
+    tx = {"a": af.sgd(1.0)}
+    with pytest.raises(ValueError, match=r"partition: .*at 'enc' labels lacks keys \['b'\]"):
+        af.partition(tx, {"enc": {"w": "a"}, "head": "a"}).init(params)
+    with pytest.raises(ValueError, match=r"partition: .*at the root labels lacks keys \['head'\]"):
+        af.partition(tx, {"enc": "a"}).init(params)
+    with pytest.raises(ValueError, match=r"partition: .*at 'head\.w' labels has a dict where params have a leaf"):
+        af.partition(tx, {"enc": "a", "head": {"w": {"x": "a"}}}).init(params)
+    with pytest.raises(ValueError, match=r"'head\.w' has label 'b'"):
+        af.partition(tx, {"enc": "a", "head": "b"}).init(params)
