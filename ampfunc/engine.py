@@ -182,16 +182,6 @@ def validate_step(where: str, named: list, *, shapes: bool = True, param_shapes:
     return p_shapes
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """``(first byte, one past the last byte)`` of the memory ``t`` can address."""
-    size = t.element_size()
-    start = t.untyped_storage().data_ptr() + t.storage_offset() * size
-    if t.is_contiguous():
-        return start, start + t.numel() * size
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * size
-
-
 def check_no_overlap(where: str, named: list) -> None:
     """Refuses written tensors that share memory, before anything is written.
 
@@ -202,7 +192,7 @@ def check_no_overlap(where: str, named: list) -> None:
     mode (torch refuses to update one in place, after the leaves before it were written). Cost: a few attribute reads per leaf and one
     sort; the engine runs it once per set of tensors (cached by identity), not per step.
     """
-    spans = []
+    written = []
     inference_ok = torch.is_inference_mode_enabled()
     for name, tree, leaves in named:
         for i, t in enumerate(leaves):
@@ -217,14 +207,14 @@ def check_no_overlap(where: str, named: list) -> None:
                 raise ValueError(f"{where}: {name} leaf {_path(tree, i)!r} overlaps itself (an expand()ed or "
                                  "stride-0 view); an in-place step would write its memory more than once -- "
                                  "pass a contiguous copy (.contiguous() / .clone())")
-            start, end = _extent(t)
-            spans.append((start, end, name, tree, i))
-    spans.sort(key=operator.itemgetter(0))
-    for a, b in zip(spans, spans[1:]):
-        if b[0] < a[1]:
-            what = "are the same tensor" if (a[0], a[1]) == (b[0], b[1]) else "share memory (overlapping views)"
-            raise ValueError(f"{where}: {a[2]} leaf {_path(a[3], a[4])!r} and {b[2]} leaf {_path(b[3], b[4])!r} "
-                             f"{what}; an in-place step would update that memory twice -- pass separate tensors")
+            written.append((name, tree, i, t))
+    pair = ops.overlapping_pair([t for *_, t in written])
+    if pair is not None:
+        (a_name, a_tree, a_i, a), (b_name, b_tree, b_i, b) = written[pair[0]], written[pair[1]]
+        same = a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        what = "are the same tensor" if same else "share memory (overlapping views)"
+        raise ValueError(f"{where}: {a_name} leaf {_path(a_tree, a_i)!r} and {b_name} leaf {_path(b_tree, b_i)!r} "
+                         f"{what}; an in-place step would update that memory twice -- pass separate tensors")
 
 
 _KERNEL_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")

@@ -60,6 +60,7 @@ __all__ = [
     "requires_grad_changed",
     "sqrt_rounded",
     "fma_rounded",
+    "overlapping_pair",
 ]
 
 
@@ -349,10 +350,78 @@ def _self_overlaps(t: torch.Tensor) -> bool:
     return False
 
 
-def _span(t: torch.Tensor, order: int, name: str, i: int):
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, end)`` a non-empty strided tensor's elements lie in (strides >= 0)."""
+    last = t.numel() - 1 if t.is_contiguous() else sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     lo = t.data_ptr()
-    return (lo, order, i, lo + (last + 1) * t.element_size(), name)
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def _element_addresses(t: torch.Tensor, lo: int, unit: int) -> torch.Tensor:
+    """The addresses of ``t``'s elements in units of ``unit`` bytes (every byte of each element
+    when ``unit`` is 1 and the elements are wider), as a 1-d int64 CPU tensor."""
+    off = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    size = t.element_size()
+    addr = lo + off.flatten() * size
+    if unit == size:
+        return addr // unit
+    return (addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64)).flatten()
+
+
+def _shared_in(group: list) -> tuple[int, int] | None:
+    """The first two members of ``group`` (``(lo, hi, index, tensor)`` items whose spans chain
+    into one run of memory) that share a byte, element by element, or None."""
+    size = group[0][3].element_size()
+    unit = size if all(t.element_size() == size and lo % size == group[0][0] % size for lo, _, _, t in group) else 1
+    addrs = torch.cat([_element_addresses(t, lo, unit) for lo, _, _, t in group])
+    owners = torch.cat([torch.full((t.numel() * (t.element_size() // unit),), k, dtype=torch.int64)
+                        for k, (_, _, _, t) in enumerate(group)])
+    addrs, order = addrs.sort(stable=True)
+    same = (addrs[1:] == addrs[:-1]).nonzero()
+    if same.numel() == 0:
+        return None
+    j = int(same[0, 0])
+    a, b = group[int(owners[order[j]])][2], group[int(owners[order[j + 1]])][2]
+    return (a, b) if a < b else (b, a)
+
+
+def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The indices ``(i, j)``, ``i < j``, of two tensors of ``tensors`` that share memory, or None.
+
+    Exact for strided tensors: the columns of one matrix, or its even and odd elements, share
+    no element and are not reported (as torch allows them), while two views of one column are.
+    Empty tensors share nothing; a tensor overlapping itself is not looked for here.
+
+    Args:
+      tensors: strided tensors, any devices (only addresses are compared, never values).
+
+    Returns:
+      The first pair found (by address), or None when every element lies in memory of its own.
+
+    Cost: a sort of the tensors' byte spans; where spans intersect and a tensor among them is
+    not contiguous, one sort of those tensors' element addresses (host memory, 8 bytes per
+    element). No host sync.
+    """
+    spans = sorted(((*_extent(t), i, t) for i, t in enumerate(tensors) if t.numel() > 0), key=lambda s: (s[0], s[2]))
+    group, hi = [], 0
+    for span in spans + [None]:
+        if span is not None and group and span[0] < hi:
+            group.append(span)
+            hi = max(hi, span[1])
+            continue
+        if len(group) > 1:
+            if all(t.is_contiguous() for *_, t in group):
+                # contiguous spans that intersect share bytes: the first two are a pair
+                a, b = group[0][2], group[1][2]
+                return (a, b) if a < b else (b, a)
+            found = _shared_in(group)
+            if found is not None:
+                return found
+        if span is not None:
+            group, hi = [span], span[1]
+    return None
 
 
 def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
@@ -379,18 +448,13 @@ def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
                                  f"view); an in-place op needs distinct elements: clone it ({op})")
     if dev.type == "meta" or (not written_scalars and not any(w for *_, w in lists)):
         return
-    spans = [_span(t, k, name, i) for k, (name, ts, _, w) in enumerate(lists) if w for i, t in enumerate(ts)
-             if t.numel() > 0]
-    spans += [_span(t, len(lists) + k, name, -1) for k, (name, t) in enumerate(written_scalars) if t.numel() > 0]
-    spans.sort(key=lambda x: x[:3])
-    far = 0
-    for k in range(1, len(spans)):
-        if spans[k][0] < spans[far][3]:
-            a, b = sorted((spans[far], spans[k]), key=lambda x: (x[1], x[2]))
-            raise ValueError(f"ampfunc: {_item(a[4], a[2])} and {_item(b[4], b[2])} overlap in memory; the tensors "
-                             f"an in-place op writes must be distinct ({op})")
-        if spans[k][3] > spans[far][3]:
-            far = k
+    written = [(name, i, t) for name, ts, _, w in lists if w for i, t in enumerate(ts)]
+    written += [(name, -1, t) for name, t in written_scalars]
+    pair = overlapping_pair([t for *_, t in written])
+    if pair is not None:
+        (a_name, a_i, _), (b_name, b_i, _) = written[pair[0]], written[pair[1]]
+        raise ValueError(f"ampfunc: {_item(a_name, a_i)} and {_item(b_name, b_i)} overlap in memory; the tensors "
+                         f"an in-place op writes must be distinct ({op})")
 
 
 def _check_scalar(op, what, t, dtype, dev) -> None:

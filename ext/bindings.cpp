@@ -161,18 +161,21 @@ struct Span {
   int order;         // position of the list in the call (ties broken by it, then by index)
   const char* name;
   int64_t idx;       // -1 for a 0-d argument (named without an index)
+  const Tensor* t;   // the tensor: a strided one is compared element by element (see shared_in)
+  bool contiguous;
 };
 
 void add_span(std::vector<Span>& spans, const Tensor& t, int order, const char* name, int64_t idx) {
   const int64_t numel = t.numel();
   if (numel == 0) return;
   int64_t last = numel - 1;  // offset of the last element, in elements (torch strides are >= 0)
-  if (!t.is_contiguous()) {
+  const bool contiguous = t.is_contiguous();
+  if (!contiguous) {
     last = 0;
     for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   }
   const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), order, name, idx});
+  spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), order, name, idx, &t, contiguous});
 }
 
 // The same from a list's descriptor when the tensor is contiguous (no read of the tensor itself).
@@ -182,7 +185,44 @@ void add_span(std::vector<Span>& spans, const Tensors& ts, size_t i, int order, 
   if (d.numel == 0) return;
   const uintptr_t lo = reinterpret_cast<uintptr_t>(d.data);
   spans.push_back({lo, lo + static_cast<uintptr_t>(d.numel * static_cast<int64_t>(c10::elementSize(d.dtype))), order,
-                   name, static_cast<int64_t>(i)});
+                   name, static_cast<int64_t>(i), &ts[i], true});
+}
+
+// The addresses of a strided tensor's elements (from byte `lo`) in units of `unit` bytes, or of
+// every byte of each element when `unit` is 1 and the elements are wider: 1-d int64, host memory.
+Tensor element_addresses(const Tensor& t, uintptr_t lo, int64_t unit) {
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  Tensor off = at::zeros({}, opts);
+  for (int64_t d = 0; d < t.dim(); ++d) off = off.unsqueeze(-1) + at::arange(t.size(d), opts) * t.stride(d);
+  const int64_t size = t.element_size();
+  Tensor addr = off.flatten() * size + static_cast<int64_t>(lo);
+  if (unit == size) return addr.div(unit, "floor");
+  return (addr.unsqueeze(-1) + at::arange(size, opts)).flatten();
+}
+
+// Of spans [begin, end) that chain into one run of memory, with a strided tensor among them:
+// the first two that share a byte, element by element (the columns of one matrix share none,
+// as torch allows), or nullptr/nullptr.
+std::pair<const Span*, const Span*> shared_in(const Span* begin, const Span* end) {
+  const int64_t size = begin->t->element_size();
+  int64_t unit = size;
+  for (const Span* s = begin; s != end; ++s) {
+    if (s->t->element_size() != size || s->lo % size != begin->lo % size) unit = 1;
+  }
+  std::vector<Tensor> addrs, owners;
+  for (const Span* s = begin; s != end; ++s) {
+    addrs.push_back(element_addresses(*s->t, s->lo, unit));
+    owners.push_back(at::full({addrs.back().numel()}, static_cast<int64_t>(s - begin), at::kLong));
+  }
+  auto [sorted, order] = at::cat(addrs).sort(/*stable=*/true, 0, false);
+  const Tensor owner = at::cat(owners).index_select(0, order);
+  const int64_t n = sorted.numel();
+  const int64_t* a = sorted.data_ptr<int64_t>();
+  const int64_t* o = owner.data_ptr<int64_t>();
+  for (int64_t j = 0; j + 1 < n; ++j) {
+    if (a[j] == a[j + 1]) return {begin + o[j], begin + o[j + 1]};
+  }
+  return {nullptr, nullptr};
 }
 
 inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
@@ -201,13 +241,19 @@ struct DisjointCache {
 };
 thread_local DisjointCache last_disjoint;
 
-// Raises when two written tensors share memory: the spans sorted by start; each must begin at
-// or after the furthest end seen so far.
+// Raises when two written tensors share memory: the spans sorted by start. Spans that do not
+// intersect are disjoint; intersecting contiguous spans share bytes; where a strided tensor is
+// among intersecting spans, their element addresses decide (shared_in).
 void check_disjoint(const char* op, std::vector<Span>& spans) {
   if (spans.size() < 2) return;
   uint64_t sum = 0, xr = 0;
   for (const Span& s : spans) {
-    const uint64_t a = mix64(s.lo ^ mix64(s.hi)), b = mix64(a ^ 0x5851f42d4c957f2dULL);
+    uint64_t h = mix64(s.hi);
+    if (!s.contiguous) {  // a strided tensor is judged by its elements: its layout is part of the set
+      for (int64_t d = 0; d < s.t->dim(); ++d) h = mix64(h ^ mix64(s.t->size(d)) ^ (mix64(s.t->stride(d)) << 1));
+      h = mix64(h ^ static_cast<uint64_t>(s.t->element_size()));
+    }
+    const uint64_t a = mix64(s.lo ^ h), b = mix64(a ^ 0x5851f42d4c957f2dULL);
     sum += a;
     xr ^= b;
   }
@@ -216,16 +262,32 @@ void check_disjoint(const char* op, std::vector<Span>& spans) {
     return a.lo != b.lo ? a.lo < b.lo : (a.order != b.order ? a.order < b.order : a.idx < b.idx);
   };
   if (!std::is_sorted(spans.begin(), spans.end(), less)) std::sort(spans.begin(), spans.end(), less);
-  size_t far = 0;
-  for (size_t k = 1; k < spans.size(); ++k) {
-    if (spans[k].lo < spans[far].hi) {
-      const Span* a = &spans[far];
-      const Span* b = &spans[k];
-      if (b->order < a->order || (b->order == a->order && b->idx < a->idx)) std::swap(a, b);
-      TORCH_CHECK_VALUE(false, "ampfunc: ", item_name(a->name, a->idx), " and ", item_name(b->name, b->idx),
-                        " overlap in memory; the tensors an in-place op writes must be distinct (", op, ")");
+  auto refuse = [op](const Span* a, const Span* b) {
+    if (b->order < a->order || (b->order == a->order && b->idx < a->idx)) std::swap(a, b);
+    TORCH_CHECK_VALUE(false, "ampfunc: ", item_name(a->name, a->idx), " and ", item_name(b->name, b->idx),
+                      " overlap in memory; the tensors an in-place op writes must be distinct (", op, ")");
+  };
+  // Runs of spans that chain (each starts before the furthest end so far): within a run of
+  // contiguous tensors the first two share bytes; with a strided one among them, elements decide.
+  size_t start = 0;
+  uintptr_t hi = spans[0].hi;
+  bool strided = !spans[0].contiguous;
+  for (size_t k = 1; k <= spans.size(); ++k) {
+    if (k < spans.size() && spans[k].lo < hi) {
+      hi = std::max(hi, spans[k].hi);
+      strided = strided || !spans[k].contiguous;
+      continue;
     }
-    if (spans[k].hi > spans[far].hi) far = k;
+    if (k - start > 1) {
+      if (!strided) refuse(&spans[start], &spans[start + 1]);
+      auto [a, b] = shared_in(spans.data() + start, spans.data() + k);
+      if (a != nullptr) refuse(a, b);
+    }
+    if (k < spans.size()) {
+      start = k;
+      hi = spans[k].hi;
+      strided = !spans[k].contiguous;
+    }
   }
   last_disjoint = {spans.size(), sum, xr};
 }

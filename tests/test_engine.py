@@ -180,6 +180,26 @@ def test_in_place_step_refuses_the_same_tensor_twice_naming_both_leaves(generic)
         tx.step_(params, {k: torch.ones_like(v) for k, v in params.items()}, state)
 
 
+@pytest.mark.parametrize("generic", [False, True])
+def test_in_place_step_takes_params_that_are_columns_of_one_matrix(generic):
+    # their byte spans interleave, their elements do not: torch.optim steps them, so do we
+    inner = unregistered(af.adamw(1e-3)) if generic else af.adamw(1e-3)
+    tx = af.mixed_precision(inner, af.NoOpLossScale())
+    qk = torch.randn(5, 2)
+    params = {"q": qk[:, 0], "k": qk[:, 1]}
+    grads = {"q": torch.ones(5), "k": -torch.ones(5)}
+    want, _ = tx.step(clone_tree(params), grads, tx.init(clone_tree(params)))
+    params, _ = tx.step_(params, grads, tx.init(clone_tree(params)))
+    assert torch.equal(qk[:, 0], want["q"]) and torch.equal(qk[:, 1], want["k"])
+    # two views of one column are still refused
+    params = {"q": qk[:, 0], "q_again": qk.t()[0]}
+    state = tx.init(clone_tree(params))
+    snap = _snapshot(params, state)
+    with pytest.raises(ValueError, match=r"'q'.*'q_again'"):
+        tx.step_(params, {k: torch.ones(5) for k in params}, state)
+    assert _unchanged(snap, params, state)
+
+
 def test_in_place_step_refuses_an_expanded_param_before_writing_anything():
     tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale())
     params = {"a": torch.randn(3), "e": torch.randn(1).expand(4)}

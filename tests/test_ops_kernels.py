@@ -832,6 +832,15 @@ def _bad_adam_cases():
     cases["unscale_alias"] = ("unscale_", dict(tensors=[p[0], p[0]], inv_scale=torch.tensor(0.5)), ValueError,
                               r"^ampfunc: tensors\[0\] and tensors\[1\] overlap in memory; .* \(unscale_\)$")
     p, g, m, v = _fresh()
+    cols = torch.zeros(6, 2)
+    cases["column_twice"] = ("unscale_", dict(tensors=[cols[:, 0], cols[:, 1], cols.t()[0]], inv_scale=torch.tensor(0.5)),
+                             ValueError, r"^ampfunc: tensors\[0\] and tensors\[2\] overlap in memory; .* \(unscale_\)$")
+    p, g, m, v = _fresh()
+    halves = torch.zeros(8)
+    cases["strided_bytes"] = ("unscale_", dict(tensors=[halves[1::2], halves.view(torch.float16)[2::4]],
+                                               inv_scale=torch.tensor(0.5)), ValueError,
+                              r"^ampfunc: tensors\[0\] and tensors\[1\] overlap in memory; .* \(unscale_\)$")
+    p, g, m, v = _fresh()
     cases["update_shape"] = ("adam_update", dict(
         params=p, grads=g, exp_avgs=m, exp_avg_sqs=[v[0], torch.zeros(6)], max_exp_avg_sqs=[], step=torch.zeros(()),
         grad_scale=torch.ones(()), lr=0.1, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
@@ -858,6 +867,37 @@ def test_bad_calls_raise_the_same_error_on_both_backends_and_write_nothing(case)
         assert all(_same_bits(a, b) for a, b in zip(tensors, snap)), "a refused call wrote something"
     assert len(set(messages)) == 1, messages
     assert ops.error_items(messages[0]) or case == "count"
+
+
+def test_interleaved_views_that_share_no_element_are_written_on_both_backends():
+    # torch's in-place ops take the columns of one matrix (and even/odd elements) as separate
+    # tensors: their byte spans intersect, their elements do not.
+    for backend in BACKENDS:
+        cols = torch.arange(1.0, 13.0).view(6, 2)
+        evens_odds = torch.arange(1.0, 9.0)
+        finite = _unscale_(backend, [cols[:, 0], cols[:, 1], evens_odds[0::2], evens_odds[1::2]], torch.tensor(0.5))
+        assert bool(finite)
+        assert torch.equal(cols, torch.arange(1.0, 13.0).view(6, 2) * 0.5), backend
+        assert torch.equal(evens_odds, torch.arange(1.0, 9.0) * 0.5), backend
+        p = torch.ones(4, 2)
+        m, v = torch.zeros(4, 2), torch.zeros(4, 2)
+        args = _adam_inplace_args([p[:, 0], p[:, 1]], [torch.ones(4), torch.ones(4)], [m[:, 0], m[:, 1]],
+                                  [v[:, 0], v[:, 1]])
+        fn = torch.ops.ampfunc.adam_step_ if backend == "compiled" else ops._REFERENCE["adam_step_"]
+        fn(*args.values())
+        assert torch.all(p < 1) and torch.all(m != 0) and torch.all(v != 0), backend
+
+
+def test_overlapping_pair_compares_elements_where_spans_interleave():
+    x = torch.zeros(8)
+    cols = torch.zeros(6, 2)
+    assert ops.overlapping_pair([cols[:, 0], cols[:, 1]]) is None
+    assert ops.overlapping_pair([x[0::2], x[1::2], x[3:4]]) == (1, 2)
+    assert ops.overlapping_pair([x[0::2], x[1:2]]) is None  # a contiguous tensor in the gaps
+    assert ops.overlapping_pair([x[:4], x[4:], torch.zeros(0)]) is None
+    assert ops.overlapping_pair([x[2:6], x[:3]]) == (0, 1)
+    assert ops.overlapping_pair([x.view(torch.float16)[1::4], x[0::2]]) == (0, 1)  # bytes 2-3 of x[0]
+    assert ops.overlapping_pair([x.view(torch.float16)[2::4], x[0::2]]) is None
 
 
 def test_error_items_parses_the_list_names_and_indices():
