@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from ampfunc import ops
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_unflatten
 
 __all__ = ["FlatTree", "flatten", "unflatten", "zeros_packed", "copy_packed", "unpacked"]
@@ -170,12 +171,25 @@ def flatten(tree: PyTree) -> FlatTree:
       >>> flat.buffers[0].shape, flat.tree["weight"].shape
       (torch.Size([10]), torch.Size([2, 4]))
 
+    Raises:
+      ValueError: two float leaves share memory (a tied weight listed twice, overlapping
+        views): each would get its own copy, untying them.
+
     Cost: one allocation per (device, dtype) and one copy of every float leaf; no host sync.
     """
     leaves, spec = tree_flatten(tree)
     paths = [p for p, _ in leaves_with_paths(tree)]
     if len(paths) != len(leaves):  # leaves_with_paths skips nothing the flatten keeps; be safe
         paths = [str(i) for i in range(len(leaves))]
+    floats = [(path, leaf) for path, leaf in zip(paths, leaves)
+              if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    pair = ops.overlapping_pair([leaf for _, leaf in floats])
+    if pair is not None:
+        # each leaf gets its own slot: writing one would no longer move the other (untied)
+        (a, _), (b, _) = floats[pair[0]], floats[pair[1]]
+        raise ValueError(f"flatten: leaves {a!r} and {b!r} share memory (a tied weight, or overlapping views); "
+                         "flattened, they would be copied apart and trained apart: pass each tensor once "
+                         "(af.params_of(model) lists a tied weight once)")
     keys: list = []
     sizes: list = []
     slots: list = []

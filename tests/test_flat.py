@@ -43,6 +43,18 @@ def test_flatten_copies_so_the_original_tree_is_left_alone():
     assert torch.equal(tree["enc"]["w"], w)
 
 
+def test_flatten_refuses_a_tensor_listed_twice_rather_than_untie_it():
+    w = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"'emb\.weight' and 'head\.weight' share memory"):
+        af.flatten({"emb.weight": w, "head.weight": w})
+    with pytest.raises(ValueError, match=r"'a' and 'b' share memory"):
+        af.flatten({"a": w, "b": w.t()})
+    # views that share no element are distinct leaves
+    cols = torch.randn(5, 2)
+    flat = af.flatten({"q": cols[:, 0], "k": cols[:, 1]})
+    assert torch.equal(flat.tree["q"], cols[:, 0]) and torch.equal(flat.tree["k"], cols[:, 1])
+
+
 def test_unflatten_over_other_buffers_and_flatten_like_round_trip():
     tree = _tree()
     flat = flatten(tree)
