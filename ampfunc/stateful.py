@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ampfunc import ops
-from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap
+from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap, skip_stats
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
@@ -41,7 +41,8 @@ __all__ = ["TrainerState", "ModuleTrainer"]
 class TrainerState(NamedTuple):
     """The state of a :class:`ModuleTrainer` (``trainer.state``), as one pytree of tensors.
 
-    ``torch.save``-able; assign a loaded one to ``trainer.state`` (its structure is checked).
+    ``torch.save``-able; assign a loaded one to ``trainer.state`` (its structure is checked; one
+    built with only the first three fields gets a fresh ``finite``/``skipped``).
     With ``flat=True`` the trees are keyed per buffer (``"float32@cpu"``), not per parameter.
 
     Attributes:
@@ -249,6 +250,12 @@ class ModuleTrainer:
     def state(self, new: TrainerState) -> None:
         if not isinstance(new, TrainerState):
             raise TypeError(f"ModuleTrainer.state must be a TrainerState, got {type(new).__name__}")
+        if new.finite is None or new.skipped is None:
+            # A state built with the three fields of old (or saved before finite/skipped
+            # existed): they start as a fresh trainer's do, on the current state's device.
+            finite, skipped = skip_stats(self._state.finite.device)
+            new = new._replace(finite=finite if new.finite is None else new.finite,
+                               skipped=skipped if new.skipped is None else new.skipped)
         check_same_structure(new, self._state, "new state", "current state")
         # Every tensor as the current one is (a state from another model would only fail at the
         # next step, after replacing the good one); on another device it is moved, as
