@@ -228,8 +228,10 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
            min_scale: float = 1.0) -> list[str]:
     """Human-readable warnings about a run; an empty list when nothing looks wrong.
 
-    Warns when the last loss scale is below ``min_scale`` (the scale has collapsed: the
-    gradients overflow even unscaled), when more than ``max_skip_rate`` of the steps were
+    Warns when the loss scale has collapsed (the gradients overflow even unscaled): the last
+    scale is below ``min_scale``, or at it while the last step was skipped (a
+    :class:`DynamicLossScale` stops at its ``min_scale``, 1.0 by default, so its collapse is
+    the floor, not below it), when more than ``max_skip_rate`` of the steps were
     skipped, and when at least ``max_consecutive_skips`` steps in a row were skipped. No
     warning before the first step.
 
@@ -237,7 +239,8 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
       stats: :class:`StepStats`.
       max_skip_rate: the largest fraction of skipped steps that does not warn.
       max_consecutive_skips: the run of skipped steps that warns.
-      min_scale: the loss scale below which the scale counts as collapsed.
+      min_scale: the floor of the loss scale: below it, or at it with the last step
+        skipped, the scale counts as collapsed.
 
     Returns:
       A list of warning strings.
@@ -258,9 +261,11 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
     if s["steps"] == 0:
         return warnings
     scale = s["last_scale"]
-    if not math.isnan(scale) and scale < min_scale:
+    # At the floor with the last step skipped counts too: the dynamic scales stop at min_scale.
+    if not math.isnan(scale) and (scale < min_scale or (scale <= min_scale and s["consecutive_skips"] > 0)):
+        where = "below" if scale < min_scale else "at the floor"
         warnings.append(
-            f"loss scale collapsed to {scale:g} (below {min_scale:g}): gradients overflow even "
+            f"loss scale collapsed to {scale:g} ({where} {min_scale:g}): gradients overflow even "
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
             "overflowing layers; see nonfinite_leaves)"
         )

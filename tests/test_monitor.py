@@ -345,3 +345,24 @@ def test_the_readers_move_the_counters_as_exact_words():
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b)
+
+
+def test_health_warns_when_a_dynamic_scale_sits_at_its_floor_overflowing():
+    # DynamicLossScale stops at min_scale (1.0 by default, health's default too): a scale that
+    # collapsed sits at the floor, never below it. 30 straight overflows from 2**4.
+    ls, stats = af.DynamicLossScale(2.0**4), init_stats()
+    for _ in range(30):
+        ls = af.update_scale(ls, torch.tensor(False))
+        stats = record(stats, torch.tensor(False), ls)
+    assert float(ls.loss_scale) == 1.0
+    warnings = health(stats)
+    assert any(w.startswith("loss scale collapsed to 1 (at the floor 1)") for w in warnings), warnings
+
+
+def test_health_at_the_floor_is_quiet_while_steps_are_applied():
+    # an unscaled bf16/fp32 run (NoOpLossScale: 1.0) is not a collapse, nor a scale that
+    # reached the floor and then stepped fine
+    assert health(run([T] * 50, scales=[1.0] * 50)) == []
+    stats = record(init_stats(), torch.tensor(True), af.NoOpLossScale())
+    assert health(stats) == []
+    assert health(run([F] * 3 + [T] * 97, scales=[4.0, 2.0, 1.0] + [1.0] * 97)) == []
