@@ -653,3 +653,106 @@ def test_a_fused_optimizer_without_any_grad_steps_as_a_no_op_and_update_complain
     assert w.detach().tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
         scaler.update()
+
+
+# ---------------------------------------------------------------------------------------------
+# construction and settings: what torch takes, and ampfunc's range kept
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_scale_is_refused_outside_min_and_max_scale_at_construction_and_by_update():
+    with pytest.raises(ValueError,
+                       match=r"init_scale = 4096.0 lies outside \[min_scale, max_scale\] = \[0.0, 1024.0\]"):
+        GradScaler("cpu", init_scale=4096.0, max_scale=1024.0)
+    with pytest.raises(ValueError, match=r"init_scale = 2.0 lies outside \[min_scale, max_scale\] = \[16.0, inf\]"):
+        GradScaler("cpu", init_scale=2.0, min_scale=16.0)
+    scaler = GradScaler("cpu", init_scale=256.0, min_scale=16.0, max_scale=1024.0)
+    scaler.scale(torch.tensor(1.0))
+    for bad in (1.0, 4096.0, torch.tensor(8.0)):
+        with pytest.raises(ValueError, match=r"update: new_scale = .* lies outside \[min_scale, max_scale\]"):
+            scaler.update(bad)
+        assert scaler.get_scale() == 256.0
+    scaler.update(torch.tensor(16.0))  # the ends are inside
+    assert scaler.get_scale() == 16.0
+    scaler.load_state_dict(scaler.state_dict())  # a scaler's own checkpoint always loads back
+    # an overflow at the floor stays at the floor (from below it, the backoff would raise the scale)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.tensor([float("inf")])
+    scaler.step(torch.optim.SGD([p], lr=0.0))
+    scaler.update()
+    assert scaler.get_scale() == 16.0
+
+
+def test_device_must_be_a_device_naming_torch_cuda_amps_positional_order():
+    # torch.cuda.amp.GradScaler(1024.0, 4.0) meant init_scale, growth_factor; here the first
+    # argument is the device, as in torch.amp.GradScaler.
+    for bad in (1024.0, 65536, None):
+        with pytest.raises(TypeError, match=r"device must be .*got .*torch\.cuda\.amp\.GradScaler took "
+                                            r"\(init_scale, growth_factor"):
+            GradScaler(bad, 4.0)
+    with pytest.raises(TypeError, match="device must be"):
+        GradScaler("gpu")
+    assert GradScaler("cpu")._device == "cpu"
+    assert GradScaler(torch.device("cpu"))._device == "cpu"  # compared with tensor.device.type, as torch does
+    scaler = GradScaler(torch.device("cpu"), init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    scaler.update(torch.tensor(8.0))  # the device-type check of update(new_scale) holds
+    assert scaler.get_scale() == 8.0
+
+
+def test_a_disabled_scaler_takes_the_setters_like_torch():
+    for cls in (torch.amp.GradScaler, GradScaler):
+        scaler = cls("cpu", enabled=False)
+        scaler.set_growth_factor(3.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(100)
+        assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == \
+            (3.0, 0.25, 100)
+        assert scaler.state_dict() == {} and scaler.get_scale() == 1.0
+
+
+class _LegacyScalerAwareSGD(torch.optim.SGD):
+    """An optimizer of the legacy contract: ``step(grad_scaler=...)`` (apex FusedAdam capturable,
+    old torch fused optimizers); ``records`` decides whether it records its inf check."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, records, **kw):
+        super().__init__(params, **kw)
+        self.records = records
+
+    def step(self, closure=None, grad_scaler=None):
+        if self.records:
+            found_inf = sum(v.item() for v in grad_scaler._check_inf_per_device(self).values())
+            if found_inf:
+                return None
+            inv = 1.0 / grad_scaler._get_scale_async().item()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(inv)
+        return super().step()
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["records-its-check", "records-nothing"])
+def test_the_legacy_grad_scaler_kwarg_contract_matches_torch(records):
+    results = []
+    for scaler in _both(init_scale=4.0, growth_interval=1):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = _LegacyScalerAwareSGD([p], records, lr=0.1)
+        trace = []
+        for overflow in (False, True, False):
+            opt.zero_grad()
+            scaler.scale(p.sum()).backward()
+            if overflow:
+                p.grad[0] = float("inf")
+            with pytest.warns(FutureWarning, match="stop passing itself"):
+                scaler.step(opt)
+            trace.append((_error_of(scaler.update), scaler.get_scale(), p.detach().clone()))
+            if not records:  # torch's update() refuses and keeps the iteration's records
+                scaler._per_optimizer_states.clear()
+        results.append(trace)
+    ours, theirs = results
+    for (e_ours, s_ours, p_ours), (e_theirs, s_theirs, p_theirs) in zip(ours, theirs):
+        assert e_ours == e_theirs and s_ours == s_theirs and torch.equal(p_ours, p_theirs)
+    if not records:
+        assert ours[0][0] == (AssertionError, "No inf checks were recorded prior to update.")

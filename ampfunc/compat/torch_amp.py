@@ -37,7 +37,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicConfig, DynamicLossScale, _scale_tensor
+from ampfunc.loss_scale import DynamicConfig, DynamicLossScale, _scale_tensor, _valid_scale
 from ampfunc.mixed import scale_loss, update_scale
 from ampfunc.policy import Policy, get_policy
 
@@ -55,50 +55,88 @@ def _is_scalar_float(t: torch.Tensor) -> bool:
     return t.numel() == 1 and t.dim() == 0 and torch.is_floating_point(t)
 
 
+def _device_type(device) -> str:
+    """GradScaler's ``device`` as the device type string torch compares with ``tensor.device.type``."""
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str):
+        try:
+            return torch.device(device).type
+        except RuntimeError:
+            pass
+    # Typically torch.cuda.amp.GradScaler's positional order, GradScaler(1024.0, 2.0), after the
+    # import swap: torch.amp.GradScaler's first argument is the device.
+    raise TypeError(f"GradScaler: device must be a device type string such as 'cuda' or 'cpu', or a torch.device, "
+                    f"got {device!r} ({type(device).__name__}). torch.amp.GradScaler (and this class) take "
+                    "(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled); "
+                    "torch.cuda.amp.GradScaler took (init_scale, growth_factor, ...): write "
+                    "GradScaler('cuda', init_scale, ...) or pass the settings by keyword")
+
+
 class GradScaler:
     """``torch.amp.GradScaler`` with the same API, on ampfunc's pure loss-scale primitives.
 
-    Args (as torch): ``device`` (``"cuda"``, ``"cpu"``, ...; with ``"cuda"`` and no CUDA the
-    scaler warns and disables itself, as torch does), ``init_scale=2.**16``,
-    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled=True``.
+    Args (as torch): ``device`` (a device type string, ``"cuda"``, ``"cpu"``, ..., or a
+    ``torch.device``, whose type is kept; with ``"cuda"`` and no CUDA the scaler warns and
+    disables itself, as torch does), ``init_scale=2.**16``, ``growth_factor=2.0``,
+    ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled=True``. The first positional
+    argument is ``device``, as in ``torch.amp.GradScaler``; ``torch.cuda.amp.GradScaler``'s was
+    ``init_scale``, so ``GradScaler(1024.0)`` is refused naming the two orders.
 
     Keyword-only extras: ``min_scale=0.0`` (floor of the backoff; torch has none),
     ``max_scale=inf`` (cap of the growth), ``hysteresis=1`` (overflowing steps tolerated
     before backing off). With the defaults the scale sequence equals torch's exactly.
+    ``init_scale`` must lie in ``[min_scale, max_scale]``.
+
+    torch's private attributes are kept with torch's meaning, for frameworks and subclasses
+    that read or assign them: ``_scale``, ``_growth_tracker`` (tensors, ``None`` before the
+    first ``scale()``; assigning ``None`` resets lazily), ``_growth_factor``,
+    ``_backoff_factor``, ``_growth_interval``, ``_init_scale``, ``_enabled``, and the hook
+    ``_maybe_opt_step`` through which ``step`` decides a plain optimizer's step. Assignments
+    are checked like the public setters before anything changes.
 
     Costs: ``scale``/``unscale_``/``update`` never sync with the host. ``step`` reads one flag
     back to decide whether to call ``optimizer.step()`` (as torch does), except for optimizers
     that set ``_step_supports_amp_scaling`` (torch's fused optimizers), which receive
     ``grad_scale``/``found_inf`` tensors and skip on the device. ``get_scale``,
-    ``state_dict`` and pickling read the scale back (one sync).
+    ``state_dict``, pickling and assigning ``_scale``/``_growth_tracker`` read back (one sync).
     """
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+    def __init__(self, device: str | torch.device = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  min_scale: float = 0.0, max_scale: float = math.inf, hysteresis: int = 1) -> None:
-        self._device = device
+        self._device = _device_type(device)
         self._enabled = enabled
-        if device == "cuda" and enabled and not torch.cuda.is_available():
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
                           stacklevel=2)
             self._enabled = False
-        if self._enabled:
-            if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
-            if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
-            # Refused at construction unless finite and nonzero in fp32 (torch accepts 0 or inf and
-            # then writes inf/NaN into the run): named, before anything is built.
-            self._init_scale = float(_scale_tensor(init_scale, "cpu", "init_scale"))
-            self._init_growth_tracker = 0
-            self._init_hysteresis_tracker = int(hysteresis)
-            # Validated here so that a bad setting fails at construction, naming the setting.
+        # torch's _scale and _growth_tracker, plus the hysteresis counter that goes with the
+        # growth tracker: 0-d tensors created by the first scale() on its tensor's device (as
+        # in torch), None until then or after a reset by assignment.
+        self._scale_t: torch.Tensor | None = None
+        self._growth_tracker_t: torch.Tensor | None = None
+        self._hysteresis_tracker_t: torch.Tensor | None = None
+        if not self._enabled:
+            # torch's disabled scaler still stores what set_growth_factor & co. are given.
             self._config = DynamicConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
-                                         hysteresis).validate()
-            # The loss scale lives on the device of the first tensor passed to scale(), as in
-            # torch; until then it is None.
-            self._ls: DynamicLossScale | None = None
-            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+                                         hysteresis)
+            self._init_scale_value = init_scale
+            return
+        if growth_factor <= 1.0:
+            raise AssertionError("The growth factor must be > 1.0.")
+        if backoff_factor >= 1.0:
+            raise AssertionError("The backoff factor must be < 1.0.")
+        # Validated here so that a bad setting fails at construction, naming the setting.
+        self._config = DynamicConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+                                     hysteresis).validate()
+        # Refused at construction unless finite and nonzero in fp32 (torch accepts 0 or inf and
+        # then writes inf/NaN into the run) and within [min_scale, max_scale]: named, before
+        # anything is built.
+        self._init_scale_value = self._checked_scale_value(init_scale, "GradScaler: init_scale")
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = int(hysteresis)
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
 
     # -- the loss scale -----------------------------------------------------------------------
 
@@ -108,44 +146,191 @@ class GradScaler:
         return self._ls if self._enabled else None
 
     @property
+    def _ls(self) -> DynamicLossScale | None:
+        """The held scale and trackers as one :class:`DynamicLossScale` (no copy), ``None``
+        unless both ``_scale`` and ``_growth_tracker`` are held."""
+        if self._scale_t is None or self._growth_tracker_t is None:
+            return None
+        return DynamicLossScale.from_tensors(self._scale_t, self._growth_tracker_t, self._hysteresis_tracker_t,
+                                             self._config)
+
+    @_ls.setter
+    def _ls(self, ls: DynamicLossScale) -> None:
+        self._scale_t, self._growth_tracker_t, self._hysteresis_tracker_t = \
+            ls.loss_scale, ls.growth_tracker, ls.hysteresis_tracker
+
+    def _checked_scale_value(self, value, name: str) -> float:
+        """``value`` (a number or a one-element real tensor, read once) as a float, refused
+        unless it lies in SCALE_RANGE in fp32 and in ``[min_scale, max_scale]``."""
+        scale = float(_scale_tensor(value, "cpu", name))
+        c = self._config
+        if not (c.min_scale <= scale <= c.max_scale):
+            raise ValueError(f"{name} = {scale!r} lies outside [min_scale, max_scale] = [{c.min_scale!r}, "
+                             f"{c.max_scale!r}]; widen min_scale or max_scale (torch's setting is 0 and inf)")
+        return scale
+
+    @property
+    def _init_scale(self) -> float:
+        """torch's attribute: the scale the first ``scale()`` (or a reset) starts from."""
+        return self._init_scale_value
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        if self._enabled:
+            value = self._checked_scale_value(value, "GradScaler._init_scale")
+        self._init_scale_value = value
+
+    @property
     def _scale(self) -> torch.Tensor | None:
-        """torch's attribute: the 0-d fp32 scale tensor (``None`` before the first ``scale()``)."""
-        return self._ls.loss_scale if self._ls is not None else None
+        """torch's attribute: the 0-d fp32 scale tensor (``None`` before the first ``scale()``).
+
+        Assignable as in torch: a one-element floating tensor without grad, on the growth
+        tracker's device, in SCALE_RANGE and ``[min_scale, max_scale]`` (read once), is held
+        as a 0-d fp32 tensor (the tensor itself when it already is one); a number is taken on the
+        growth tracker's device; ``None`` drops it, and the next ``scale()`` starts again from
+        ``_init_scale`` once ``_growth_tracker`` is ``None`` too. Anything else is refused,
+        naming ``_scale``, before anything changes. In-place writes (``_scale *= 0.5``,
+        ``_scale.fill_(x)``) act on the held tensor, as in torch, and cannot be checked before
+        they happen: a value they leave outside SCALE_RANGE skips the steps.
+        """
+        return self._scale_t
+
+    @_scale.setter
+    def _scale(self, value: torch.Tensor | float | None) -> None:
+        if value is None or value is self._scale_t:  # None resets; the held tensor was written in place
+            self._scale_t = value
+            return
+        name = "GradScaler._scale"
+        tracker = self._growth_tracker_t
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or not torch.is_floating_point(value) or value.requires_grad \
+                    or value.layout != torch.strided:
+                raise TypeError(f"{name} must be a one-element floating tensor without grad (torch's 0-d fp32 "
+                                f"scale), got a {value.dtype} tensor of shape {tuple(value.shape)}"
+                                + (" that requires grad" if value.requires_grad else ""))
+            if tracker is not None and value.device != tracker.device:
+                raise ValueError(f"{name} must be on the device of _growth_tracker ({tracker.device}), got a "
+                                 f"tensor on {value.device}")
+            device = value.device
+        elif tracker is None:
+            raise TypeError(f"{name} must be a tensor while _growth_tracker is None (no device to put a number "
+                            f"on), got {type(value).__name__}")
+        else:
+            device = tracker.device
+        self._checked_scale_value(value, name)
+        if isinstance(value, torch.Tensor):  # torch holds the tensor itself; ours must be 0-d fp32
+            self._scale_t = (value if value.dim() == 0 else value.reshape(())).to(torch.float32)
+        else:
+            self._scale_t = torch.tensor(float(value), dtype=torch.float32).to(device)
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
-        """torch's attribute: the 0-d int32 count of clean steps since the last change."""
-        return self._ls.growth_tracker if self._ls is not None else None
+        """torch's attribute: the 0-d int32 count of clean steps since the last change.
+
+        Assignable as in torch: an integer (a one-element integer tensor on the scale's device,
+        or a number, put on the scale's device) in ``[0, 2**31 - 1]`` (read once), held as a
+        0-d int32 tensor; ``None`` drops it. Anything else is refused, naming
+        ``_growth_tracker``, before anything changes.
+        """
+        return self._growth_tracker_t
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: torch.Tensor | int | None) -> None:
+        if value is None:
+            self._growth_tracker_t = self._hysteresis_tracker_t = None
+            return
+        if value is self._growth_tracker_t:  # written in place
+            return
+        name = "GradScaler._growth_tracker"
+        scale = self._scale_t
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype == torch.bool or value.is_floating_point() or value.is_complex() \
+                    or value.layout != torch.strided:
+                raise TypeError(f"{name} must be a one-element integer tensor (torch's 0-d int32 tracker), got a "
+                                f"{value.dtype} tensor of shape {tuple(value.shape)}")
+            if scale is not None and value.device != scale.device:
+                raise ValueError(f"{name} must be on the device of _scale ({scale.device}), got a tensor on "
+                                 f"{value.device}")
+            device, count = value.device, int(value.item())
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if scale is None:
+                raise TypeError(f"{name} must be a tensor while _scale is None (no device to put a number on), "
+                                f"got {type(value).__name__}")
+            device, count = scale.device, value
+        else:
+            raise TypeError(f"{name} must be an integer or a one-element integer tensor, got {type(value).__name__}")
+        if not (0 <= count <= 2**31 - 1):
+            raise ValueError(f"{name} must be in [0, 2**31 - 1] (a count of clean steps, held in int32), "
+                             f"got {count!r}")
+        if isinstance(value, torch.Tensor):  # torch holds the tensor itself; ours must be 0-d int32
+            self._growth_tracker_t = (value if value.dim() == 0 else value.reshape(())).to(torch.int32)
+        else:
+            self._growth_tracker_t = torch.tensor(count, dtype=torch.int32).to(device)
+        hysteresis = self._hysteresis_tracker_t
+        self._hysteresis_tracker_t = (
+            torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device) if hysteresis is None
+            else hysteresis.to(device))
 
     def _settings(self) -> DynamicConfig:
-        return self._ls.config if self._ls is not None else self._config
+        return self._config
 
-    def _set_setting(self, **change) -> None:
-        self._config = self._settings()._replace(**change).validate()
-        if self._ls is not None:
-            self._ls = self._ls.replace(**change)
+    def _set_setting(self, where: str, **change) -> None:
+        if not self._enabled:
+            # As torch's disabled scaler: stored, not checked (a disabled scaler never uses them).
+            self._config = self._config._replace(**change)
+            return
+        try:
+            self._config = self._config._replace(**change).validate()
+        except (TypeError, ValueError) as e:
+            hint = ""
+            if change.get("growth_factor") == 1 or change.get("backoff_factor") == 1:
+                hint = ("; for a constant scale construct GradScaler(device, init_scale=s, min_scale=s, "
+                        "max_scale=s)")
+            raise type(e)(f"{where}: {str(e).removeprefix('DynamicLossScale: ')}{hint}") from None
 
-    def _lazy_init(self, device: torch.device) -> None:
-        c = self._config
-        self._ls = DynamicLossScale.from_tensors(
-            torch.full((), self._init_scale, dtype=torch.float32, device=device),
-            torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device),
-            torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device),
-            c,
-        )
+    @property
+    def _growth_factor(self) -> float:
+        """torch's attribute (read by ``update``); assigning it is :meth:`set_growth_factor`."""
+        return self._config.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self._set_setting("GradScaler._growth_factor", growth_factor=value)
+
+    @property
+    def _backoff_factor(self) -> float:
+        """torch's attribute (read by ``update``); assigning it is :meth:`set_backoff_factor`."""
+        return self._config.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self._set_setting("GradScaler._backoff_factor", backoff_factor=value)
+
+    @property
+    def _growth_interval(self) -> int:
+        """torch's attribute (read by ``update``); assigning it is :meth:`set_growth_interval`."""
+        return self._config.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self._set_setting("GradScaler._growth_interval", growth_interval=value)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        """torch's hook: creates ``_scale`` and ``_growth_tracker`` on ``dev`` (once; ``AssertionError`` after)."""
-        if self._ls is not None:
+        """torch's hook: creates ``_scale`` and ``_growth_tracker`` on ``dev`` (``AssertionError``
+        while a growth tracker is held)."""
+        if self._growth_tracker_t is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
-        self._lazy_init(torch.device(dev))
+        dev = torch.device(dev)
+        self._scale_t = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker_t = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._hysteresis_tracker_t = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
 
     def _check_initialized(self, funcname: str) -> DynamicLossScale:
-        if self._ls is None:
-            raise AssertionError(
-                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
-                "scaler.scale(loss or outputs) earlier in the iteration."
-            )
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale_t is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker_t is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
         return self._ls
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,13 +351,13 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            if self._ls is None:
+            if self._scale_t is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             return self._scale_one(outputs)
 
         def apply(value):
             if isinstance(value, torch.Tensor):
-                if self._ls is None:
+                if self._scale_t is None:
                     self._lazy_init_scale_growth_tracker(value.device)
                 return self._scale_one(value)
             if isinstance(value, abc.Mapping):
@@ -190,8 +375,10 @@ class GradScaler:
 
     def _scale_one(self, t: torch.Tensor) -> torch.Tensor:
         if _is_scalar_float(t):
-            return scale_loss(t, self._ls)
-        return t * self._ls.loss_scale.to(device=t.device, non_blocking=True)
+            # The held scale as a loss scale (no copy; the trackers play no part in scaling).
+            return scale_loss(t, DynamicLossScale.from_tensors(self._scale_t, self._growth_tracker_t,
+                                                               self._hysteresis_tracker_t, self._config))
+        return t * self._scale_t.to(device=t.device, non_blocking=True)
 
     # -- unscale ------------------------------------------------------------------------------
 
@@ -244,7 +431,7 @@ class GradScaler:
     def _valid_scale_flag(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """0-d bool: the held scale lies in SCALE_RANGE and ``inv_scale`` (if given) is finite
         and nonzero. No host sync."""
-        valid = self._ls.is_valid() if self._ls is not None else torch.ones((), dtype=torch.bool)
+        valid = _valid_scale(self._scale_t) if self._scale_t is not None else torch.ones((), dtype=torch.bool)
         if inv_scale is not None:
             inv = inv_scale.detach().reshape(())
             valid = valid.to(inv.device) & torch.isfinite(inv) & (inv != 0)
@@ -274,7 +461,7 @@ class GradScaler:
 
     def _found_inf_of(self, state: dict[str, Any]) -> torch.Tensor:
         """The optimizer's per-device found_inf summed on the scale's device (torch's combination)."""
-        found = [t.to(device=self._ls.loss_scale.device, non_blocking=True)
+        found = [t.to(device=self._scale_t.device, non_blocking=True)
                  for t in state["found_inf_per_device"].values()]
         if not found:
             raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -287,14 +474,18 @@ class GradScaler:
 
         Returns what ``optimizer.step(*args, **kwargs)`` returned (``None`` when skipped). With
         ``return_found_inf=True`` returns ``(retval, found_inf)``, ``found_inf`` a 0-d fp32
-        tensor on the scale's device, non-zero when the step was skipped; it costs no host sync
-        of its own.
+        tensor on the scale's device, non-zero when the recorded flags say the step was skipped
+        (read after ``_maybe_opt_step``, so flags a subclass combines in place are included); it
+        costs no host sync of its own.
 
         Optimizers with ``_step_supports_amp_scaling`` (torch's fused Adam/AdamW/SGD) get
         ``optimizer.grad_scale`` and ``optimizer.found_inf`` and unscale and skip on the device:
-        the finiteness check is a read-only pass and nothing is read back to the host. Other
-        optimizers need the flag on the host to decide whether to step: one sync (torch reads
-        one per device).
+        the finiteness check is a read-only pass and nothing is read back to the host. One whose
+        ``step`` takes ``grad_scaler`` (the legacy contract) gets the scaler and records its own
+        checks, as in torch (``update`` complains if it recorded none). Other optimizers go
+        through torch's hook ``self._maybe_opt_step(optimizer, optimizer_state, *args,
+        **kwargs)`` (subclasses that override it, e.g. to all-reduce the flags, are called), which
+        reads the flag on the host to decide whether to step: one sync (torch reads one per device).
 
         A ``closure`` raises ``RuntimeError`` (the closure would run the backward pass after
         the gradients were checked), as in torch.
@@ -314,13 +505,27 @@ class GradScaler:
         else:
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
-            found_inf = self._found_inf_of(state)
-            retval = None
-            # The one host read of the step: a plain optimizer cannot skip on the device.
-            if not bool(found_inf):
-                retval = optimizer.step(*args, **kwargs)
+            if not state["found_inf_per_device"]:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+            found_inf = self._found_inf_of(state) if return_found_inf else None
         state["stage"] = OptState.STEPPED
         return (retval, found_inf) if return_found_inf else retval
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
+                        **kwargs: Any):
+        """torch's hook: calls ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s
+        recorded flags (``found_inf_per_device``) hold an inf/NaN; returns its result or ``None``.
+
+        :meth:`step` routes every optimizer without ``_step_supports_amp_scaling`` through it,
+        so subclasses override it as they do torch's (torch_xla, NeMo: combine the flags across
+        ranks first). Cost: one host read of the summed flags (torch reads one per device).
+        """
+        retval = None
+        # The one host read of the step: a plain optimizer cannot skip on the device.
+        if not bool(self._found_inf_of(optimizer_state)):
+            retval = optimizer.step(*args, **kwargs)
+        return retval
 
     def _fused_step(self, optimizer, state, args, kwargs):
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
@@ -332,15 +537,18 @@ class GradScaler:
                 "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                 FutureWarning, stacklevel=3)
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-            if not state["found_inf_per_device"]:
-                self._check_inf_per_device(optimizer)
-            return retval, self._found_inf_of(state)
+            # Whatever the optimizer recorded (through _check_inf_per_device) is the verdict, as in
+            # torch: none recorded (an optimizer that ignores the scaler) is not made up here after
+            # the fact; update() then raises torch's "No inf checks were recorded".
+            found_inf = self._found_inf_of(state) if state["found_inf_per_device"] else \
+                torch.zeros((), dtype=torch.float32, device=self._scale_t.device)
+            return retval, found_inf
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         # No grad anywhere: torch hands the fused optimizer a found_inf of 0 (its step is a
         # no-op) and only update() then complains that no inf check was recorded.
         found_inf = self._found_inf_of(state) if state["found_inf_per_device"] else \
-            torch.zeros((), dtype=torch.float32, device=self._ls.loss_scale.device)
+            torch.zeros((), dtype=torch.float32, device=self._scale_t.device)
         scale = self._get_scale_async()
         # Already unscaled by unscale_(): keep whatever grad_scale the user set (None -> no unscale).
         optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is OptState.UNSCALED
@@ -355,7 +563,7 @@ class GradScaler:
 
     # torch's private hooks used by the legacy fused-optimizer contract and by frameworks.
     def _get_scale_async(self) -> torch.Tensor | None:
-        return self._ls.loss_scale if self._ls is not None else None
+        return self._scale_t
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads, leaving them as they are.
@@ -387,17 +595,16 @@ class GradScaler:
         another tensor raises ``AssertionError`` (wrong device type, ``numel() != 1``,
         ``requires_grad``); a one-element tensor that is not 0-d (shape ``(1,)``), which torch
         cannot copy into its 0-d scale, raises ``ValueError`` naming ``new_scale`` and its shape,
-        and so does a scale that is 0, negative, NaN or inf in fp32 (torch would take it). Call
-        once per iteration, after every ``step``. Pure update of the held loss scale
-        (:func:`ampfunc.update_scale`); no host sync.
+        and so does a scale that is 0, negative, NaN or inf in fp32 (torch would take it), or one
+        outside ``[min_scale, max_scale]`` (settings torch does not have), before anything
+        changes. Call once per iteration, after every ``step``. Pure update of the held loss
+        scale (:func:`ampfunc.update_scale`); no host sync, except that ``new_scale`` is read once.
         """
         if not self._enabled:
             return
         ls = self._check_initialized("update")
         if new_scale is not None:
-            if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-                value = _scale_tensor(float(new_scale), ls.loss_scale.device, "new_scale")
-            else:
+            if not isinstance(new_scale, (int, float)) or isinstance(new_scale, bool):
                 reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                           "torch.FloatTensor with requires_grad=False.")
                 if not isinstance(new_scale, torch.Tensor):
@@ -410,10 +617,11 @@ class GradScaler:
                     raise ValueError(f"GradScaler.update: new_scale must be a float or a 0-d tensor (as "
                                      f"torch.amp.GradScaler takes it), got a tensor of shape "
                                      f"{tuple(new_scale.shape)}; pass new_scale.reshape(())")
-                # An explicitly set scale is read once to refuse 0/inf/NaN (unlike torch, which
-                # then fills the run with inf/NaN); the scale stays on its device.
-                value = _scale_tensor(new_scale, ls.loss_scale.device, "new_scale")
-            self._ls = DynamicLossScale.from_tensors(value, ls.growth_tracker, ls.hysteresis_tracker, ls.config)
+            # An explicitly set scale is read once to refuse 0/inf/NaN (unlike torch, which then
+            # fills the run with inf/NaN) and a scale outside [min_scale, max_scale], from which
+            # the next backoff would *raise* the scale to min_scale; the scale stays on its device.
+            value = self._checked_scale_value(new_scale, "GradScaler.update: new_scale")
+            self._scale_t = torch.tensor(value, dtype=torch.float32).to(ls.loss_scale.device)
         else:
             found = [t.to(device=ls.loss_scale.device, non_blocking=True).reshape(())
                      for s in self._per_optimizer_states.values() for t in s["found_inf_per_device"].values()]
@@ -429,19 +637,20 @@ class GradScaler:
         """The current scale as a Python float (``1.0`` when disabled). Syncs with the device."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._ls is None else float(self._ls.loss_scale.item())
+        scale = self._get_scale_async()
+        return self._init_scale if scale is None else float(scale.item())
 
     def get_growth_factor(self) -> float:
         return self._settings().growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._set_setting(growth_factor=new_factor)
+        self._set_setting("GradScaler.set_growth_factor", growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._settings().backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._set_setting(backoff_factor=new_factor)
+        self._set_setting("GradScaler.set_backoff_factor", backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         return self._settings().growth_interval
@@ -449,15 +658,17 @@ class GradScaler:
     def set_growth_interval(self, new_interval: int) -> None:
         """Unlike torch, a growth interval lowered below the current tracker still triggers growth
         at the next clean step (ampfunc compares with ``>=``; torch's ``==`` never fires again)."""
-        self._set_setting(growth_interval=new_interval)
+        self._set_setting("GradScaler.set_growth_interval", growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
-        return self._init_growth_tracker if self._ls is None else int(self._ls.growth_tracker.item())
+        tracker = self._growth_tracker_t
+        return self._init_growth_tracker if tracker is None else int(tracker.item())
 
     def _get_hysteresis_tracker(self) -> int:
-        return self._init_hysteresis_tracker if self._ls is None else int(self._ls.hysteresis_tracker.item())
+        tracker = self._hysteresis_tracker_t
+        return self._init_hysteresis_tracker if tracker is None else int(tracker.item())
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -576,11 +787,16 @@ class GradScaler:
                                  f"[1, {config.hysteresis}], got {hysteresis_tracker!r}")
         # Everything checked: load.
         self._config = config
-        self._init_scale = scale
+        self._init_scale_value = scale
         self._init_growth_tracker = growth_tracker
         self._init_hysteresis_tracker = hysteresis_tracker
-        if self._ls is not None:
-            self._lazy_init(self._ls.loss_scale.device)
+        # The held tensors (if any) take the loaded values on their devices, as torch fills them.
+        if self._scale_t is not None:
+            self._scale_t = torch.full((), scale, dtype=torch.float32, device=self._scale_t.device)
+        if self._growth_tracker_t is not None:
+            device = self._growth_tracker_t.device
+            self._growth_tracker_t = torch.full((), growth_tracker, dtype=torch.int32, device=device)
+            self._hysteresis_tracker_t = torch.full((), hysteresis_tracker, dtype=torch.int32, device=device)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -588,14 +804,21 @@ class GradScaler:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError("A GradScaler instance may only be pickled at the beginning "
                                      "of an iteration, or at the end after scaler.update().")
-            state["_init_scale"] = self.get_scale()
+            state["_init_scale_value"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_config"] = self._settings()
-            state["_ls"] = None
+            state["_scale_t"] = state["_growth_tracker_t"] = state["_hysteresis_tracker_t"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        # Pickles from before _scale/_growth_tracker became assignable held "_ls" (always None
+        # in a pickle) and a plain "_init_scale".
+        state.pop("_ls", None)
+        if "_init_scale" in state:
+            state["_init_scale_value"] = state.pop("_init_scale")
+        for name in ("_scale_t", "_growth_tracker_t", "_hysteresis_tracker_t"):
+            state.setdefault(name, None)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
