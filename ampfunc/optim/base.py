@@ -35,7 +35,8 @@ _WARNED_LOW_PRECISION: set = set()
 def warn_low_precision_params(params: PyTree, where: str) -> None:
     """Warns once per process and optimizer when a param leaf is fp16/bf16 (issue 10, item 14).
 
-    Without an fp32 master copy (:func:`ampfunc.mixed_precision` keeps one), updates smaller
+    Without an fp32 master copy (:func:`ampfunc.mixed_precision` and ``ModuleTrainer`` keep
+    one; ``make_train_step`` has the policy's params dtype for its params), updates smaller
     than the param's resolution vanish when added, and in fp16 a finite gradient above ~1e19
     makes Adam's ``exp_avg_sq`` inf for good. torch.optim is silent about both. Cost: one
     flatten of ``params`` at init; nothing per step.
@@ -46,10 +47,15 @@ def warn_low_precision_params(params: PyTree, where: str) -> None:
         if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16):
             _WARNED_LOW_PRECISION.add(where)
             dtype = str(leaf.dtype).split(".")[-1]
+            # The advice names each front-end's own way: make_train_step and ModuleTrainer
+            # refuse a mixed_precision wrapper (they run that step themselves).
             warnings.warn(
                 f"{where}: params leaf {path!r} is {dtype} and the optimizer keeps no fp32 master copy: "
-                f"updates below {dtype}'s resolution are lost and its state may overflow; wrap the "
-                "optimizer in ampfunc.mixed_precision(...) to keep fp32 masters (warned once)",
+                f"updates below {dtype}'s resolution are lost and its state may overflow. To keep fp32 "
+                "masters: with make_train_step, a policy whose params are fp32 (e.g. \"p=f32,c=bf16\" or "
+                "\"p=f32,c=f16\", not \"half\"/\"bf16\"/\"p=bf16\"); with ModuleTrainer, "
+                "master_dtype=torch.float32 (the default); in an optax-style loop (tx.init/tx.update), "
+                "ampfunc.mixed_precision(tx, loss_scale=...) (warned once)",
                 UserWarning, stacklevel=3)
             return
 
