@@ -137,6 +137,8 @@ def _run_rule(scaler_args, overflows, set_scale=None):
     ({"scale_window": 3, "max_loss_scale": 2.0**18}, None),           # growth stops at the cap
     ({"scale_window": 3}, 1.0),                                       # no floor of 1: 0.5, 0.25, ...
     ({"scale_window": 3, "min_loss_scale": 0.25}, 1.0),               # min_loss_scale is the floor
+    ({"scale_window": 3, "min_loss_scale": 2.0**20}, None),           # a floor above the start: the first
+    ({"scale_window": 3, "min_loss_scale": 8.0}, 1.0),                # overflow raises the scale to it
     ({"scale_window": 2, "scale_factor": 3.0}, None),                 # scale_factor ignored, as in apex
 ])
 def test_dynamic_rule_step_for_step_with_apex_amp_scaler(args, set_scale):
@@ -144,6 +146,51 @@ def test_dynamic_rule_step_for_step_with_apex_amp_scaler(args, set_scale):
     got, want = _run_rule(args, overflows, set_scale)
     assert got == want
 
+
+
+def test_min_loss_scale_above_the_start_is_accepted_as_apex_does():
+    # apex amp's LossScaler starts at min(max_loss_scale, init_scale) whatever min_loss_scale is;
+    # min_loss_scale only floors the halving, so the first overflow raises the scale to it.
+    model = Half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         dynamic_loss_args={"min_loss_scale": 2.0**20}, verbose=False)
+    assert opt.loss_scale == 65536.0
+    x, y = _batch()
+    opt.zero_grad()
+    opt.backward(F.mse_loss(model(x), y) * float("inf"))
+    assert opt.overflow and opt.loss_scale == 2.0**20
+    # amp.initialize has no init_scale: a floor above 2**16 works the same way.
+    model = nn.Linear(8, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", min_loss_scale=2.0**17,
+                   verbosity=0)
+    assert _amp_state.loss_scalers[0].loss_scale() == 65536.0 and _amp_state.loss_scalers[0]._min_loss_scale == 2.0**17
+
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"min_loss_scale": 1e39, "max_loss_scale": float("inf")}, "min_loss_scale must be at most fp32's largest"),
+    ({"max_loss_scale": 0}, "max_loss_scale must be > 0"),
+])
+def test_scaler_bounds_no_scale_can_meet_are_refused_naming_apex_setting(args, match):
+    with pytest.raises(ValueError, match=match):
+        FP16_Optimizer(torch.optim.SGD(Half().parameters(), lr=0.1), dynamic_loss_scale=True,
+                       dynamic_loss_args=args, verbose=False)
+
+def test_apex_checkpoint_with_a_scale_below_its_floor_loads_and_keeps_apex_rule(fake_apex):
+    # What apex's scaler holds after starting below min_loss_scale loads as it is.
+    model = Half()
+    apex_scaler = fake_apex("dynamic", min_loss_scale=2.0**20, scale_window=2)
+    assert apex_scaler._loss_scale == 65536.0
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True,
+                         verbose=False)
+    opt.load_state_dict(_apex_checkpoint(model, apex_scaler))
+    assert opt.loss_scale == 65536.0 and opt.loss_scaler._min_loss_scale == 2.0**20
+    for overflow in (False, False, True):
+        opt.loss_scaler.update_scale(torch.tensor(not overflow))
+        apex_scaler._has_overflow = overflow
+        apex_scaler.update_scale()
+        assert opt.loss_scale == apex_scaler._loss_scale  # 2**17 after the window, then the floor 2**20
+    assert opt.loss_scale == 2.0**20
 
 def test_default_window_is_2000_clean_steps():
     opt = FP16_Optimizer(torch.optim.SGD(Half().parameters(), lr=0.0), dynamic_loss_scale=True, verbose=False)

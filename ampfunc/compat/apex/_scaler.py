@@ -83,7 +83,9 @@ class LossScaler:
         :data:`ampfunc.SCALE_RANGE` (NaN, inf and ``1e39`` are refused, not capped).
       scale_factor: accepted for apex's signature; apex ignores it (factor 2 is fixed).
       scale_window: clean steps before the dynamic scale doubles.
-      min_loss_scale: floor of the halving (``None`` or ``0``: no floor).
+      min_loss_scale: floor of the halving (``None`` or ``0``: no floor). As in apex it may lie
+        above ``init_scale``: the scale then starts below the floor and the first overflow
+        raises it to the floor.
       max_loss_scale: cap of the growth.
 
     Returns:
@@ -121,6 +123,12 @@ class LossScaler:
             if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound) or bound < 0:
                 raise ValueError(f"LossScaler: {name} must be a number >= 0{' or None' if name[:3] == 'min' else ''}, "
                                  f"got {bound!r}")
+        if min_loss_scale is not None and min_loss_scale > SCALE_RANGE[1]:
+            raise ValueError(f"LossScaler: min_loss_scale must be at most fp32's largest number "
+                             f"{SCALE_RANGE[1]:.4g}, got {min_loss_scale!r}")
+        if dynamic and max_loss_scale == 0:
+            raise ValueError("LossScaler: max_loss_scale must be > 0 for a dynamic scale (the scale starts at "
+                             "min(max_loss_scale, init_scale)), got 0")
         if min_loss_scale is not None and min_loss_scale > max_loss_scale:
             raise ValueError(f"LossScaler: min_loss_scale ({min_loss_scale}) > max_loss_scale ({max_loss_scale})")
         self._build(dynamic, min(max_loss_scale, init_scale) if dynamic else value, min_loss_scale,
@@ -138,10 +146,16 @@ class LossScaler:
         self._finite: torch.Tensor | None = None  # what unscale() saw since clear_overflow_state()
         self._has_overflow = False
         if self.dynamic:
-            self._ls = DynamicLossScale(float(scale), growth_factor=2.0, backoff_factor=0.5,
-                                        growth_interval=self._scale_seq_len, min_scale=min_loss_scale or 0.0,
-                                        max_scale=math.inf if max_loss_scale is None else max_loss_scale,
-                                        device=device)
+            lo = float(min_loss_scale or 0.0)
+            hi = math.inf if max_loss_scale is None else float(max_loss_scale)
+            scale = float(scale)
+            # apex holds its scale as it is, even outside [min_loss_scale, max_loss_scale] (a floor
+            # above the start: the first overflow raises the scale to the floor; a checkpoint or
+            # an assignment above the cap: the next growth brings it down). The core's constructor
+            # refuses such a start, so the bounds are set after it.
+            self._ls = DynamicLossScale(scale, growth_factor=2.0, backoff_factor=0.5,
+                                        growth_interval=self._scale_seq_len, min_scale=min(lo, scale),
+                                        max_scale=max(hi, scale), device=device).replace(min_scale=lo, max_scale=hi)
             if unskipped:
                 self._unskipped = unskipped
         else:

@@ -58,7 +58,9 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     fixed scale; ``dynamic_loss_scale=True`` uses apex amp's dynamic ``LossScaler`` with
     ``dynamic_loss_args`` (``init_scale=2**16``, ``scale_window=2000``,
     ``min_loss_scale=None``, ``max_loss_scale=2**24``; ``scale_factor`` accepted and ignored,
-    as in apex), skipping steps whose gradients overflowed. ``verbose`` prints the params
+    as in apex; a ``min_loss_scale`` above ``init_scale`` is accepted as apex does: the scale
+    starts below that floor and the first overflow raises it to the floor), skipping steps
+    whose gradients overflowed. ``verbose`` prints the params
     found at construction. Unlike apex, CPU tensors work. Scales (``static_loss_scale``,
     ``dynamic_loss_args["init_scale"]``, and any value assigned to :attr:`loss_scale`) must
     lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
