@@ -65,7 +65,7 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Casts ``network`` to ``dtype`` in place, except affine BatchNorm modules' own params and buffers (apex's rule); returns it.
+    """Casts ``network`` to ``dtype`` in place, except affine BatchNorms' own tensors (apex's rule); returns it.
 
     As apex, only the affine BatchNorm module's own tensors stay as they are: modules inside it
     (a BatchNorm subclass holding a projection, say) are cast like any other, and so is a tensor
