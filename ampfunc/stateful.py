@@ -89,7 +89,7 @@ class _Packed:
         # Two params sharing memory would be copied into two slots of the buffer and trained
         # apart (untied): refused, as the unpacked trainer refuses them.
         check_no_overlap(where, [("parameter", collections.OrderedDict(named), [p for _, p in named])])
-        self.names = [name for name, _ in named]
+        self.names = tuple(name for name, _ in named)
         self.params = [p for _, p in named]
         flat = flatten(self.params)  # one buffer per (device, dtype), the params copied in
         keys = [f"{str(dtype).removeprefix('torch.')}@{device}" for device, dtype in flat.keys]
@@ -135,6 +135,22 @@ class _Packed:
                 if empty:
                     torch._foreach_zero_(empty)
             ops.set_grads(params, views)
+
+    def check_per_param(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(finite, flags)``: 0-d bool, and per param (in ``names``' order) True where its
+        gradient holds an inf/NaN, on the first param's device. One read-only pass (per device)."""
+        views = self.grad_views
+        devices = list(dict.fromkeys(v.device for v in views))
+        if len(devices) == 1:
+            finite, _, flags = ops.check(views, per_leaf=True)
+            return finite, flags
+        # the kernels take one device per call: one check per device, the flags gathered
+        flags = torch.empty(len(views), dtype=torch.bool, device=devices[0])
+        for device in devices:
+            index = [i for i, v in enumerate(views) if v.device == device]
+            _, _, part = ops.check([views[i] for i in index], per_leaf=True)
+            flags[torch.tensor(index, device=devices[0])] = part.to(devices[0])
+        return ~flags.any(), flags
 
     def zero_grads(self) -> None:
         """The gradients zeroed in place (one fill per buffer); the views stay the ``.grad``."""
@@ -306,7 +322,9 @@ class ModuleTrainer:
     @property
     def engine(self) -> Engine:
         """The :class:`ampfunc.engine.Engine` that runs :meth:`step` (set ``engine.on_check`` to
-        record which leaves overflowed, without a host sync)."""
+        record which leaves overflowed, without a host sync: one flag per parameter, named as
+        in ``model.named_parameters()``, also with ``flat=True``, where the engine steps buffers
+        and the trainer reads the gradients once more for the per-parameter flags)."""
         return self._engine
 
     @property
@@ -341,14 +359,32 @@ class ModuleTrainer:
                                "with momentum and weight decay, an unfrozen one would never train): make a new "
                                "ModuleTrainer after changing requires_grad")
         params = self._params()
+        hook = None
         if self._packed is not None:
             self._packed.rebind("ModuleTrainer.step")
             grads = self._packed.grad_buffers
+            hook = self._engine.on_check
+            if hook is not None and not torch.compiler.is_compiling():
+                # The engine's leaves are the buffers, one flag each; a monitor counts per
+                # param: one more read-only check over the params' gradient views gives those,
+                # before anything is written (a hook that raises leaves the step undone).
+                finite, flags = self._packed.check_per_param()
+                try:
+                    hook(finite, flags, self._packed.names)
+                except (RuntimeError, ValueError, TypeError) as e:
+                    raise type(e)(f"ModuleTrainer.step: {e}") from None
         else:
             grads = self._grads(params)
         mp = MixedPrecisionState(st.master, st.opt_state, st.loss_scale, st.finite, st.skipped)
         # autograd gives every .grad its param's shape: no per-leaf shape check needed.
-        _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
+        if hook is not None:
+            self._engine.on_check = None  # called above, per param
+            try:
+                _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
+            finally:
+                self._engine.on_check = hook
+        else:
+            _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
         self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         if self._packed is not None and not torch.compiler.is_compiling():
             # The kernels wrote the buffers, whose views are the params' .data: the params' own

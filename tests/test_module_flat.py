@@ -202,3 +202,40 @@ def test_a_flat_trainer_refuses_two_params_sharing_memory_as_the_unpacked_one_do
     model[1].weight = nn.Parameter(model[0].weight.data)  # two Parameters, one storage
     with pytest.raises(ValueError, match=r"'0\.weight' and parameter leaf '1\.weight' are the same tensor"):
         af.ModuleTrainer(model, af.sgd(0.1), flat=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_leaf_flags_hook_counts_overflows_per_param_as_with_the_unpacked_trainer(dtype):
+    # The engine steps one tensor per buffer; a monitor built from the module's params counts
+    # per param, with a flat trainer as with the unpacked one.
+    counts = []
+    for flat in (False, True):
+        model = _model(dtype=dtype)
+        trainer = af.ModuleTrainer(model, _tx(), loss_scale=af.DynamicLossScale(2.0**8), flat=flat)
+        mon = af.TrainingMonitor(af.params_of(model), window=10)
+        hook = trainer.engine.on_check = af.monitor.LeafFlagsHook(mon)
+        for step in range(4):
+            _backward(model, trainer, step, overflow=step in (1, 3))
+            if step == 3:
+                model[4].bias.grad[1] = float("nan")
+            trainer.step()
+            flags = hook.take()
+            assert flags is not None and flags.shape == (len(mon.leaf_paths),)
+            mon = mon.record_state(trainer.state, loss=torch.tensor(1.0), leaf_nonfinite=flags)
+        counts.append(mon.overflows())
+        assert trainer.engine.on_check is hook  # still set after the steps
+    assert counts[0] == counts[1] == {"0.weight": 2, "4.bias": 1}
+
+
+def test_a_leaf_flags_monitor_the_flat_trainer_does_not_step_is_refused_before_any_write():
+    model = _model()
+    model[0].bias.requires_grad_(False)  # not stepped, but in params_of(model)
+    trainer = af.ModuleTrainer(model, _tx(), loss_scale=af.DynamicLossScale(2.0**8), flat=True)
+    trainer.engine.on_check = af.monitor.LeafFlagsHook(af.TrainingMonitor(af.params_of(model)))
+    _backward(model, trainer, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [t.clone() for t in af.tree.tree_leaves(trainer.state)]
+    with pytest.raises(ValueError, match=r"ModuleTrainer.step: LeafFlagsHook: .* no leaf '0\.bias'"):
+        trainer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(state, af.tree.tree_leaves(trainer.state)))
