@@ -466,9 +466,34 @@ class DynamicLossScale(LossScale):
     hysteresis = property(lambda self: self._config.hysteresis)
 
     def replace(self, **config) -> "DynamicLossScale":
-        """The same tensors with some settings changed (e.g. ``growth_interval=500``)."""
-        return DynamicLossScale.from_tensors(self._loss_scale, self._growth_tracker, self._hysteresis_tracker,
-                                             self._config._replace(**config).validate())
+        """The same scale with some settings changed (e.g. ``growth_interval=500``).
+
+        The scale stays within the new ``[min_scale, max_scale]`` (clamped into it, as a growth
+        or a backoff is bounded: raising the floor above the scale raises the scale to it) and
+        the hysteresis budget within the new ``hysteresis``; the trackers carry over otherwise,
+        so a run continues where it was. ``self`` is left as it is.
+
+        Args:
+          **config: fields of :class:`DynamicConfig`, checked as the constructor checks them.
+
+        Returns:
+          A new :class:`DynamicLossScale` (sharing the unchanged tensors with ``self``).
+
+        Example:
+          >>> ls = af.DynamicLossScale(1024.0).replace(min_scale=4096.0)
+          >>> float(ls.loss_scale), ls.config.min_scale
+          (4096.0, 4096.0)
+
+        Cost: a 0-d op on the scale's device per clamped tensor (none when only the interval
+        or the factors change); no host sync.
+        """
+        new = self._config._replace(**config).validate()
+        scale, hysteresis = self._loss_scale, self._hysteresis_tracker
+        if (new.min_scale, new.max_scale) != (self._config.min_scale, self._config.max_scale):
+            scale = scale.clamp(new.min_scale, new.max_scale)
+        if new.hysteresis < self._config.hysteresis:
+            hysteresis = hysteresis.clamp(max=new.hysteresis)
+        return DynamicLossScale.from_tensors(scale, self._growth_tracker, hysteresis, new)
 
     def adjust(self, finite: torch.Tensor) -> "DynamicLossScale":
         """The next loss scale after a step whose gradients were ``finite`` (0-d bool tensor).

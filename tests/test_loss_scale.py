@@ -309,3 +309,46 @@ def test_hand_set_invalid_scale_skips_the_composed_step(bad, inner, method):
     assert torch.equal(new_state.master["w"], torch.ones(3))
     if bad == 0.0:  # a zero scale backs off to the floor (here min_scale=1) and trains again
         assert af.loss_scale_of(new_state).loss_scale.item() == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# replace: new settings mid-run, the scale kept within them
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replace_keeps_the_scale_within_new_bounds_so_an_overflow_never_raises_it():
+    ls = af.DynamicLossScale(1024.0).replace(min_scale=4096.0)
+    assert float(ls.loss_scale) == 4096.0 and ls.config.min_scale == 4096.0
+    after = af.update_scale(ls, torch.tensor(False))
+    assert float(after.loss_scale) == 4096.0  # at the floor: a backoff stays there
+    capped = af.DynamicLossScale(1024.0).replace(max_scale=10.0)
+    assert float(capped.loss_scale) == 10.0
+    assert float(af.update_scale(capped, torch.tensor(True)).loss_scale) == 10.0
+
+
+def test_replace_of_the_interval_or_factors_keeps_the_tensors_and_leaves_self_alone():
+    ls = af.DynamicLossScale(256.0, growth_interval=3)
+    ls = af.update_scale(ls, torch.tensor(True))
+    other = ls.replace(growth_interval=2, growth_factor=4.0)
+    assert other.loss_scale is ls.loss_scale and other.growth_tracker is ls.growth_tracker
+    assert ls.config.growth_interval == 3 and other.config.growth_interval == 2
+    assert float(af.update_scale(other, torch.tensor(True)).loss_scale) == 1024.0  # tracker carried over
+    narrowed = ls.replace(min_scale=512.0)
+    assert float(ls.loss_scale) == 256.0 and float(narrowed.loss_scale) == 512.0
+
+
+def test_replace_lowering_hysteresis_lowers_the_remaining_budget():
+    ls = af.DynamicLossScale(1024.0, hysteresis=3).replace(hysteresis=1)
+    scales = []
+    for _ in range(3):
+        ls = af.update_scale(ls, torch.tensor(False))
+        scales.append(float(ls.loss_scale))
+    assert scales == [512.0, 256.0, 128.0]
+
+
+def test_replace_refuses_what_the_constructor_refuses():
+    ls = af.DynamicLossScale(1024.0)
+    with pytest.raises(ValueError, match="max_scale"):
+        ls.replace(min_scale=8.0, max_scale=4.0)
+    with pytest.raises(ValueError, match="hysteresis"):
+        ls.replace(hysteresis=0)

@@ -152,10 +152,12 @@ class LossScaler:
             # apex holds its scale as it is, even outside [min_loss_scale, max_loss_scale] (a floor
             # above the start: the first overflow raises the scale to the floor; a checkpoint or
             # an assignment above the cap: the next growth brings it down). The core's constructor
-            # refuses such a start, so the bounds are set after it.
-            self._ls = DynamicLossScale(scale, growth_factor=2.0, backoff_factor=0.5,
-                                        growth_interval=self._scale_seq_len, min_scale=min(lo, scale),
-                                        max_scale=max(hi, scale), device=device).replace(min_scale=lo, max_scale=hi)
+            # refuses such a start (and replace() would clamp the scale into the bounds), so the
+            # bounds are set on the config after it.
+            ls = DynamicLossScale(scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=self._scale_seq_len,
+                                  min_scale=min(lo, scale), max_scale=max(hi, scale), device=device)
+            self._ls = DynamicLossScale.from_tensors(ls.loss_scale, ls.growth_tracker, ls.hysteresis_tracker,
+                                                     ls.config._replace(min_scale=lo, max_scale=hi).validate())
             if unskipped:
                 self._unskipped = unskipped
         else:
