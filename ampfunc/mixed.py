@@ -428,8 +428,11 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
 
     Args:
       inner: the optimizer transform.
-      loss_scale: ``NoOpLossScale()``, ``StaticLossScale(s)`` or ``DynamicLossScale(...)``
-        (the default).
+      loss_scale: ``NoOpLossScale()`` (bf16/fp32: the loss is not scaled),
+        ``StaticLossScale(s)`` or ``DynamicLossScale(...)`` (fp16). Pass it: left out, it is
+        ``DynamicLossScale()`` (2**16, so the loss must be scaled with
+        ``af.scale_loss(loss, af.loss_scale_of(state))``) with a ``FutureWarning``; the next
+        release makes it ``NoOpLossScale()``, as ``ModuleTrainer``'s and ``make_train_step``'s.
       master_dtype: the master dtype for params narrower than it (never narrows a param: fp64
         params keep fp64).
       group: a ``torch.distributed`` process group whose ranks agree on skipping.
@@ -459,6 +462,15 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
     ``step_``, into new tensors for ``step``); generic: the primitives' passes. No host sync.
     """
     if loss_scale is None:
+        # The one front-end whose default scales: a bf16/fp32 user who does not scale the loss
+        # would get every update 65536x too small, silently. Loud until the default changes.
+        warnings.warn(
+            "mixed_precision: no loss_scale given; the default, DynamicLossScale() (2**16), unscales the "
+            "gradients by 2**16, so the loss must be scaled with af.scale_loss(loss, af.loss_scale_of(state)) "
+            "(state.loss_scale.scale(loss)) before backward, or every update is 65536x too small. Pass "
+            "loss_scale= explicitly: af.NoOpLossScale() for bf16/fp32, af.DynamicLossScale() for fp16. The "
+            "default becomes NoOpLossScale() in the next release (as ModuleTrainer's and make_train_step's)",
+            FutureWarning, stacklevel=2)
         loss_scale = DynamicLossScale()
     _check_loss_scale(loss_scale, "mixed_precision")
     engine = Engine(inner, master_dtype=master_dtype, group=group, where="mixed_precision")

@@ -1,6 +1,7 @@
 """The five primitives and mixed_precision(), checked against torch.amp.GradScaler + torch.optim."""
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -390,9 +391,35 @@ def test_fused_step_lines_leaves_up_whatever_order_the_grads_dict_was_built_in()
 
 
 def test_a_mixed_precision_rebuilt_from_its_fields_says_it_lost_its_engine():
-    tx = af.mixed_precision(af.adamw(1e-3))
+    tx = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())
     rebuilt = tx._replace(init=tx.init)  # a NamedTuple's fields are (init, update) only
     for name in ("step", "step_", "engine"):
         with pytest.raises(AttributeError, match="rebuilt from its .init, update. fields.*af.mixed_precision"):
             getattr(rebuilt, name)
     assert callable(tx.step) and tx.engine is not None
+
+
+def test_leaving_out_the_loss_scale_warns_what_the_default_does_and_what_to_pass():
+    # mixed_precision's default scales (DynamicLossScale, 2**16) where ModuleTrainer's and
+    # make_train_step's do not: a bf16/fp32 user who does not scale the loss would get updates
+    # 65536x too small, silently. Until the default becomes NoOpLossScale, it says so.
+    params = {"w": torch.zeros(2)}
+    grads = {"w": torch.ones(2)}
+    with pytest.warns(FutureWarning) as caught:
+        tx = af.mixed_precision(af.sgd(0.1))
+    message = str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line
+    for said in ("DynamicLossScale()", "2**16", "af.scale_loss(loss, af.loss_scale_of(state))",
+                 "loss_scale=", "af.NoOpLossScale() for bf16/fp32", "NoOpLossScale() in the next release"):
+        assert said in message, said
+    # what it warns about: the default unscales an unscaled loss's gradients by 2**16
+    new, state = tx.step(params, grads, tx.init(params))
+    assert float(af.loss_scale_of(state).loss_scale) == 2.0**16
+    assert torch.allclose(new["w"], torch.full((2,), -0.1 / 2**16))
+    # given explicitly, nothing is said; NoOpLossScale steps as torch.optim.SGD does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx = af.mixed_precision(af.sgd(0.1), loss_scale=af.NoOpLossScale())
+        af.mixed_precision(af.sgd(0.1), af.DynamicLossScale())
+    new, _ = tx.step(params, grads, tx.init(params))
+    assert torch.allclose(new["w"], torch.full((2,), -0.1))
