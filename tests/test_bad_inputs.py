@@ -567,12 +567,12 @@ def _():
 
 @case("mixed_precision-master-int", ValueError, "master_dtype")
 def _():
-    return (lambda: af.mixed_precision(af.adam(1e-3), master_dtype=torch.int32)), None
+    return (lambda: af.mixed_precision(af.adam(1e-3), af.DynamicLossScale(), master_dtype=torch.int32)), None
 
 
 @case("mixed_precision-inner-not-transform", TypeError, "inner")
 def _():
-    return (lambda: af.mixed_precision(torch.optim.Adam)), None
+    return (lambda: af.mixed_precision(torch.optim.Adam, af.DynamicLossScale())), None
 
 
 @case("mixed_precision-loss_scale-float", TypeError, "loss scale")
@@ -583,7 +583,7 @@ def _():
 @case("mixed_precision.update-no-params", (TypeError, ValueError), "params")
 def _():
     params = params_f16()
-    tx = af.mixed_precision(af.adam(1e-3))
+    tx = af.mixed_precision(af.adam(1e-3), af.DynamicLossScale())
     state = tx.init(params)
     grads = grads_like(params)
     return (lambda: tx.update(grads, state)), (params, grads, state)
@@ -592,13 +592,13 @@ def _():
 @case("mixed_precision.init-int-param", TypeError, "head.b")
 def _():
     params = with_leaf(params_f32(), "head.b", torch.zeros(3, dtype=torch.int64))
-    return (lambda: af.mixed_precision(af.adam(1e-3)).init(params)), params
+    return (lambda: af.mixed_precision(af.adam(1e-3), af.DynamicLossScale()).init(params)), params
 
 
 @case("mixed_precision.init-numpy-param", TypeError, "head.b")
 def _():
     params = with_leaf(params_f32(), "head.b", np.zeros(3, dtype=np.float32))
-    return (lambda: af.mixed_precision(af.adam(1e-3)).init(params)), params
+    return (lambda: af.mixed_precision(af.adam(1e-3), af.DynamicLossScale()).init(params)), params
 
 
 @case("adam.init-meta-param", ValueError, "head.b")
@@ -692,11 +692,11 @@ _BAD_HPARAMS = [
     ("accumulate-of-mixed_precision", TypeError, ["accumulate", "outermost"],
      lambda: af.accumulate(af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()), 2)),
     ("chain-with-mixed_precision-inside", TypeError, ["chain: argument 1", "outermost"],
-     lambda: af.chain(af.clip_by_global_norm(1.0), af.mixed_precision(af.adamw(1e-3)))),
+     lambda: af.chain(af.clip_by_global_norm(1.0), af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()))),
     ("masked-of-mixed_precision", TypeError, ["masked", "outermost"],
-     lambda: af.masked(af.mixed_precision(af.adamw(1e-3)), {"w": True})),
+     lambda: af.masked(af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale()), {"w": True})),
     ("partition-with-mixed_precision", TypeError, ["partition", "'a'", "outermost"],
-     lambda: af.partition({"a": af.mixed_precision(af.adamw(1e-3))}, {"w": "a"})),
+     lambda: af.partition({"a": af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())}, {"w": "a"})),
     ("get_policy-bad-dtype", ValueError, ["float33"], lambda: af.get_policy("params=float33")),
     ("get_policy-int-compute", ValueError, ["int8"], lambda: af.get_policy("p=f32,c=int8,o=f32")),
     ("get_policy-unknown-key", ValueError, ["weights"], lambda: af.get_policy("weights=f32")),
@@ -883,7 +883,7 @@ def test_low_precision_params_without_master_warn_once(name, dtype, fresh_warnin
 def test_no_warning_with_a_master_or_fp32_params(name, fresh_warnings):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        af.mixed_precision(_PLAIN_OPTIMIZERS[name]()).init(params_f16())
+        af.mixed_precision(_PLAIN_OPTIMIZERS[name](), af.DynamicLossScale()).init(params_f16())
         _PLAIN_OPTIMIZERS[name]().init(params_f32())
 
 

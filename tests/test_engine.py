@@ -28,7 +28,7 @@ def test_a_gradient_transformation_is_exactly_the_pair_init_update(params):
     # the kernel spec lives in the registry, keyed by the update function
     assert af.GradientTransformation(init, update).fused.kind == "adamw"
     assert af.from_torch(torch.optim.RMSprop, lr=1e-3).fused is None
-    init_mp, update_mp = af.mixed_precision(af.adamw(1e-3))  # the mixed-precision wrapper too
+    init_mp, update_mp = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())  # the mixed-precision wrapper too
     assert callable(init_mp) and callable(update_mp)
 
 
@@ -226,7 +226,7 @@ def test_fused_path_checks_shapes_and_names_the_leaf_and_the_tree(method):
 
 
 def test_a_master_from_another_model_is_blamed_not_the_gradients():
-    tx = af.mixed_precision(af.adamw(1e-3))
+    tx = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())
     params = {"w": torch.randn(3, 4).half()}
     other = tx.init({"w": torch.randn(2, 6).half()})
     with pytest.raises(ValueError, match=r"(?s)\A(?=.*state\.master leaf 'w'|.*'w' has shape \(2, 6\) in state\.master)"
@@ -245,7 +245,7 @@ def test_meta_leaves_are_refused_naming_the_leaf():
 
 
 def test_fp64_params_keep_an_fp64_master_never_a_narrower_one():
-    tx = af.mixed_precision(af.sgd(0.0))
+    tx = af.mixed_precision(af.sgd(0.0), af.DynamicLossScale())
     params = {"d": torch.tensor([1.0 + 1e-12], dtype=torch.float64), "h": torch.ones(2, dtype=torch.float16)}
     state = tx.init(params)
     assert state.master["d"].dtype == torch.float64 and state.master["h"].dtype == torch.float32

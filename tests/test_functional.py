@@ -419,7 +419,7 @@ def test_make_train_step_names_a_loss_that_is_not_a_scalar():
 
 def test_make_train_step_refuses_a_mixed_precision_wrapper_and_says_what_to_pass():
     with pytest.raises(TypeError, match="tx.inner"):
-        af.make_train_step(mlp(), lambda f, x: f(x).sum(), af.mixed_precision(af.sgd(0.1)))
+        af.make_train_step(mlp(), lambda f, x: f(x).sum(), af.mixed_precision(af.sgd(0.1), af.DynamicLossScale()))
 
 
 def test_copy_to_module_names_unknown_paths_and_writes_nothing():
@@ -515,7 +515,7 @@ def test_module_trainer_state_round_trips_through_torch_save(tmp_path):
 
 def test_module_trainer_refuses_bad_input_clearly():
     with pytest.raises(TypeError, match="tx.inner"):
-        af.ModuleTrainer(mlp(), af.mixed_precision(af.sgd(0.1)))
+        af.ModuleTrainer(mlp(), af.mixed_precision(af.sgd(0.1), af.DynamicLossScale()))
     frozen = mlp()
     frozen.requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad"):

@@ -120,12 +120,12 @@ def test_the_engine_takes_the_generic_path_for_states_and_dtypes_the_kernels_can
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
     params = _params()
-    tx = af.mixed_precision(af.adamw(1e-3))
+    tx = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())
     tx.step(params, _scaled_grads(0, 2.0**16), tx.init(params))
     assert len(calls) >= 1  # adam_step_checked (the reference composes it of check and adam_step)
     # a state of another optimizer's layout is refused by the inner update, not run by the kernel
     with pytest.raises(TypeError, match="AdamState"):
-        tx.step(params, _scaled_grads(0, 2.0**16), af.mixed_precision(af.sgd(0.1)).init(params))
+        tx.step(params, _scaled_grads(0, 2.0**16), af.mixed_precision(af.sgd(0.1), af.DynamicLossScale()).init(params))
     # fp64 params keep fp64 (no narrower master) and take the generic path
     f64 = {k: v.double() for k, v in params.items()}
     state = tx.init(f64)
@@ -136,7 +136,7 @@ def test_the_engine_takes_the_generic_path_for_states_and_dtypes_the_kernels_can
     # fp64 gradients of fp32 params: the generic path too, the same numbers as an unregistered adamw
     g64 = {k: v.double() for k, v in _scaled_grads(0, 2.0**16).items()}
     a, _ = tx.step(params, g64, tx.init(params))
-    g = af.mixed_precision(_generic(af.adamw(1e-3)))
+    g = af.mixed_precision(_generic(af.adamw(1e-3)), af.DynamicLossScale())
     b, _ = g.step(params, g64, g.init(params))
     assert not calls and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -162,7 +162,7 @@ def test_mixed_precision_takes_the_fused_path_for_native_optimizers_only(monkeyp
     params = _params(torch.float16)
     for inner, fused in [(af.adamw(1e-3), True), (af.from_torch(torch.optim.AdamW, lr=1e-3), False)]:
         calls.clear()
-        tx = af.mixed_precision(inner)
+        tx = af.mixed_precision(inner, af.DynamicLossScale())
         state = tx.init(params)
         tx.step_({k: v.clone() for k, v in params.items()}, _scaled_grads(0, 1.0, torch.float16), state)
         assert len(calls) == (1 if fused else 0)
@@ -221,7 +221,7 @@ def test_pure_step_and_update_take_the_out_of_place_kernel_and_never_the_in_plac
     for name in ("adam_step", "adam_step_", "adam_step_checked"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
-    tx = af.mixed_precision(af.adamw(1e-3))
+    tx = af.mixed_precision(af.adamw(1e-3), af.DynamicLossScale())
     params = _params(torch.bfloat16)
     state = tx.init(params)
     tx.step(params, _scaled_grads(0, 2.0**16, torch.bfloat16), state)

@@ -102,7 +102,7 @@ def test_mixed_precision_keeps_fp64_grads_and_params_in_fp64(loss_scale):
 def test_fp64_params_keep_fp64_through_mixed_precision_update_and_accumulate():
     params = af.tree_map(lambda p: p.double(), make_params())
     grads = _TRAJECTORY.grads_at(params, 0)
-    mp = af.mixed_precision(af.sgd(1e-2, momentum=0.9))
+    mp = af.mixed_precision(af.sgd(1e-2, momentum=0.9), af.DynamicLossScale())
     new, _ = mp.step(params, grads, mp.init(params))
     updates, _ = mp.update(grads, mp.init(params), params)
     assert all(u.dtype == torch.float64 for u in tree_leaves(updates))
