@@ -391,6 +391,15 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, xh1, xs1, wh1, ws1, gh1, gs1, None
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    # dynamo (torch 2.13) takes a tensor that torch.func.grad differentiates directly for one
+    # that needs no grad: when every input of an autograd.Function looks so (a first layer's
+    # input, a weight not cast inside the differentiated function, the state), it inlines the
+    # forward and differentiates through its ops instead of calling backward -- no state
+    # gradient, no e5m2 backward. A view is exact and free, and dynamo sees that it needs grad.
+    return t.view_as(t) if torch.compiler.is_compiling() else t
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: Fp8LinearState,
                recipe: Recipe | None = None, *, backend: str = "auto", group=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as a scaled FP8 matmul; differentiable in ``x``, ``weight``,
@@ -428,6 +437,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
     backend = _resolve_backend(backend, x.device)
     (xh, xs), (wh, ws), (gh, gs) = state
+    x, weight, xh, xs, wh, ws, gh, gs = (_alias(t) for t in (x, weight, xh, xs, wh, ws, gh, gs))
     y = _Fp8Linear.apply(x, weight, xh, xs, wh, ws, gh, gs, _Config(recipe, backend, group))[0]
     return y if bias is None else y + bias.to(y.dtype)
 
