@@ -24,11 +24,15 @@ was given. So the loop differentiates one more argument and keeps what comes bac
 
 The gradient of the state is never scaled by the loss scale nor summed with anything, so
 unscale/check/clip must see only the parameter gradients (pass the state as its own argument).
-Every layer the policy names must run exactly once per differentiated forward (as with
-Transformer Engine): a layer that did not run gets a zero "gradient", which the next step treats
-as an empty history (it falls back to the current amax, see :class:`DelayedScaling`); a layer
-that runs twice (shared, tied, or looped over) raises ``ValueError`` naming it, since its state
-would record the sum of both amaxes.
+A layer that did not run gets a zero "gradient", which the next step treats as an empty history
+(it falls back to the current amax, see :class:`DelayedScaling`). A layer used several times
+before one backward -- shared or looped over, or in several forwards inside one
+:meth:`Fp8Policy.apply` / :meth:`Fp8Policy.autocast` (``make_train_step`` opens one around its
+``loss_fn``) -- records the max of its uses' amaxes, as flax's ``fp32_max_grad`` does: its uses
+are chained so that only the first returns a state "gradient" (autograd would add two). Over a
+:meth:`Fp8Policy.track` ed state the contexts and backwards combine by max too (gradient
+accumulation). Two separate contexts over one untracked state in one backward are refused by
+name in eager mode (``RuntimeError``), since autograd would add their advanced states.
 
 How layers are found: :meth:`Fp8Policy.apply` runs ``torch.func.functional_call`` under a
 ``TorchFunctionMode`` that intercepts ``F.linear`` calls whose weight *is* (by identity) the
@@ -53,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ampfunc.tree import register_state_classes
 
@@ -208,6 +213,25 @@ def _scale_from_amax(amax: torch.Tensor, fallback: torch.Tensor, fp8_max: float,
     return torch.where(valid, scale, fallback)
 
 
+def _used_scale(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Recipe) -> torch.Tensor:
+    """The scale that quantises a tensor of amax ``amax`` now (the first half of :func:`advance_meta`)."""
+    current = _scale_from_amax(amax, torch.ones_like(meta.scale, dtype=torch.float32), fp8_max, recipe)
+    if isinstance(recipe, DelayedScaling):
+        return torch.where(meta.amax_history.to(torch.float32).amax() > 0, meta.scale.to(torch.float32), current)
+    return current
+
+
+def _next_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Recipe) -> Fp8Meta:
+    """The advanced :class:`Fp8Meta` once ``amax`` is recorded (the second half of :func:`advance_meta`)."""
+    history, old_scale = meta.amax_history.to(torch.float32), meta.scale.to(torch.float32)
+    recorded = torch.isfinite(amax) & (amax > 0)
+    new_history = torch.where(recorded, torch.cat([amax.reshape(1), history[:-1]]), history)
+    if isinstance(recipe, DelayedScaling):
+        basis = new_history.amax() if recipe.amax_compute == "max" else new_history[0]
+        return Fp8Meta(new_history, _scale_from_amax(basis, old_scale, fp8_max, recipe))
+    return Fp8Meta(new_history, _scale_from_amax(amax, torch.ones_like(old_scale), fp8_max, recipe))
+
+
 def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Recipe) -> tuple[torch.Tensor, Fp8Meta]:
     """``(scale to quantise with now, next meta)`` for a tensor whose amax is ``amax``.
 
@@ -226,18 +250,7 @@ def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Reci
     Example:
       >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, af.fp8.DelayedScaling())
     """
-    history, old_scale = meta.amax_history.to(torch.float32), meta.scale.to(torch.float32)
-    current = _scale_from_amax(amax, torch.ones_like(old_scale), fp8_max, recipe)
-    recorded = torch.isfinite(amax) & (amax > 0)
-    new_history = torch.where(recorded, torch.cat([amax.reshape(1), history[:-1]]), history)
-    if isinstance(recipe, DelayedScaling):
-        used = torch.where(history.amax() > 0, old_scale, current)
-        basis = new_history.amax() if recipe.amax_compute == "max" else new_history[0]
-        new_scale = _scale_from_amax(basis, old_scale, fp8_max, recipe)
-    else:
-        used = current
-        new_scale = current
-    return used, Fp8Meta(new_history, new_scale)
+    return _used_scale(meta, amax, fp8_max, recipe), _next_meta(meta, amax, fp8_max, recipe)
 
 
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,42 +366,86 @@ class _Config(NamedTuple):
     recipe: Any
     backend: str
     group: Any
+    name: str | None = None  # the layer's path, for errors
+
+
+# The heads (_Fp8Linear) that ran in the current backward, by the id of their state: two heads of
+# one state in one backward would have autograd add their advanced states.
+_HEADS: dict[str, Any] = {"task": None, "states": set()}
+
+
+def _note_head(state_id: int, name: str | None) -> None:
+    task = torch._C._current_graph_task_id()
+    if task != _HEADS["task"]:
+        _HEADS["task"], _HEADS["states"] = task, set()
+    if state_id in _HEADS["states"]:
+        layer = "an fp8_linear state" if name is None else f"layer {name!r}"
+        raise RuntimeError(
+            f"Fp8Policy: the scaling state of {layer} was used by two separate FP8 contexts (two fp8.apply or "
+            "fp8.autocast calls, or fp8_linear calls) that one backward covers: autograd would add their "
+            "advanced states (amax1 + amax2). Run the forwards inside one fp8.autocast(model, state8, params) "
+            "(its uses combine by max), or pass fp8.track(state8) to each context and read fp8.from_grads")
+    _HEADS["states"].add(state_id)
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``x @ w.T`` in fp8; the gradient of the six state tensors is their advanced value."""
+    """``x @ w.T`` in fp8; one use of a layer's state in a chain of uses that combine by max.
+
+    The uses of one layer's state that one backward covers (a layer run twice, or in several
+    forwards before one backward) are chained: each use after the first takes the previous
+    use's ``link`` output as its ``link`` input. In the backward, each use sends down the chain
+    the max of its own amaxes (input, weight, output gradient) and those that came up from the
+    later uses; the first use (``link=None``, the head) then advances the six state tensors once
+    with those maxima and returns them as their "gradient". Only the head returns a state
+    gradient, so autograd has nothing to sum (a sum would record amax1 + amax2). A head given a
+    ``link`` tensor (a tracked state, :meth:`Fp8Policy.track`) returns the maxima there instead.
+    """
 
     @staticmethod
-    def forward(x, w, xh, xs, wh, ws, gh, gs, cfg: _Config):
+    def forward(x, w, xh, xs, wh, ws, gh, gs, link, cfg: _Config):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        x_scale, (xh1, xs1) = advance_meta(Fp8Meta(xh, xs), _amax(x2, cfg.group), _FP8_MAX[E4M3], cfg.recipe)
-        w_scale, (wh1, ws1) = advance_meta(Fp8Meta(wh, ws), _amax(w, cfg.group), _FP8_MAX[E4M3], cfg.recipe)
+        amax_x, amax_w = _amax(x2, cfg.group), _amax(w, cfg.group)
+        x_scale = _used_scale(Fp8Meta(xh, xs), amax_x, _FP8_MAX[E4M3], cfg.recipe)
+        w_scale = _used_scale(Fp8Meta(wh, ws), amax_w, _FP8_MAX[E4M3], cfg.recipe)
         xq, wq = quantize(x2, x_scale, E4M3), quantize(w, w_scale, E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         y = scaled_matmul(xq, wq.t(), x_inv, w_inv, x.dtype, cfg.backend, fast_accum=True)
-        return y.reshape(*x.shape[:-1], w.shape[0]), xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1
+        # The link's value is never read: it only carries the later uses' amaxes back as its gradient.
+        link_out = torch.zeros(3, dtype=torch.float32, device=x.device)
+        return y.reshape(*x.shape[:-1], w.shape[0]), xq, wq, x_inv, w_inv, torch.stack([amax_x, amax_w]), link_out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, _, _, _, _, gh, gs, cfg = inputs
-        _, xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1 = output
-        ctx.save_for_backward(xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1, gh, gs)
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.cfg = cfg
+        x, w, xh, xs, wh, ws, gh, gs, link, cfg = inputs
+        _, xq, wq, x_inv, w_inv, amax_xw, _ = output
+        ctx.save_for_backward(xq, wq, x_inv, w_inv, amax_xw, xh, xs, wh, ws, gh, gs)
+        ctx.mark_non_differentiable(xq, wq, x_inv, w_inv, amax_xw)
+        ctx.cfg, ctx.head, ctx.state_id = cfg, link is None, id(xh)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
 
     @staticmethod
-    def backward(ctx, gy, *_):
-        xq, wq, x_inv, w_inv, xh1, xs1, wh1, ws1, gh, gs = ctx.saved_tensors
+    def backward(ctx, gy, _xq, _wq, _x_inv, _w_inv, _amax_xw, later):
+        xq, wq, x_inv, w_inv, amax_xw, xh, xs, wh, ws, gh, gs = ctx.saved_tensors
         cfg = ctx.cfg
         g2 = gy.reshape(-1, wq.shape[0])
-        g_scale, (gh1, gs1) = advance_meta(Fp8Meta(gh, gs), _amax(g2, cfg.group), _FP8_MAX[E5M2], cfg.recipe)
+        amax_g = _amax(g2, cfg.group)
+        g_scale = _used_scale(Fp8Meta(gh, gs), amax_g, _FP8_MAX[E5M2], cfg.recipe)
         gq = quantize(g2, g_scale, E5M2)
         g_inv = g_scale.reciprocal()
         dx = scaled_matmul(gq, wq, g_inv, w_inv, ctx.x_dtype, cfg.backend).reshape(ctx.x_shape)
         dw = scaled_matmul(gq.t(), xq, g_inv, x_inv, ctx.w_dtype, cfg.backend)
-        return dx, dw, xh1, xs1, wh1, ws1, gh1, gs1, None
+        # max, not sum, over the uses: NaN and inf propagate (an overflow is then not recorded).
+        amaxes = torch.cat([amax_xw, amax_g.reshape(1)])
+        amaxes = amaxes if later is None else torch.maximum(amaxes, later)
+        if not ctx.head:
+            return dx, dw, None, None, None, None, None, None, amaxes, None
+        if not torch.compiler.is_compiling():
+            _note_head(ctx.state_id, cfg.name)
+        (xh1, xs1), (wh1, ws1), (gh1, gs1) = (
+            _next_meta(Fp8Meta(h, s), a, _FP8_MAX[fmt], cfg.recipe)
+            for (h, s), a, fmt in zip(((xh, xs), (wh, ws), (gh, gs)), amaxes.unbind(), (E4M3, E4M3, E5M2)))
+        return dx, dw, xh1, xs1, wh1, ws1, gh1, gs1, None, None
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -398,6 +455,16 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     # forward and differentiates through its ops instead of calling backward -- no state
     # gradient, no e5m2 backward. A view is exact and free, and dynamo sees that it needs grad.
     return t.view_as(t) if torch.compiler.is_compiling() else t
+
+
+def _fp8_linear(x, weight, bias, state: Fp8LinearState, recipe: Recipe, backend: str, group,
+                link: torch.Tensor | None, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, link)``: one use of ``state`` chained after the use whose ``link`` is given."""
+    (xh, xs), (wh, ws), (gh, gs) = state
+    x, weight, xh, xs, wh, ws, gh, gs = (_alias(t) for t in (x, weight, xh, xs, wh, ws, gh, gs))
+    cfg = _Config(recipe, backend, group, name)
+    y, *_, link_out = _Fp8Linear.apply(x, weight, xh, xs, wh, ws, gh, gs, link, cfg)
+    return (y if bias is None else y + bias.to(y.dtype)), link_out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: Fp8LinearState,
@@ -411,8 +478,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``dweight`` as fp8 GEMMs against the saved fp8 operands (in ``x``'s and ``weight``'s dtypes),
     ``dbias`` the sum of the unquantised gradient, and as the "gradient" of ``state`` the advanced
     :class:`Fp8LinearState` (input and weight metadata from the forward, output-gradient metadata
-    from this backward). Cost: amax and cast of ``x`` and ``weight`` (2 reads each), one fp8 GEMM
-    forward and two backward; with ``group`` one 4-byte all-reduce per operand; no host sync.
+    from this backward). One call is one use of ``state``: calls that share a state and one
+    backward would each return an advanced state and autograd would add them, so use
+    :meth:`Fp8Policy.apply` / :meth:`Fp8Policy.autocast`, which combine repeated uses by max.
+    Cost: amax and cast of ``x`` and ``weight`` (2 reads each), one fp8 GEMM forward and two
+    backward; with ``group`` one 4-byte all-reduce per operand; no host sync.
 
     Args:
       x: ``(..., in_features)`` input in the compute dtype.
@@ -435,11 +505,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise TypeError(f"fp8_linear: state must be an Fp8LinearState, got {type(state).__name__}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
-    backend = _resolve_backend(backend, x.device)
-    (xh, xs), (wh, ws), (gh, gs) = state
-    x, weight, xh, xs, wh, ws, gh, gs = (_alias(t) for t in (x, weight, xh, xs, wh, ws, gh, gs))
-    y = _Fp8Linear.apply(x, weight, xh, xs, wh, ws, gh, gs, _Config(recipe, backend, group))[0]
-    return y if bias is None else y + bias.to(y.dtype)
+    return _fp8_linear(x, weight, bias, state, recipe, _resolve_backend(backend, x.device), group, None)[0]
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
@@ -459,13 +525,36 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Fp8Mode(TorchFunctionMode):
-    """Routes ``F.linear`` calls whose weight is one of ``weights`` to :func:`fp8_linear`."""
+class _Collector:
+    """A tracked layer's amaxes (input, weight, output gradient), max-combined over every use and
+    every backward since :meth:`Fp8Policy.track` (a ``.backward()`` per micro-batch adds nothing)."""
 
-    def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], policy: "Fp8Policy"):
+    def __init__(self, device):
+        self.device, self.amaxes, self.recipe = device, None, None
+
+    def link(self, recipe: Recipe) -> torch.Tensor:
+        """A fresh leaf to chain a context's first use of the layer to: its gradient is the max of
+        that context's amaxes, which the hook folds in (a leaf per context: nothing to sum)."""
+        self.recipe = recipe
+        leaf = torch.zeros(3, dtype=torch.float32, device=self.device, requires_grad=True)
+        leaf.register_hook(self._absorb)
+        return leaf
+
+    def _absorb(self, g: torch.Tensor) -> None:
+        g = g.detach()
+        self.amaxes = g if self.amaxes is None else torch.maximum(self.amaxes, g)
+
+
+# Tracked states (Fp8Policy.track), by their input amax history leaf: the layer's collector.
+_TRACKED = WeakTensorKeyDictionary()
+class _Fp8Mode(TorchFunctionMode):
+    """Routes ``F.linear`` calls whose weight is one of ``weights`` to the FP8 linear, chaining
+    the uses of each layer's state so that they combine by max (see :class:`_Fp8Linear`)."""
+
+    def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], links: list, policy: "Fp8Policy"):
         super().__init__()
         self.weights, self.states, self.policy = weights, states, policy
-        self.ran = [False] * len(weights)
+        self.links = links  # per layer: what its next use chains to (None: that use advances the state)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -473,20 +562,17 @@ class _Fp8Mode(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            for i, (weight, state) in enumerate(zip(self.weights, self.states)):
+            for i, weight in enumerate(self.weights):
                 if w is weight:
-                    if self.ran[i]:
-                        # Each run returns the advanced state as the state's "gradient", and
-                        # autograd sums them: the history would record twice the amax.
-                        name = self.policy.layers[i]
-                        raise ValueError(
-                            f"Fp8Policy: layer {name!r} ran twice in one forward (a shared or tied Linear, "
-                            "or a loop over one layer); its scaling state would record the sum of both "
-                            f"amaxes. Keep it out of FP8 (fp8_policy(model, exclude=({name!r},))) or give "
-                            "each use its own layer")
-                    self.ran[i] = True
-                    p = self.policy
-                    return fp8_linear(x, w, b, state, p.recipe, backend=p.backend, group=p.group)
+                    p, name = self.policy, self.policy.layers[i]
+                    if x.shape[-1] != w.shape[-1] or w.dim() != 2:
+                        raise ValueError(f"Fp8Policy: layer {name!r}: input of shape {tuple(x.shape)} does not fit "
+                                         f"weight of shape {tuple(w.shape)}")
+                    y, link = _fp8_linear(x, w, b, self.states[i], p.recipe, _resolve_backend(p.backend, x.device),
+                                          p.group, self.links[i], name)
+                    if link.requires_grad:  # a use that a backward will reach: the next one chains to it
+                        self.links[i] = link
+                    return y
         return func(*args, **kwargs)
 
 
@@ -527,22 +613,25 @@ class Fp8Policy:
         if not isinstance(state, dict) or set(state) != set(self.layers):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"Fp8Policy: state must hold one Fp8LinearState per layer {list(self.layers)}, got {got}")
-        weights = []
+        for name in self.layers:
+            if not isinstance(state[name], Fp8LinearState):
+                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
+        weights, links = [], []
         for name in self.layers:
             key = f"{name}.weight" if name else "weight"
-            if params is not None and key in params:
-                weights.append(params[key])
-            else:
-                weights.append(model.get_submodule(name).weight)
-        return _Fp8Mode(weights, [state[name] for name in self.layers], self)
+            weights.append(params[key] if params is not None and key in params else model.get_submodule(name).weight)
+            collector = None if torch.compiler.is_compiling() else _TRACKED.get(state[name].input.amax_history)
+            links.append(None if collector is None else collector.link(self.recipe))
+        return _Fp8Mode(weights, [state[name] for name in self.layers], links, self)
 
     def apply(self, model: torch.nn.Module, params, state: dict[str, Fp8LinearState], *args, **kwargs):
         """``functional_call(model, params, args, kwargs)`` with the policy's layers in FP8.
 
         ``params`` is what ``functional_call`` takes (a dict path -> tensor, or a tuple of
         dicts, e.g. ``(params, buffers)``); the weight of each named layer is looked up in it by
-        ``"<layer>.weight"`` (else the module's own). Differentiate with respect to ``state``
-        to get the next state (see the module docstring). Pure; no host sync.
+        ``"<layer>.weight"`` (else the module's own). Differentiate with respect to ``state`` to
+        get the next state (see the module docstring). A layer used several times in the call
+        (shared, looped) records the max of its uses' amaxes. Pure; no host sync.
         """
         lookup = params
         if isinstance(params, (tuple, list)):
@@ -556,22 +645,42 @@ class Fp8Policy:
 
         For a loop that calls ``model(x)`` and ``loss.backward()`` (e.g. with
         :class:`ampfunc.ModuleTrainer`): pass ``track(state)`` as ``state`` and read the next
-        state after the backward with :meth:`from_grads`.
+        state after the backward with :meth:`from_grads`. Every use of a layer inside one context
+        (several forwards, a shared layer) records the max of their amaxes, as do the contexts
+        and backwards over one tracked state (gradient accumulation).
         """
         with self._mode(model, params, state):
             yield
 
     @staticmethod
     def track(state: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
-        """Detached copies of ``state``'s tensors with ``requires_grad=True``: after
-        ``loss.backward()`` their ``.grad`` holds the next state (:meth:`from_grads`)."""
-        return {k: _map_meta(v, lambda t: t.detach().clone().requires_grad_(True)) for k, v in state.items()}
+        """Detached copies of ``state``'s tensors with ``requires_grad=True``, to run in
+        :meth:`autocast` (any number of times, with a ``backward()`` after each or one after all:
+        the amaxes combine by max); :meth:`from_grads` then gives the next state."""
+        tracked = {k: _map_meta(v, lambda t: t.detach().clone().requires_grad_(True)) for k, v in state.items()}
+        for v in tracked.values():
+            _TRACKED[v.input.amax_history] = _Collector(v.input.amax_history.device)
+        return tracked
 
     @staticmethod
     def from_grads(tracked: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
-        """The next state from a :meth:`track` ed state after ``backward()``: each tensor's
-        ``.grad`` (the tensor itself where the backward did not reach it)."""
-        return {k: _map_meta(v, lambda t: (t.grad if t.grad is not None else t).detach()) for k, v in tracked.items()}
+        """The next state from a :meth:`track` ed state after the backward(s): each layer's state
+        advanced once with the max of the amaxes its uses recorded (the tracked state itself
+        where no backward reached the layer). Cost: a few small ops per layer; no host sync."""
+        out = {}
+        for k, v in tracked.items():
+            collector = _TRACKED.get(v.input.amax_history)
+            if collector is not None and collector.amaxes is not None:
+                out[k] = Fp8LinearState(*(
+                    _next_meta(_map_tensors(m, torch.Tensor.detach), a, _FP8_MAX[fmt], collector.recipe)
+                    for m, a, fmt in zip(v, collector.amaxes.unbind(), (E4M3, E4M3, E5M2))))
+            else:  # a state not from track(), or one no backward reached: .grad as before
+                out[k] = _map_meta(v, lambda t: (t.grad if t.grad is not None else t).detach())
+        return out
+
+
+def _map_tensors(meta: Fp8Meta, fn) -> Fp8Meta:
+    return Fp8Meta(fn(meta.amax_history), fn(meta.scale))
 
 
 def _map_meta(state: Fp8LinearState, fn) -> Fp8LinearState:

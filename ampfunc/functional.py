@@ -509,11 +509,12 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             inputs, kwargs = policy.cast_to_compute((inputs, kwargs))
             # Each forward works on copies of the buffers it is given, so a pure step never
             # touches the state it was handed; the last forward's buffers are the new ones.
-            with fp8.autocast(model, state8, compute_params) if fp8 is not None else contextlib.nullcontext():
-                out, new_buffers[0] = apply_module(model, compute_params, new_buffers[0], *inputs, **kwargs)
+            out, new_buffers[0] = apply_module(model, compute_params, new_buffers[0], *inputs, **kwargs)
             return policy.cast_to_output(out)
 
-        out = loss_fn(forward, *batch)
+        # One FP8 context for all the forwards loss_fn makes: their uses of a layer combine by max.
+        with fp8.autocast(model, state8, compute_params) if fp8 is not None else contextlib.nullcontext():
+            out = loss_fn(forward, *batch)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"make_train_step(has_aux=True): loss_fn must return (loss, aux), got {type(out).__name__}")

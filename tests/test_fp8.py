@@ -335,27 +335,6 @@ def test_make_train_step_carries_the_fp8_state():
         af.make_train_step(model, lambda fwd, x: fwd(x).sum(), af.adamw(1e-2), fp8="fp8")
 
 
-def test_a_layer_that_runs_twice_in_one_forward_is_refused_by_name():
-    # Its state's "gradient" would be the sum of two advanced states: twice the amax.
-    class Twice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.shared, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
-
-        def forward(self, x):
-            return self.head(torch.relu(self.shared(torch.relu(self.shared(x)))))
-
-    model = Twice()
-    fp8 = af.fp8.fp8_policy(model, backend="emulate")
-    x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"layer 'shared' ran twice"):
-        fp8.apply(model, af.params_of(model), fp8.init(), x)
-    with pytest.raises(ValueError, match=r"layer 'shared' ran twice"), fp8.autocast(model, fp8.track(fp8.init())):
-        model(x)
-    once = af.fp8.fp8_policy(model, exclude=("shared",), backend="emulate")  # the way out the message names
-    assert once.apply(model, af.params_of(model), once.init(), x).shape == (4, 2)
-
-
 # -- one graph under torch.compile ------------------------------------------------------------------
 
 

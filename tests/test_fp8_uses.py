@@ -1,12 +1,13 @@
 """FP8 layers used in ways beyond one plain forward (ampfunc/fp8.py): a compiled step whose weights
-are differentiated directly.
+are differentiated directly, several uses of one scaling state before one backward (combined by
+max).
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import grad
+from torch.func import functional_call, grad
 
 import ampfunc as af
 from ampfunc import fp8 as f8
@@ -110,3 +111,138 @@ def test_inductor_step_with_fp8_steps_like_eager():
 
     u, v = update(eager), update(comp)
     assert float(u @ v / (u.norm() * v.norm())) > 0.95
+
+
+# -- several uses of one state before one backward: amaxes combine by max ---------------------------
+
+
+def one_layer_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+
+
+def combined_by_max(a: f8.Fp8LinearState, b: f8.Fp8LinearState) -> f8.Fp8LinearState:
+    """What advancing one initial state with max(amax_a, amax_b) gives, from the states that
+    advancing it with amax_a and with amax_b gave: per operand, the one with the larger amax."""
+    return f8.Fp8LinearState(*(u if u.amax_history[0] >= v.amax_history[0] else v for u, v in zip(a, b)))
+
+
+def test_make_train_step_forwarding_twice_records_the_max_of_both_amaxes():
+    model = one_layer_model()
+    pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+
+    def step(loss_fn, *batch):
+        train = af.make_train_step(model, loss_fn, af.sgd(0.0), "p=f32,c=f32,o=f32", fp8=pol)
+        return train.step(train.init(), *batch)[0].fp8["0"]
+
+    single = lambda fwd, x, y: F.cross_entropy(fwd(x), y)
+    both = step(lambda fwd, x1, x2, y1, y2: single(fwd, x1, y1) + single(fwd, x2, y2), x1, x2, y1, y2)
+    assert_trees_equal(both, combined_by_max(step(single, x1, y1), step(single, x2, y2)))
+    # (the input's amaxes differ: x2 is twice as wide; a sum would have recorded 3x)
+    assert float(both.input.amax_history[0]) == float(x2.abs().max()) != float(x1.abs().max())
+
+
+@pytest.mark.slow
+def test_compiled_make_train_step_forwarding_twice_equals_eager():
+    torch._dynamo.reset()
+    model = one_layer_model()
+    pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+    train = af.make_train_step(model, lambda fwd, x1, x2, y1, y2: F.cross_entropy(fwd(x1), y1) + F.cross_entropy(fwd(x2), y2),
+                               af.sgd(0.0), "p=f32,c=f32,o=f32", fp8=pol)
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+    eager, _ = train.step(train.init(), x1, x2, y1, y2)
+    comp, _ = torch.compile(train.step, fullgraph=True, backend="aot_eager")(train.init(), x1, x2, y1, y2)
+    assert_trees_equal(eager.fp8, comp.fp8)
+    assert float(comp.fp8["0"].input.amax_history[0]) == float(x2.abs().max())
+
+
+def test_gradient_accumulation_with_backward_per_micro_batch_records_the_max():
+    # The README's .backward() recipe: track once, autocast and backward per micro-batch, from_grads.
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+
+    def accumulate(micro_batches):
+        model = one_layer_model()
+        pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+        live = pol.track(pol.init())
+        for x, y in micro_batches:
+            with pol.autocast(model, live):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        return pol.from_grads(live)["0"], model[0].weight.grad
+
+    both, wgrad = accumulate([(x1, y1), (x2, y2)])
+    (one, g1), (two, g2) = accumulate([(x1, y1)]), accumulate([(x2, y2)])
+    assert_trees_equal(both, combined_by_max(one, two))
+    assert torch.equal(wgrad, g1 + g2)  # the parameter gradients still add up
+    assert not any(t.requires_grad for t in leaves(both))
+
+
+def test_two_contexts_before_one_backward_on_a_tracked_state_record_the_max():
+    model = one_layer_model()
+    pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+    live = pol.track(pol.init())
+    losses = []
+    for x, y in [(x1, y1), (x2, y2)]:
+        with pol.autocast(model, live):
+            losses.append(F.cross_entropy(model(x), y))
+    sum(losses).backward()
+    got = pol.from_grads(live)["0"]
+
+    ref = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.sgd(0.0), "p=f32,c=f32,o=f32",
+                             fp8=pol)
+    one, two = (ref.step(ref.init(), x, y)[0].fp8["0"] for x, y in [(x1, y1), (x2, y2)])
+    assert_trees_equal(got, combined_by_max(one, two))
+
+
+class Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.shared(torch.relu(self.shared(x)))))
+
+
+def test_a_layer_run_twice_in_one_forward_records_the_max_of_its_uses():
+    model = Looped()
+    pol = f8.fp8_policy(model, exclude=("head",), backend="emulate")
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    _, new8 = grad(lambda p, s: F.cross_entropy(pol.apply(model, p, s, x), y), argnums=(0, 1))(
+        af.params_of(model), pol.init())
+    # The stateful path (module hooks see each use) gives the same state, bit for bit.
+    inputs, out_grads = [], []
+    model.shared.register_forward_hook(lambda m, i, o: inputs.append(i[0].detach()))
+    model.shared.register_full_backward_hook(lambda m, gi, go: out_grads.append(go[0].detach()))
+    live = pol.track(pol.init())
+    with pol.autocast(model, live):
+        F.cross_entropy(model(x), y).backward()
+    assert_trees_equal(pol.from_grads(live), new8)
+    st = new8["shared"]
+    assert len(inputs) == len(out_grads) == 2
+    assert float(st.input.amax_history[0]) == max(float(t.abs().max()) for t in inputs)
+    assert float(st.grad_output.amax_history[0]) == max(float(t.abs().max()) for t in out_grads)
+    assert float(st.weight.amax_history[0]) == float(model.shared.weight.abs().max())  # once, not twice
+
+
+def test_two_fp8_apply_calls_over_one_state_in_one_backward_are_refused_by_name():
+    model = one_layer_model()
+    pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+    params = af.params_of(model)
+
+    def two_applies(p, s):
+        return (F.cross_entropy(pol.apply(model, p, s, x1), y1) + F.cross_entropy(pol.apply(model, p, s, x2), y2))
+
+    with pytest.raises(RuntimeError, match=r"layer '0' was used by two separate FP8 contexts.*fp8.autocast"):
+        grad(two_applies, argnums=(0, 1))(params, pol.init())
+
+    def one_context(p, s):  # the way the message names
+        with pol.autocast(model, s, p):
+            return (F.cross_entropy(functional_call(model, p, (x1,)), y1)
+                    + F.cross_entropy(functional_call(model, p, (x2,)), y2))
+
+    _, new8 = grad(one_context, argnums=(0, 1))(params, pol.init())
+    assert float(new8["0"].input.amax_history[0]) == float(x2.abs().max())
