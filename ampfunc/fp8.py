@@ -36,8 +36,10 @@ name in eager mode (``RuntimeError``), since autograd would add their advanced s
 
 How layers are found: :meth:`Fp8Policy.apply` runs ``torch.func.functional_call`` under a
 ``TorchFunctionMode`` that intercepts ``F.linear`` calls whose weight *is* (by identity) the
-weight of a named layer; the model is never modified. :meth:`Fp8Policy.autocast` does the same
-around a stateful forward. Both trace as one graph under ``torch.compile(fullgraph=True)``.
+weight of a named layer (a weight tied to another parameter is found under that parameter's
+path); the model is never modified. :meth:`Fp8Policy.autocast` does the same around a stateful
+forward. Both trace as one graph under ``torch.compile(fullgraph=True)``. Linears sharing one
+weight are refused by :func:`fp8_policy`.
 
 Matmuls: ``torch._scaled_mm`` (CUDA sm89+/sm90 and CPU in recent torch) with the dequant scales
 ``1/scale``; its second operand is made column-major and dims padded to multiples of 16 where
@@ -618,8 +620,7 @@ class Fp8Policy:
                 raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
         weights, links = [], []
         for name in self.layers:
-            key = f"{name}.weight" if name else "weight"
-            weights.append(params[key] if params is not None and key in params else model.get_submodule(name).weight)
+            weights.append(_weight_in(model, name, params))
             collector = None if torch.compiler.is_compiling() else _TRACKED.get(state[name].input.amax_history)
             links.append(None if collector is None else collector.link(self.recipe))
         return _Fp8Mode(weights, [state[name] for name in self.layers], links, self)
@@ -629,9 +630,10 @@ class Fp8Policy:
 
         ``params`` is what ``functional_call`` takes (a dict path -> tensor, or a tuple of
         dicts, e.g. ``(params, buffers)``); the weight of each named layer is looked up in it by
-        ``"<layer>.weight"`` (else the module's own). Differentiate with respect to ``state`` to
-        get the next state (see the module docstring). A layer used several times in the call
-        (shared, looped) records the max of its uses' amaxes. Pure; no host sync.
+        ``"<layer>.weight"``, or by the path of the parameter it is tied to (else the module's
+        own). Differentiate with respect to ``state`` to get the next state (see the module
+        docstring). A layer used several times in the call (shared, looped) records the max of
+        its uses' amaxes. Pure; no host sync.
         """
         lookup = params
         if isinstance(params, (tuple, list)):
@@ -677,6 +679,22 @@ class Fp8Policy:
             else:  # a state not from track(), or one no backward reached: .grad as before
                 out[k] = _map_meta(v, lambda t: (t.grad if t.grad is not None else t).detach())
         return out
+
+
+def _weight_in(model: torch.nn.Module, name: str, params) -> torch.Tensor:
+    """The tensor ``functional_call(model, params, ...)`` hands to layer ``name``'s ``F.linear``."""
+    key = f"{name}.weight" if name else "weight"
+    own = model.get_submodule(name).weight
+    if params is None:
+        return own
+    if key in params:
+        return params[key]
+    # A tied weight (head.weight = emb.weight) is listed once, under the other path (params_of,
+    # named_parameters), and functional_call (tie_weights=True) hands that entry to this layer.
+    for path, p in model.named_parameters(remove_duplicate=False):
+        if p is own and path in params:
+            return params[path]
+    return own
 
 
 def _map_tensors(meta: Fp8Meta, fn) -> Fp8Meta:
@@ -728,4 +746,16 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
     if not layers:
         raise ValueError("fp8_policy: no nn.Linear layer left to run in FP8 "
                          f"(exclude={list(exclude)}, include={include})")
+    # FP8 finds a layer by its weight tensor (identity): Linears sharing one weight would all run
+    # on the state of the first one named, an excluded one included.
+    sharing: dict[int, list[str]] = {}
+    for path, m in modules.items():
+        if isinstance(m, torch.nn.Linear):
+            sharing.setdefault(id(m.weight), []).append(path)
+    for path in layers:
+        tied = sharing[id(modules[path].weight)]
+        if len(tied) > 1:
+            raise ValueError(f"fp8_policy: the Linear layers {tied} share one weight tensor: FP8 finds a layer by "
+                             "its weight, so all of them would run in FP8 on one scaling state. Keep them out "
+                             f"of FP8 (exclude={tuple(tied)!r}) or give each its own weight")
     return Fp8Policy(layers, DelayedScaling() if recipe is None else recipe, backend, group)

@@ -1,6 +1,6 @@
 """FP8 layers used in ways beyond one plain forward (ampfunc/fp8.py): a compiled step whose weights
 are differentiated directly, several uses of one scaling state before one backward (combined by
-max).
+max), a Linear tied to another parameter.
 """
 
 import pytest
@@ -246,3 +246,50 @@ def test_two_fp8_apply_calls_over_one_state_in_one_backward_are_refused_by_name(
 
     _, new8 = grad(one_context, argnums=(0, 1))(params, pol.init())
     assert float(new8["0"].input.amax_history[0]) == float(x2.abs().max())
+
+
+# -- a Linear tied to another parameter -------------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid, self.head = nn.Embedding(30, 16), nn.Linear(16, 16), nn.Linear(16, 30, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def test_a_linear_tied_to_an_embedding_runs_in_fp8_on_every_path():
+    model = TiedLM()
+    pol = f8.fp8_policy(model, backend="emulate")
+    assert pol.layers == ("mid", "head") and "head.weight" not in af.params_of(model)
+    x, y = torch.randint(0, 30, (4, 7)), torch.randint(0, 30, (4, 7))
+    loss = lambda out: F.cross_entropy(out.reshape(-1, 30), y.reshape(-1))
+    params = af.params_of(model)
+    grads, new8 = grad(lambda p, s: loss(pol.apply(model, p, s, x)), argnums=(0, 1))(params, pol.init())
+    assert float(new8["head"].input.amax_history[0]) > 0  # it ran in FP8
+    # the same numbers as the stateful path, which uses the module's own (tied) Parameter
+    live = pol.track(pol.init())
+    with pol.autocast(model, live):
+        loss(model(x)).backward()
+    assert_trees_equal(pol.from_grads(live), new8)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name
+    # and make_train_step's state advances it too
+    train = af.make_train_step(model, lambda fwd, x, y: loss(fwd(x)), af.sgd(0.0), "p=f32,c=f32,o=f32", fp8=pol)
+    st, _ = train.step(train.init(), x, y)
+    assert_trees_equal(st.fp8, new8)
+
+
+def test_linears_sharing_one_weight_are_refused_by_name():
+    model = Looped()
+    model.other = nn.Linear(8, 8)
+    model.other.weight = model.shared.weight
+    with pytest.raises(ValueError, match=r"\['shared', 'other'\] share one weight"):
+        f8.fp8_policy(model, exclude=("head",))
+    with pytest.raises(ValueError, match=r"share one weight"):  # an excluded one would still run in FP8
+        f8.fp8_policy(model, exclude=("head", "other"))
+    assert f8.fp8_policy(model, exclude=("shared", "other")).layers == ("head",)
