@@ -39,7 +39,8 @@ How layers are found: :meth:`Fp8Policy.apply` runs ``torch.func.functional_call`
 weight of a named layer (a weight tied to another parameter is found under that parameter's
 path); the model is never modified. :meth:`Fp8Policy.autocast` does the same around a stateful
 forward. Both trace as one graph under ``torch.compile(fullgraph=True)``. Linears sharing one
-weight are refused by :func:`fp8_policy`.
+weight are refused by :func:`fp8_policy`; a named layer inside ``torch.utils.checkpoint`` within
+the context is refused when it runs (the recomputation would run outside the context).
 
 Matmuls: ``torch._scaled_mm`` (CUDA sm89+/sm90 and CPU in recent torch) with the dequant scales
 ``1/scale``; its second operand is made column-major and dims padded to multiples of 16 where
@@ -53,10 +54,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import sys
 from typing import Any, Iterable, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -549,6 +553,19 @@ class _Collector:
 
 # Tracked states (Fp8Policy.track), by their input amax history leaf: the layer's collector.
 _TRACKED = WeakTensorKeyDictionary()
+# torch.utils.checkpoint's own code (under its dynamo-disabling wrapper), to find it on the stack.
+_CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+
+def _checkpoint_depth() -> int:
+    """How many torch.utils.checkpoint calls the current Python stack is inside."""
+    depth, frame = 0, sys._getframe(1)
+    while frame is not None:
+        depth += frame.f_code is _CHECKPOINT_CODE
+        frame = frame.f_back
+    return depth
+
+
 class _Fp8Mode(TorchFunctionMode):
     """Routes ``F.linear`` calls whose weight is one of ``weights`` to the FP8 linear, chaining
     the uses of each layer's state so that they combine by max (see :class:`_Fp8Linear`)."""
@@ -557,6 +574,12 @@ class _Fp8Mode(TorchFunctionMode):
         super().__init__()
         self.weights, self.states, self.policy = weights, states, policy
         self.links = links  # per layer: what its next use chains to (None: that use advances the state)
+        self.checkpoints = None
+
+    def __enter__(self):
+        if not torch.compiler.is_compiling():
+            self.checkpoints = _checkpoint_depth()
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -567,6 +590,16 @@ class _Fp8Mode(TorchFunctionMode):
             for i, weight in enumerate(self.weights):
                 if w is weight:
                     p, name = self.policy, self.policy.layers[i]
+                    if self.checkpoints is not None and not torch.compiler.is_compiling() \
+                            and _checkpoint_depth() > self.checkpoints:
+                        raise RuntimeError(
+                            f"Fp8Policy: layer {name!r} runs inside torch.utils.checkpoint, within the FP8 context: "
+                            "the checkpoint recomputes it in the backward, outside that context, as a plain "
+                            "F.linear (use_reentrant=False then fails on a different number of saved tensors; "
+                            "use_reentrant=True takes its weight gradient from the plain matmul and never "
+                            "advances its scaling state). Checkpoint a region that enters FP8 itself (call "
+                            "fp8.apply inside the checkpointed function), or keep the layer out of FP8 "
+                            f"(fp8_policy(model, exclude=({name!r},)))")
                     if x.shape[-1] != w.shape[-1] or w.dim() != 2:
                         raise ValueError(f"Fp8Policy: layer {name!r}: input of shape {tuple(x.shape)} does not fit "
                                          f"weight of shape {tuple(w.shape)}")

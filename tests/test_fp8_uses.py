@@ -1,6 +1,6 @@
 """FP8 layers used in ways beyond one plain forward (ampfunc/fp8.py): a compiled step whose weights
 are differentiated directly, several uses of one scaling state before one backward (combined by
-max), a Linear tied to another parameter.
+max), a Linear tied to another parameter, and activation checkpointing.
 """
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad
+from torch.utils.checkpoint import checkpoint
 
 import ampfunc as af
 from ampfunc import fp8 as f8
@@ -293,3 +294,49 @@ def test_linears_sharing_one_weight_are_refused_by_name():
     with pytest.raises(ValueError, match=r"share one weight"):  # an excluded one would still run in FP8
         f8.fp8_policy(model, exclude=("head", "other"))
     assert f8.fp8_policy(model, exclude=("shared", "other")).layers == ("head",)
+
+
+# -- activation checkpointing ------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.reentrant = nn.Linear(32, 64), nn.Linear(64, 10), reentrant
+
+    def forward(self, x):
+        return self.b(checkpoint(lambda t: F.gelu(self.a(t)), x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_layer_checkpointed_inside_the_fp8_context_is_refused_by_name(reentrant):
+    # The recomputation would run it outside the context, as a plain F.linear.
+    model = Checkpointed(reentrant)
+    pol = f8.fp8_policy(model, exclude=("b",), backend="emulate")
+    train = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.sgd(0.1), fp8=pol)
+    state = train.init()
+    before = [t.clone() for t in leaves(state)]
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with pytest.raises(RuntimeError, match=r"layer 'a' runs inside torch.utils.checkpoint"):
+        train.step(state, x, y)
+    assert_trees_equal(before, leaves(state))
+    live = pol.track(pol.init())
+    with pytest.raises(RuntimeError, match=r"layer 'a' runs inside torch.utils.checkpoint"), pol.autocast(model, live):
+        model(x)
+
+
+def test_checkpointing_a_region_that_enters_fp8_itself_matches_no_checkpoint():
+    model = one_layer_model()
+    pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+    x, y = batches(1, batch=8)[0]
+
+    def run(wrap):
+        params = {k: v.detach().requires_grad_() for k, v in af.params_of(model).items()}
+        live = pol.track(pol.init())
+        F.cross_entropy(wrap(lambda t: pol.apply(model, params, live, t), x), y).backward()
+        return {k: p.grad for k, p in params.items()}, pol.from_grads(live)
+
+    plain = run(lambda f, t: f(t))
+    checkpointed = run(lambda f, t: checkpoint(f, t, use_reentrant=False))
+    assert_trees_equal(plain, checkpointed)
