@@ -187,6 +187,12 @@ def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_au
     """
     if not callable(loss_fn):
         raise TypeError(f"value_and_grad: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(argnums, bool) or (isinstance(argnums, tuple) and any(isinstance(a, bool) for a in argnums)):
+        # a bool is an int to torch.func (True is argument 1): the usual slip is
+        # value_and_grad(loss_fn, True) meant as has_aux, which would differentiate the wrong argument
+        raise TypeError(f"value_and_grad: argnums must be an int or a tuple of ints, got {argnums!r} (the "
+                        "signature is value_and_grad(loss_fn, argnums=0, has_aux=False), as torch.func's: pass "
+                        "has_aux=True by keyword)")
 
     def scaled(loss_scale, *args, **kwargs):
         out = loss_fn(*args, **kwargs)
@@ -592,7 +598,9 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # lets a custom op that mutates the input (the scale update) write it in place, so the
         # "copy" would read the updated scale (the remove_noop_ops bugs pytorch/pytorch#198131 and
         # #198031); a stack is a real copy.
-        used_scale = torch.stack([_scale_on(ls, state.finite.device)])[0]
+        # (A state built with the old four fields has no `finite` yet: the params' device.)
+        device = state.finite.device if state.finite is not None else _first_device(state.params)
+        used_scale = torch.stack([_scale_on(ls, device)])[0]
         grads, new8, loss, new_buffers, aux = gradients(state, batch)
         mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
         # Validates everything before its first write; the writes below come after it.
@@ -613,6 +621,12 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
 
     step._inplace = step_
     return TrainStep(init, step)
+
+
+def _first_device(params: PyTree) -> torch.device:
+    """The device of the first tensor leaf of ``params`` (the CPU when there is none)."""
+    leaf = next((t for t in tree_leaves(params) if isinstance(t, torch.Tensor)), None)
+    return leaf.device if leaf is not None else torch.device("cpu")
 
 
 def _scale_on(ls: LossScale, device) -> torch.Tensor:

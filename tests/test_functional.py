@@ -411,6 +411,32 @@ def test_eager_make_train_step_differentiates_by_autograd_with_torch_funcs_numbe
         assert not x.aux.requires_grad and x.aux.grad_fn is None and not x.loss.requires_grad
 
 
+def test_value_and_grad_refuses_a_bool_argnums_the_slip_of_passing_has_aux_positionally():
+    def loss_fn(w, x):
+        return (w * x).sum()
+    with pytest.raises(TypeError, match=r"argnums must be an int.*has_aux=True by keyword"):
+        af.value_and_grad(loss_fn, True)
+    with pytest.raises(TypeError, match=r"argnums"):
+        af.value_and_grad(loss_fn, (0, False))
+    loss, grads, _ = af.value_and_grad(loss_fn, 1)(af.NoOpLossScale(), torch.ones(3), torch.full((3,), 2.0))
+    assert torch.equal(grads, torch.ones(3))  # d/dx, as asked
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_make_train_step_takes_a_train_state_built_with_the_old_four_fields(inplace):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = af.make_train_step(model, lambda f, x: f(x).sum(), af.adamw(1e-3), loss_scale=af.DynamicLossScale())
+    x = torch.randn(2, 3)
+    want, want_out = train.step(train.init(), x)
+    old = af.TrainState(*train.init()[:4])
+    assert old.finite is None and old.skipped is None
+    new, out = (train.step_ if inplace else train.step)(old, x)
+    assert bool(new.finite) and int(new.skipped) == 0
+    assert all(torch.equal(new.params[k], want.params[k]) for k in want.params)
+    assert float(out.loss_scale) == float(want_out.loss_scale)
+
+
 def test_make_train_step_names_a_loss_that_is_not_a_scalar():
     train = af.make_train_step(mlp(), lambda f, x: f(x), af.sgd(0.1))
     with pytest.raises(ValueError, match=r"scalar \(0-d\) loss, got shape \(8, 3\)"):
