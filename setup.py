@@ -35,8 +35,32 @@ EXT = ROOT / "ext"
 SOURCE_SUFFIXES = (".cpp", ".h", ".hpp", ".cu", ".cuh")
 
 
-def _flag(name):
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+def _flag(name, default=False):
+    """A switch spelt as ``ampfunc._build.env_flag`` takes them (that module needs torch, which an
+    isolated build lacks): 1/true/yes/on or 0/false/no/off; anything else stops the build, naming it."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"setup.py: {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off (or unset)")
+
+
+def _check_setuptools():
+    """pyproject.toml's ``license = "Apache-2.0"`` (PEP 639) needs setuptools 77; an older one in
+    a --no-build-isolation build would fail with a schema error that does not say so."""
+    import setuptools
+
+    try:
+        major = int(setuptools.__version__.split(".")[0])
+    except ValueError:
+        return
+    if major < 77:
+        raise SystemExit(f"setup.py: setuptools {setuptools.__version__} is too old for this project's metadata "
+                         f"(PEP 639 license); pip install 'setuptools>=77' (an isolated build gets it itself)")
 
 
 class BuildPyWithSources(build_py):
@@ -74,8 +98,12 @@ def _ahead_of_time():
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
 
-    with_cuda = (os.environ.get("AMPFUNC_EXT_CUDA", "1").strip() != "0" and torch.version.cuda is not None
-                 and cpp_extension.CUDA_HOME is not None)
+    try:
+        build.check_march(ahead_of_time=True)  # a -march the compiler refuses, by its variable's name
+        with_cuda = (build.env_flag("AMPFUNC_EXT_CUDA", default=True) and torch.version.cuda is not None
+                     and cpp_extension.CUDA_HOME is not None)
+    except ValueError as exc:
+        raise SystemExit(f"setup.py: {exc}") from None
     cflags = build.cpu_flags(ahead_of_time=True) + ["-g0"]  # -g0: Python's own CFLAGS ask for debug info (20x the size)
     record = build.build_record(EXT, with_cuda, cflags)
     if record["march"] == "native":
@@ -105,6 +133,7 @@ def _ahead_of_time():
     return [module], BuildExtWithRecord
 
 
+_check_setuptools()
 cmdclass = {"build_py": BuildPyWithSources}
 ext_modules = []
 if _flag("AMPFUNC_BUILD_EXT"):

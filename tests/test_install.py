@@ -3,6 +3,7 @@ and the installed package builds (or, from this session's cache, loads) them exa
 checkout does. ``.ci/run`` goes further: a truly fresh virtual environment, torch from the wheel
 on disk, and the whole suite against the installed package (AMPFUNC_EXPECT_INSTALLED=1)."""
 
+import hashlib
 import os
 import site
 import subprocess
@@ -18,7 +19,7 @@ import ampfunc
 from ampfunc import _build, ops
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
+PROJECT_FILES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE")
 
 
 def test_the_suite_imports_the_installed_package_when_ci_says_it_does():
@@ -29,6 +30,31 @@ def test_the_suite_imports_the_installed_package_when_ci_says_it_does():
     assert "site-packages" in here.parts
     assert (here.parent / "_ext" / "bindings.cpp").is_file()  # the shipped sources
     assert ops.backend() != "reference", ops.backend_reason()
+
+
+def _pyproject() -> dict:
+    if not (CHECKOUT / "pyproject.toml").is_file():
+        pytest.skip("needs a source checkout")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((CHECKOUT / "pyproject.toml").read_text())
+
+
+def test_a_plain_install_brings_ninja_which_the_kernel_build_needs():
+    # torch.utils.cpp_extension builds with ninja; only the extras had it, so a plain
+    # `pip install ampfunc` on a machine without a system ninja silently ran the reference.
+    deps = _pyproject()["project"]["dependencies"]
+    assert any(d.replace(" ", "").lower().startswith("ninja") for d in deps), deps
+
+
+# The Apache License 2.0 as apache.org publishes it (LICENSE-2.0.txt).
+_APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_the_declared_license_ships_in_full():
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (CHECKOUT / "LICENSE").read_bytes()
+    assert hashlib.sha256(text).hexdigest() == _APACHE_2_SHA256, "LICENSE is not the verbatim Apache 2.0 text"
 
 
 def _copy_project(dst: Path) -> Path:
@@ -67,7 +93,7 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
         tar.extractall(tmp_path / "unpacked", filter="data")
     root = sdist.name.removesuffix(".tar.gz")
     assert f"{root}/ext/bindings.cpp" in names and f"{root}/ext/cpu/kernels.cpp" in names
-    assert f"{root}/setup.py" in names
+    assert f"{root}/setup.py" in names and f"{root}/LICENSE" in names
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
           str(tmp_path / "unpacked" / root)], env=dict(os.environ, AMPFUNC_BUILD_EXT="0"))
     (wheel,) = dist.glob("ampfunc-*-py3-none-any.whl")
@@ -75,6 +101,8 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     expected = {"ampfunc/_ext/" + p.relative_to(CHECKOUT / "ext").as_posix()
                 for p in (CHECKOUT / "ext").rglob("*") if p.suffix in _build._SOURCE_SUFFIXES}
     assert shipped == expected
+    licenses = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" in n and n.endswith("/LICENSE")]
+    assert licenses and zipfile.ZipFile(wheel).read(licenses[0]) == (CHECKOUT / "LICENSE").read_bytes()
 
     # Reuses this interpreter's torch (the truly fresh path is .ci/run's); outside the checkout.
     # A .pth line puts this environment's site-packages after the new venv's own, whether this
