@@ -24,7 +24,6 @@ import contextlib
 import gc
 import math
 import operator
-import os
 import re
 from typing import Sequence
 
@@ -81,8 +80,9 @@ def load() -> str:
     if _BACKEND[0] is None:
         from ampfunc import _build
 
+        direct = _build.env_flag("AMPFUNC_DIRECT", default=True)  # read first: a misspelling loads nothing
         _BACKEND[0], _BACKEND[1] = _build.load()
-        if _BACKEND[0] != "reference" and os.environ.get("AMPFUNC_DIRECT", "1").strip() != "0":
+        if _BACKEND[0] != "reference" and direct:
             _DIRECT[0] = _build.direct_module()
     return _BACKEND[0]
 

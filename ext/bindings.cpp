@@ -442,9 +442,40 @@ class OutputPool final : public c10::Allocator {
  public:
   static constexpr size_t kHeader = 64;  // block size stored in front of the data, alignment kept
 
-  OutputPool() {
+  OutputPool() : limit_(limit_from_env()) {}
+
+  // AMPFUNC_CPU_POOL_MB: a whole number of MB, as ampfunc._build.cpu_pool_mb accepts (it refuses
+  // a bad value by name before the library loads; this covers one set after loading). strtoull
+  // read "2G" as 2, "abc" as 0 (pool off), "-1" as 2^64-1 and wrapped large values: anything
+  // but digits, or more MB than pool_stats' int64 holds in bytes, keeps the default, with a warning.
+  static size_t limit_from_env() {
+    constexpr size_t kDefaultMb = 2048;
     const char* env = std::getenv("AMPFUNC_CPU_POOL_MB");
-    limit_ = (env && *env ? static_cast<size_t>(std::strtoull(env, nullptr, 10)) : size_t{2048}) << 20;
+    if (!env) return kDefaultMb << 20;
+    const std::string raw(env);
+    const char* space = " \t\n\r\f\v";
+    const size_t first = raw.find_first_not_of(space);
+    if (first == std::string::npos) return kDefaultMb << 20;  // empty: the default
+    const std::string digits = raw.substr(first, raw.find_last_not_of(space) - first + 1);
+    constexpr size_t kMaxMb = static_cast<size_t>(std::numeric_limits<int64_t>::max()) >> 20;
+    size_t mb = 0;
+    bool ok = true;
+    for (char c : digits) {
+      const size_t d = static_cast<size_t>(c - '0');
+      if (c < '0' || c > '9' || mb > (kMaxMb - d) / 10) {
+        ok = false;
+        break;
+      }
+      mb = mb * 10 + d;
+    }
+    if (!ok) {
+      std::fprintf(stderr,
+                   "ampfunc: AMPFUNC_CPU_POOL_MB='%s' is not a whole number of megabytes (at most %zu); using "
+                   "the default %zu MB (0 turns the CPU output pool off)\n",
+                   env, kMaxMb, kDefaultMb);
+      return kDefaultMb << 20;
+    }
+    return mb << 20;
   }
 
   bool enabled() const { return limit_ > 0; }
