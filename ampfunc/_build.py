@@ -481,7 +481,7 @@ def _check_compiler() -> None:
     except ValueError:
         return  # unbalanced quotes in CXX: the build says what it makes of it
     if cxx and shutil.which(cxx[0]) is None:
-        setting = f"CXX={os.environ['CXX']!r}" if os.environ.get("CXX", "").strip() else "the default c++"
+        setting = f"CXX={os.environ['CXX']!r}" if os.environ.get("CXX", "").strip() else "the default; CXX is unset"
         raise RuntimeError(f"no C++ compiler: {cxx[0]!r} ({setting}) is not on PATH; install g++ or clang++, "
                            f"or set CXX to one")
 
