@@ -791,7 +791,7 @@ std::vector<Tensor> packed_empty_like(const Tensors& ts, at::ScalarType dtype) {
 ampfunc::cpu::SgdHyper sgd_hyper(float grad_scale, double lr, double weight_decay, double momentum, double dampening,
                                  bool nesterov, bool maximize, bool first_step) {
   return {grad_scale, static_cast<float>(lr), static_cast<float>(weight_decay), static_cast<float>(momentum),
-          static_cast<float>(dampening), nesterov, maximize, first_step};
+          static_cast<float>(1.0 - dampening), nesterov, maximize, first_step};
 }
 
 void sgd_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& momentum_buffers, const Tensors& model_params,
@@ -1008,7 +1008,7 @@ SgdUpdateOut sgd_update_cpu(const Tensors& params, const Tensors& grads, const T
                            static_cast<float>(lr),
                            static_cast<float>(weight_decay),
                            static_cast<float>(momentum),
-                           static_cast<float>(dampening),
+                           static_cast<float>(1.0 - dampening),
                            nesterov,
                            maximize,
                            // as the generic update: the formula from the zero buffer unless dampening

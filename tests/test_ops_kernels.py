@@ -289,6 +289,26 @@ def test_fused_step_matches_torch_optim_over_50_steps(backend, kind, h):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dampening", [0.9, 0.7, 0.55])
+def test_sgd_dampening_is_rounded_as_torch_rounds_it_bit_for_bit(backend, dampening):
+    # torch multiplies the gradient by fp32(1 - dampening), the difference taken in double;
+    # fp32(1) - fp32(0.9) is 0.100000024, not fp32(0.1), and that moved half the buffers
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(1000, generator=gen)]
+    theirs = [params[0].clone().requires_grad_(True)]
+    h = dict(lr=0.05, momentum=0.9, dampening=dampening)
+    opt = torch.optim.SGD(theirs, foreach=False, **h)
+    state, step = _fresh_state("sgd", params), torch.zeros(())
+    for _ in range(3):
+        grads = [torch.randn(1000, generator=gen)]
+        theirs[0].grad = grads[0].clone()
+        opt.step()
+        _ours("sgd", backend, params, grads, state, step, h, torch.ones(()), torch.ones((), dtype=torch.bool))
+    assert torch.equal(state[0][0], opt.state[theirs[0]]["momentum_buffer"])
+    assert torch.equal(params[0], theirs[0].detach())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind,h", [OPTIMIZERS[1], OPTIMIZERS[6], OPTIMIZERS[9]])
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16])

@@ -336,7 +336,7 @@ struct Streams {
 template <bool kCheck = false, typename G, typename M>
 bool sgd_segment(const float* p_in, const G* g, const float* buf_in, float* p_out, float* buf_out, M* model,
                  float* delta, int64_t n, const SgdHyper& h, const Streams& st) {
-  const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(1.f - h.dampening),
+  const fVec gs(h.grad_scale), wd(h.weight_decay), mom(h.momentum), one_minus_damp(h.one_minus_dampening),
       neg_lr(-h.lr);
   const fVec zero(0.f);
   fVec nf(0.f);

@@ -232,7 +232,7 @@ struct SgdHyper {
   float lr;
   float weight_decay;
   float momentum;
-  float dampening;
+  float one_minus_dampening;  // fp32(1 - dampening), the difference taken in double as torch does
   bool nesterov;
   bool maximize;
   bool first_step;  // momentum buffer is initialised to the gradient (torch's `buf is None`)
