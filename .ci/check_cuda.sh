@@ -80,6 +80,11 @@ print("\n".join(include_paths() + [sysconfig.get_paths()["include"]]))' 2>/dev/n
     grep -E "error" "$tmp/glue.log" | head -40 >&2
     status=1
   fi
+elif [ -n "${PYTHON:-}" ] && [ "${AMPFUNC_CHECK_GLUE:-1}" != 0 ]; then
+  # a python was named (CI names its venv's): not being able to check is a failure, not a skip
+  echo "check_cuda: FAILED ext/bindings.cpp with AMPFUNC_WITH_CUDA could not be checked with PYTHON=$PYTHON" \
+       "(needs g++, the CUDA headers and torch importable there)" >&2
+  status=1
 else
   echo "check_cuda: ext/bindings.cpp with AMPFUNC_WITH_CUDA not checked (needs g++, the CUDA headers and torch)"
 fi
