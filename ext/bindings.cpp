@@ -1160,7 +1160,7 @@ std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList te
   TORCH_CHECK(!tensors.empty(), "ampfunc.check: empty list on CUDA");  // empty lists never reach here
   const at::Device dev = tensors[0].device();
   if (inv_scale) check_scalar(op, "inv_scale", *inv_scale, at::kFloat, dev);
-  validate(op, dev, {{"tensors", tensors, Dt::kAny, false}});
+  validate(op, dev, {{"tensors", tensors, Dt::kAnyOr64, false}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n = static_cast<int64_t>(tensors.size());
@@ -1170,23 +1170,47 @@ std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList te
   Tensor result = at::empty({}, opts.dtype(at::kFloat));
   Tensor leaf = at::zeros({per_leaf ? n : 0}, opts.dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(n, [&](int64_t i) { return w.tensors[i].scalar_type(); });
+  // float64 tensors (rare) take plain ATen on the device, in double, as on the CPU: their flag and
+  // sum of squares start the accumulators the launchers then add to.
+  std::optional<Tensor> ok64, sumsq64;
+  for (const auto& [dtype, idx] : groups) {
+    if (dtype != at::kDouble) continue;
+    for (int64_t i : idx) {
+      const Tensor& t = tensors[i];
+      const Tensor ok = at::isfinite(t).all();
+      if (per_leaf) leaf.narrow(0, i, 1).copy_(ok.logical_not().reshape({1}));
+      const Tensor sq = (inv_scale ? t * inv_scale->to(at::kDouble) : t).square().sum();
+      ok64 = ok64 ? ok64->logical_and(ok) : ok;
+      sumsq64 = sumsq64 ? *sumsq64 + sq : sq;
+    }
+  }
   std::vector<std::pair<size_t, Packed>> packs;  // (index in groups, its pointers)
   int64_t ws_bytes = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
+    if (groups[gi].first == at::kDouble) continue;
     Packed pk = pack({&w.tensors}, groups[gi].second, /*merge=*/!per_leaf);
     if (pk.numels.empty()) continue;
     ws_bytes = std::max(ws_bytes, ampfunc_cuda_check_workspace_bytes(static_cast<int>(pk.numels.size()),
                                                                       pk.numels.data()));
     packs.emplace_back(gi, std::move(pk));
   }
-  if (packs.empty()) {  // every tensor was empty
-    finite.fill_(true);
-    result.zero_();
+  if (packs.empty()) {  // every tensor was empty or float64
+    if (ok64) {
+      finite.copy_(*ok64);
+      result.copy_(norm ? sumsq64->sqrt() : *sumsq64);
+    } else {
+      finite.fill_(true);
+      result.zero_();
+    }
     return {finite, result, leaf};
   }
   // [double running sum][the partials of one group's call]: at::empty's blocks are 8-byte aligned.
   Tensor ws = at::empty({static_cast<int64_t>(sizeof(double)) + ws_bytes}, opts.dtype(at::kByte));
   double* sumsq = reinterpret_cast<double*>(ws.data_ptr());
+  if (ok64) {  // the launchers accumulate onto the float64 part (device copies: no host sync)
+    finite.copy_(*ok64);
+    ws.narrow(0, 0, sizeof(double)).view(at::kDouble).copy_(sumsq64->reshape({1}));
+  }
   for (size_t k = 0; k < packs.size(); ++k) {
     const auto& [gi, pk] = packs[k];
     const auto& [dtype, idx] = groups[gi];
@@ -1199,11 +1223,24 @@ std::tuple<Tensor, Tensor, Tensor> check_pass_cuda(const char* op, TensorList te
                                    last && !norm ? result.data_ptr<float>() : nullptr,
                                    last && norm ? result.data_ptr<float>() : nullptr,
                                    per_leaf ? reinterpret_cast<uint8_t*>(group_leaf.data_ptr<bool>()) : nullptr,
-                                   sumsq + 1, ws_bytes, k == 0 ? 0 : 1, stream.stream()));
+                                   sumsq + 1, ws_bytes, k == 0 && !ok64 ? 0 : 1, stream.stream()));
     if (per_leaf) {
-      std::vector<int64_t> nonempty;
-      for (int64_t i : idx) if (w.tensors[i].numel() > 0) nonempty.push_back(i);
-      leaf.index_copy_(0, at::tensor(nonempty, at::kLong).to(dev, /*non_blocking=*/true), group_leaf);
+      // group_leaf holds the group's non-empty tensors in order: copied into `leaf` one run of
+      // consecutive indices at a time (device-to-device slices: nothing from host memory, so the
+      // op stays capturable in a CUDA graph; one run when the list has one dtype)
+      int64_t j = 0;
+      const int64_t count = static_cast<int64_t>(idx.size());
+      for (int64_t a = 0; a < count;) {
+        if (w.tensors[idx[a]].numel() == 0) {
+          ++a;
+          continue;
+        }
+        int64_t b = a + 1;
+        while (b < count && idx[b] == idx[b - 1] + 1 && w.tensors[idx[b]].numel() > 0) ++b;
+        leaf.narrow(0, idx[a], b - a).copy_(group_leaf.narrow(0, j, b - a));
+        j += b - a;
+        a = b;
+      }
     }
   }
   return {finite, result, leaf};
@@ -1224,13 +1261,21 @@ std::tuple<Tensor, Tensor, Tensor> check_norm_cuda(TensorList tensors, const std
 Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev = device_of(tensors, inv_scale);
   check_scalar("unscale_", "inv_scale", inv_scale, at::kFloat, dev);
-  validate("unscale_", dev, {{"tensors", tensors, Dt::kAny, true}});
+  validate("unscale_", dev, {{"tensors", tensors, Dt::kAnyOr64, true}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work w(tensors);
   Tensor finite = at::ones({}, at::TensorOptions().device(dev).dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(w.tensors.size(), [&](int64_t i) { return w.tensors[i].scalar_type(); });
   for (auto& [dtype, idx] : groups) {
+    if (dtype == at::kDouble) {  // rare: plain ATen on the device, the product in double (as on the CPU)
+      for (int64_t i : idx) {
+        const Tensor& t = w.tensors[i];  // the working copy of a strided one: write_back() below copies it back
+        finite.logical_and_(at::isfinite(t).all());
+        t.mul_(inv_scale.to(at::kDouble));
+      }
+      continue;
+    }
     Packed pk = pack({&w.tensors}, idx, true);
     if (pk.numels.empty()) continue;
     cuda_ok("unscale_", ampfunc_cuda_unscale_(static_cast<int>(pk.numels.size()), pk.ptrs[0].data(),
@@ -1245,7 +1290,7 @@ Tensor unscale__cuda(TensorList tensors, const Tensor& inv_scale) {
 std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const Tensor& inv_scale) {
   const at::Device dev = device_of(tensors, inv_scale);
   check_scalar("unscale", "inv_scale", inv_scale, at::kFloat, dev);
-  validate("unscale", dev, {{"tensors", tensors, Dt::kAny, false}});
+  validate("unscale", dev, {{"tensors", tensors, Dt::kAnyOr64, false}});
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   Work w(tensors);
@@ -1254,6 +1299,14 @@ std::tuple<std::vector<Tensor>, Tensor> unscale_cuda(TensorList tensors, const T
   Tensor finite = at::ones({}, at::TensorOptions().device(dev).dtype(at::kBool));
   auto groups = group_by<at::ScalarType>(w.tensors.size(), [&](int64_t i) { return w.tensors[i].scalar_type(); });
   for (auto& [dtype, idx] : groups) {
+    if (dtype == at::kDouble) {  // rare: plain ATen, cast to fp32 first, then multiplied (as on the CPU)
+      for (int64_t i : idx) {
+        outs[i].copy_(tensors[i]);
+        finite.logical_and_(at::isfinite(outs[i]).all());
+        outs[i].mul_(inv_scale);
+      }
+      continue;
+    }
     const Tensors outs_v(outs);
     Packed pk = pack({&w.tensors, &outs_v}, idx, false);
     if (pk.numels.empty()) continue;

@@ -1311,6 +1311,57 @@ def test_unscale_non_contiguous_view_is_written_through(cuda_backend):
 
 
 @needs_cuda
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_float64_leaves_are_checked_and_unscaled_on_cuda_as_on_the_cpu(cuda_backend, poisoned):
+    # torch's GradScaler and clip_grad_norm_ take float64 on CUDA; so do the ops (plain ATen for
+    # those leaves, the kernels for the rest), with the CPU kernels' numbers
+    gen = _gen(17)
+    base = _rand(40 * 3, torch.float64, gen, 100.0).view(40, 3)
+    tensors = [_rand(CHUNK + 5, torch.float32, gen, 100.0), base.t(), _rand(0, torch.float64, gen),
+               _rand(77, torch.float16, gen, 100.0), _rand(9, torch.float64, gen, 100.0)]
+    if poisoned:
+        _poison(tensors[4], gen, 1)
+    cpu = [t.cpu() for t in tensors]
+    for per_leaf in (False, True):
+        got, want = ops.check(tensors, per_leaf=per_leaf), ops.check(cpu, per_leaf=per_leaf)
+        assert bool(got[0]) == bool(want[0]) == (not poisoned)
+        if per_leaf:
+            assert got[2].tolist() == want[2].tolist() == [False, False, False, False, poisoned]
+        if not poisoned:
+            torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-6, atol=0)
+    inv = torch.tensor(0.125, device="cuda")
+    norm, want_norm = ops.check_norm(tensors, inv), ops.check_norm(cpu, inv.cpu())
+    assert bool(norm[0]) == bool(want_norm[0])
+    if not poisoned:
+        torch.testing.assert_close(norm[1].cpu(), want_norm[1], rtol=1e-6, atol=0)
+    outs, finite = ops.unscale(tensors, inv)
+    want_outs, want_finite = ops.unscale(cpu, inv.cpu())
+    assert bool(finite) == bool(want_finite)
+    for o, w in zip(outs, want_outs):
+        assert o.dtype == torch.float32
+        _same_bits(o.cpu(), w)
+    assert bool(ops.unscale_(tensors, inv)) == bool(ops.unscale_(cpu, inv.cpu()))
+    for t, c in zip(tensors, cpu):
+        _same_bits(t.cpu(), c)  # the strided float64 view written through, as on the CPU
+
+
+@needs_cuda
+def test_per_leaf_check_is_captured_in_a_cuda_graph(cuda_backend):
+    # the per-leaf flags land in place by device copies: no host memory read during capture
+    gen = _gen(19)
+    tensors = [_rand(5, torch.float32, gen), _rand(0, torch.float16, gen), _rand(7, torch.float16, gen),
+               _rand(3, torch.float32, gen)]
+    ops.check(tensors, per_leaf=True)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        finite, _, leaf = ops.check(tensors, per_leaf=True)
+    tensors[2][3] = float("inf")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not bool(finite) and leaf.tolist() == [False, False, True, False]
+
+
+@needs_cuda
 def test_unscale_factor_one_keeps_bits(cuda_backend):
     gen = _gen(13)
     x = _poison(_rand(CHUNK + 9, torch.bfloat16, gen), gen, 4)
