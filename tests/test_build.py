@@ -129,6 +129,8 @@ def _isolated_cache(tmp_path, monkeypatch, compiler):
     monkeypatch.delenv("AMPFUNC_EXT_MARCH", raising=False)
     monkeypatch.setattr(_build, "_compile", compiler)
     monkeypatch.setattr(_build, "_check_compiler", lambda: None, raising=False)  # the stand-in is the compiler
+    snapshot = _copy_sources(tmp_path / "ext")  # others may edit ext/ meanwhile: the key must hold still
+    monkeypatch.setattr(_build, "source_dir", lambda: snapshot)
     loaded = []
     monkeypatch.setattr(_build, "_load_library", lambda p: loaded.append(Path(p)))
     return cache, loaded
