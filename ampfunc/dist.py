@@ -18,6 +18,7 @@ gradients are replicated: pass no ``group`` to the norm (it would count every ra
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, NamedTuple
 
@@ -93,6 +94,8 @@ def agree_finite(finite: torch.Tensor, group) -> torch.Tensor:
     Cost: one all-reduce of one float on the flag's device, plus three one-element kernels
     (not, cast, compare); no host sync.
     """
+    if not torch.compiler.is_compiling():
+        _member_world(group, "agree_finite")
     overflow = (~finite).to(torch.float32)
     dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
     return overflow == 0
@@ -132,17 +135,77 @@ def init_from_env(backend: str | None = None, device_type: str | None = None) ->
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.group.WORLD)
 
 
+def _member_world(group, where: str) -> int:
+    """The world size of ``group``, refusing a process outside it (torch's collectives return at
+    once there and ``get_world_size`` gives -1: a division by it negated the gradients)."""
+    world = dist.get_world_size(group)
+    if world < 1 or dist.get_rank(group) < 0:
+        raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of the group "
+                         "it was given: call it only on the group's ranks, or pass a group that includes this one")
+    return world
+
+
+# (group, tree structure) pairs whose ranks were found to hold trees of one layout: checked on
+# the first call, as DDP checks its params' shapes once, at construction
+_AGREED: set = set()
+
+
+def _layout(tree: PyTree) -> list:
+    return [(path, tuple(x.shape), str(x.dtype)) for path, x in leaves_with_paths(tree)
+            if isinstance(x, torch.Tensor) and torch.is_floating_point(x)]
+
+
+def _check_same_layout(tree: PyTree, spec, group, device, where: str) -> None:
+    """Refuses ranks whose floating leaves differ in paths, shapes or dtypes: averaged in one
+    flat buffer, they would mix values of different leaves (or the collective would fail inside
+    the backend with no word of why). One all-reduce of two integers and one host read per new
+    tree structure (the first step), a set lookup after."""
+    key = (group if group is not None else "WORLD", spec)
+    if key in _AGREED:
+        return
+    layout = _layout(tree)
+    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=7).digest(), "little")
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == digest and -int(both[1]) == digest:
+        _AGREED.add(key)
+        return
+    layouts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, layout, group=group)
+    rank = dist.get_rank(group)
+    for r, other in enumerate(layouts):
+        if other == layout:
+            continue
+        mine, theirs = dict((p, (s, d)) for p, s, d in layout), dict((p, (s, d)) for p, s, d in other)
+        for path in list(mine) + [p for p in theirs if p not in mine]:
+            if mine.get(path) != theirs.get(path):
+                raise ValueError(f"{where}: the ranks' trees differ at leaf {path!r}: (shape, dtype) "
+                                 f"{mine.get(path, 'missing')} on rank {rank}, {theirs.get(path, 'missing')} on rank "
+                                 f"{r}; every rank must average the same tree (its values averaged in one buffer)")
+        raise ValueError(f"{where}: the ranks' trees order their leaves differently (rank {rank} and rank {r})")
+
+
 def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
     """A new tree: each floating leaf averaged over the ranks of ``group``.
 
-    Each value is divided by the world size before the sum, as DDP's default communication hook
-    does (in fp16, summing first can overflow values that each fit). Leaves are packed into one
-    flat buffer per (device, dtype) so the cost is one all-reduce per group of leaves, not one
-    per leaf. Integer leaves and ``None`` pass through. Inputs are not
-    modified. No host sync (the collective is enqueued like any kernel).
+    Each value is divided by the world size before the sum, as DDP's Python allreduce hook does
+    (in fp16, summing first can overflow values that each fit; DDP's own reducer may round the
+    division differently in the last bit at world sizes that are not powers of two). Leaves are
+    packed into one flat buffer per (device, dtype) so the cost is one all-reduce per group of
+    leaves, not one per leaf. Integer leaves and ``None`` pass through. Inputs are not modified.
+
+    The first call with a given tree layout checks that every rank holds the same floating
+    leaves (paths, shapes, dtypes), refusing a mismatch naming the leaf and the ranks; a process
+    outside ``group`` is refused. Cost: the all-reduces, enqueued like any kernel; no host sync,
+    except one small read on the first call per layout (the check).
     """
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if torch.compiler.is_compiling() else _member_world(group, "all_reduce_mean")
     leaves, spec = tree_flatten(tree)
+    if not torch.compiler.is_compiling():
+        first = next((x for x in leaves if isinstance(x, torch.Tensor) and torch.is_floating_point(x)), None)
+        if first is not None:
+            device = first.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+            _check_same_layout(tree, spec, group, device, "all_reduce_mean")
     out = list(leaves)
     buckets: dict = {}
     for i, x in enumerate(leaves):
@@ -291,7 +354,8 @@ def clip_by_global_norm(max_norm: float, group=None) -> GradientTransformation:
 
 def _rank_and_world(group) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
+        world = _member_world(group, "save_sharded/load_sharded")
+        return dist.get_rank(group), world
     return 0, 1
 
 

@@ -203,8 +203,10 @@ def _amax(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         import torch.distributed as dist
 
-        # MAX over the ranks (NaN/inf included), so every rank quantises with the same scale.
-        amax = amax.clone()
+        # MAX over the ranks, so every rank quantises with the same scale. A NaN goes in as +inf:
+        # a backend's MAX may drop a NaN depending on the rank order (gloo's MAX(3, nan) is 3),
+        # and a non-finite amax must reach every rank (neither is recorded; both keep the scale).
+        amax = torch.nan_to_num(amax, nan=float("inf"))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 

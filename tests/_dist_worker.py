@@ -217,13 +217,41 @@ def scenario_checkpoint(env, out):
                files=sorted(os.listdir(directory)))
 
 
+def scenario_misuse(env, out):
+    """What goes wrong across ranks is refused by name, the same way on every rank."""
+    def error_of(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    # rank 1's leaf 'b' has another shape (same element count): averaged in one buffer, the
+    # values of different leaves would mix
+    shapes = {"a": (3,), "b": (2,)} if env.rank == 0 else {"a": (4,), "b": (1,)}
+    tree = {k: torch.full(s, float(env.rank + 1)) for k, s in shapes.items()}
+    out["layout_error"] = error_of(lambda: af.dist.all_reduce_mean(tree, env.group))
+    # the same layout passes (and is checked once)
+    same = {"a": torch.full((3,), float(env.rank + 1))}
+    out["mean"] = af.dist.all_reduce_mean(same, env.group)["a"]
+    # rank 1 is outside a group of rank 0 alone: refused there, a no-op average on rank 0
+    solo = dist.new_group([0])
+    out["nonmember_error"] = error_of(lambda: af.dist.all_reduce_mean(same, solo))
+    out["nonmember_flag_error"] = error_of(lambda: af.agree_finite(torch.tensor(True), solo))
+    # fp8: a NaN amax on the higher rank reaches every rank (gloo's MAX drops it there)
+    from ampfunc import fp8 as af_fp8
+    x = torch.tensor([1.0, 2.0]) if env.rank == 0 else torch.tensor([float("nan"), 3.0])
+    out["fp8_amax"] = af_fp8._amax(x, env.group)
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     os.environ["AMPFUNC_TEST_OUT"] = outdir
     env = af.dist.init_from_env()
     out = {"rank": env.rank, "world_size": env.world_size}
     try:
-        {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "checkpoint": scenario_checkpoint}[scenario](env, out)
+        {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "checkpoint": scenario_checkpoint,
+         "misuse": scenario_misuse}[scenario](env, out)
         torch.save(out, os.path.join(outdir, f"rank{env.rank}.pt"))
         dist.barrier()
     finally:

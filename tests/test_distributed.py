@@ -176,6 +176,23 @@ def test_sharded_state_saves_per_rank_and_resumes_bit_for_bit(tmp_path):
             assert torch.equal(out["resumed"][k], p), (out["rank"], k)
 
 
+@slow
+def test_misuse_across_ranks_is_refused_by_name_on_every_rank(tmp_path):
+    outs = launch("misuse", tmp_path)
+    for out in outs:
+        # ranks holding leaves of other shapes: refused, naming the leaf and both ranks
+        assert "trees differ at leaf 'a'" in out["layout_error"] and "rank 0" in out["layout_error"] \
+            and "rank 1" in out["layout_error"], out["layout_error"]
+        assert torch.equal(out["mean"], torch.full((3,), 1.5))
+        # a NaN amax on rank 1 reaches rank 0 (as +inf: neither is recorded)
+        assert torch.isinf(out["fp8_amax"]), out["fp8_amax"]
+    # rank 1 is not in the group of rank 0 alone: refused (it used to divide by -1, negating the
+    # gradients); rank 0 averages over itself
+    assert outs[0]["nonmember_error"] is None and outs[0]["nonmember_flag_error"] is None
+    assert "not a member of the group" in outs[1]["nonmember_error"]
+    assert "not a member of the group" in outs[1]["nonmember_flag_error"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Single process: the helpers behave without a process group
 # ----------------------------------------------------------------------------------------------
