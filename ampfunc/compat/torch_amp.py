@@ -288,32 +288,17 @@ class GradScaler:
                         "max_scale=s)")
             raise type(e)(f"{where}: {str(e).removeprefix('DynamicLossScale: ')}{hint}") from None
 
-    @property
-    def _growth_factor(self) -> float:
-        """torch's attribute (read by ``update``); assigning it is :meth:`set_growth_factor`."""
-        return self._config.growth_factor
+    def _setting_attribute(field: str):  # noqa: N805 -- called in the class body
+        """torch's attribute ``_<field>`` (read by ``update``): reads the setting; assigning it is
+        ``set_<field>``, with its checks."""
+        return property(lambda self: getattr(self._config, field),
+                        lambda self, value: self._set_setting(f"GradScaler._{field}", **{field: value}),
+                        doc=f"torch's ``_{field}`` (read by ``update``); assigning it is ``set_{field}``.")
 
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self._set_setting("GradScaler._growth_factor", growth_factor=value)
-
-    @property
-    def _backoff_factor(self) -> float:
-        """torch's attribute (read by ``update``); assigning it is :meth:`set_backoff_factor`."""
-        return self._config.backoff_factor
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self._set_setting("GradScaler._backoff_factor", backoff_factor=value)
-
-    @property
-    def _growth_interval(self) -> int:
-        """torch's attribute (read by ``update``); assigning it is :meth:`set_growth_interval`."""
-        return self._config.growth_interval
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self._set_setting("GradScaler._growth_interval", growth_interval=value)
+    _growth_factor = _setting_attribute("growth_factor")
+    _backoff_factor = _setting_attribute("backoff_factor")
+    _growth_interval = _setting_attribute("growth_interval")
+    del _setting_attribute
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         """torch's hook: creates ``_scale`` and ``_growth_tracker`` on ``dev`` (``AssertionError``
