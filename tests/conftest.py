@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ampfunc as af
 
@@ -132,3 +133,31 @@ def kernels(request, monkeypatch):
     monkeypatch.setattr(af.ops, "adam_step_", adam_step_)
     monkeypatch.setattr(af.ops, "sgd_step_", sgd_step_)
     return calls
+
+
+def fp16_optimizer_loop(opt, model, data, use_closure, loss_factor=lambda call: 1.0, after_backward=None) -> int:
+    """apex's ``FP16_Optimizer`` loop over ``data`` (``(x, y)`` pairs, mean-squared error): with
+    ``step(closure)``, or apex's plain loop, where an overflowing backward makes ``step()`` skip
+    and the iteration is repeated by hand. ``loss_factor(call)`` multiplies the loss of the
+    ``call``-th evaluation (1-based, over the whole run: ``inf`` injects an overflow);
+    ``after_backward()`` runs after each backward. Returns the number of evaluations."""
+    calls = [0]
+    for x, y in data:
+        def closure():
+            calls[0] += 1
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y) * loss_factor(calls[0])
+            opt.backward(loss)
+            if after_backward is not None:
+                after_backward()
+            return loss
+
+        if use_closure:
+            assert opt.step(closure) is not None
+        else:
+            closure()
+            while opt.overflow:
+                assert opt.step() is None  # skipped
+                closure()
+            opt.step()
+    return calls[0]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from conftest import assert_same, assert_states_same, exact
+from conftest import assert_same, assert_states_same, exact, fp16_optimizer_loop
 
 from ampfunc import ops
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer
@@ -363,18 +363,7 @@ def test_closure_with_static_scale_still_works(kernels):
     results = []
     for use_closure in (True, False):
         model, opt = facade(torch.optim.SGD, dict(lr=0.1, momentum=0.9), dict(lr=0.1), static_loss_scale=32.0)
-        for x, y in data:
-            def closure():
-                opt.zero_grad()
-                loss = F.mse_loss(model(x), y)
-                opt.backward(loss)
-                return loss
-
-            if use_closure:
-                assert opt.step(closure) is not None
-            else:
-                closure()
-                opt.step()
+        fp16_optimizer_loop(opt, model, data, use_closure)
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -390,31 +379,18 @@ def test_closure_with_dynamic_scale_matches_the_fused_loop_with_the_overflow_ski
     results = []
     for use_closure in (True, False):
         model, opt = facade(torch.optim.SGD, dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.5))
-        calls = [0]
-        for x, y in data:
-            def closure():
-                calls[0] += 1
-                opt.zero_grad()
-                loss = F.mse_loss(model(x), y) * (INF if calls[0] == 2 else 1.0)
-                opt.backward(loss)
-                assert opt._deferred is not None  # the fused check, not the master-grad write
-                return loss
+        def fused_check():
+            assert opt._deferred is not None  # the fused check, not the master-grad write
 
-            if use_closure:
-                assert opt.step(closure) is not None
-            else:
-                closure()
-                if opt.overflow:
-                    assert opt.step() is None
-                    closure()
-                opt.step()
-        assert calls[0] == 4 and opt.loss_scale == 2.0**11
+        calls = fp16_optimizer_loop(opt, model, data, use_closure, lambda call: INF if call == 2 else 1.0, fused_check)
+        assert calls == 4 and opt.loss_scale == 2.0**11
         results.append([p.detach().clone() for p in model.parameters()]
                        + [opt.state[p]["momentum_buffer"].clone() for g in opt.param_groups for p in g["params"]])
     assert "OVERFLOW within closure! Skipping step, reducing loss scale to 2048.0" in capsys.readouterr().out
     assert kernels["sgd"] > 0  # the loop without a closure stepped fused
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
 
 def test_bad_gradients_are_refused_as_before():
     emb = nn.Embedding(10, 4, sparse=True).half()

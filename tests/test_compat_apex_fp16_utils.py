@@ -29,6 +29,7 @@ from ampfunc.compat.apex.fp16_utils import (
     prep_param_lists,
     to_python_float,
 )
+from conftest import fp16_optimizer_loop
 
 
 class ApexDynamicRule:
@@ -313,26 +314,11 @@ def _closure_run(make_inner, use_closure, inject, steps=3, dynamic_loss_args=Non
     model = Mixed()
     opt = FP16_Optimizer(make_inner(model), dynamic_loss_scale=True, verbose=False,
                          dynamic_loss_args=dynamic_loss_args or {"init_scale": 2.0**12, "scale_window": 2})
-    calls = [0]
-    for x, y in _data(steps):
-        def closure():
-            calls[0] += 1
-            opt.zero_grad()
-            loss = F.mse_loss(model(x), y) * (float("inf") if calls[0] in inject else 1.0)
-            opt.backward(loss)
-            return loss
-
-        if use_closure:
-            assert opt.step(closure) is not None
-        else:
-            closure()
-            while opt.overflow:
-                assert opt.step() is None  # skipped
-                closure()
-            opt.step()
+    calls = fp16_optimizer_loop(opt, model, _data(steps), use_closure,
+                                lambda call: float("inf") if call in inject else 1.0)
     state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
              for g in opt.param_groups for p in g["params"]]
-    return [p.detach().clone() for p in model.parameters()], state, opt.loss_scale, calls[0]
+    return [p.detach().clone() for p in model.parameters()], state, opt.loss_scale, calls
 
 
 @pytest.mark.parametrize("make_inner", [

@@ -54,14 +54,19 @@ def fp8_train(model):
                               "p=f32,c=bf16,o=f32", loss_scale=af.DynamicLossScale(), fp8=pol)
 
 
+def eager_and_compiled(steps, **compile_kwargs):
+    """An fp8 ``make_train_step`` run for ``steps`` batches eagerly and compiled (fullgraph):
+    ``(train, data, (eager state, flags), (compiled state, flags))``."""
+    torch._dynamo.reset()
+    train = fp8_train(mlp())
+    data = batches(steps)
+    eager = run_train_step(train.step, train, data)
+    return train, data, eager, run_train_step(torch.compile(train.step, fullgraph=True, **compile_kwargs), train, data)
+
+
 @pytest.mark.slow
 def test_compiled_step_runs_the_fp8_backward_of_a_directly_differentiated_first_layer():
-    torch._dynamo.reset()
-    model = mlp()
-    train = fp8_train(model)
-    data = batches(4)
-    eager, eager_flags = run_train_step(train.step, train, data)
-    comp, comp_flags = run_train_step(torch.compile(train.step, fullgraph=True, backend="aot_eager"), train, data)
+    _, data, (eager, eager_flags), (comp, comp_flags) = eager_and_compiled(4, backend="aot_eager")
     assert eager_flags == comp_flags == [True] * 4
     expected = max(float(x.bfloat16().abs().max()) for x, _ in data)
     assert float(comp.fp8["0"].input.amax_history.max()) == expected  # not the zeros of a skipped backward
@@ -90,13 +95,8 @@ def test_compiled_grad_of_fp8_apply_over_fp32_params_returns_the_new_state():
 @pytest.mark.slow
 def test_inductor_step_with_fp8_steps_like_eager():
     # Before: inductor differentiated through the forward's quantisation and every step overflowed.
-    torch._dynamo.reset()
-    model = mlp()
-    train = fp8_train(model)
-    data = batches(3)
+    train, data, (eager, eager_flags), (comp, comp_flags) = eager_and_compiled(3)
     start = train.init()
-    eager, eager_flags = run_train_step(train.step, train, data)
-    comp, comp_flags = run_train_step(torch.compile(train.step, fullgraph=True), train, data)
     assert eager_flags == comp_flags == [True] * 3
     assert float(comp.loss_scale.loss_scale) == float(eager.loss_scale.loss_scale) == 65536.0
     # Not bit for bit: inductor fuses the bf16 pointwise ops around the FP8 layers (which alone
