@@ -314,13 +314,20 @@ def _parting(prefix: PyTree, tree: PyTree, what: str, path: str = "") -> Optiona
         return f"at {at} {what} has a {type(prefix).__name__} where params have a leaf"
     kids, _, entries, _ = optree.tree_flatten_one_level(prefix, namespace=NAMESPACE)
     tkids, _, tentries, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
-    if type(prefix) is not type(tree) or tuple(entries) != tuple(tentries):
-        if isinstance(prefix, Mapping) and isinstance(tree, Mapping):
-            only_p = sorted(map(str, set(entries) - set(tentries)))
-            only_t = sorted(map(str, set(tentries) - set(entries)))
+    if isinstance(prefix, Mapping) and isinstance(tree, Mapping):
+        # mappings of any kinds (a dict over an OrderedDict) pair up by key
+        if set(prefix) != set(tree):
+            only_p = sorted(map(str, set(prefix) - set(tree)))
+            only_t = sorted(map(str, set(tree) - set(prefix)))
             parts = ([f"has keys {only_p} that params lack"] if only_p else []) + (
                 [f"lacks keys {only_t} that params have"] if only_t else [])
             return f"at {at} {what} " + " and ".join(parts)
+        for key in tree:
+            found = _parting(prefix[key], tree[key], what, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return None
+    if type(prefix) is not type(tree) or tuple(entries) != tuple(tentries):
         return (f"at {at} {what} is a {type(prefix).__name__} of {len(kids)} where params are a "
                 f"{type(tree).__name__} of {len(tkids)}")
     for entry, p, t in zip(entries, kids, tkids):
@@ -340,11 +347,23 @@ def _per_leaf(prefix: PyTree, params: PyTree, what: str, where: str) -> list[tup
         if parting is not None:
             raise ValueError(f"{where}: {what} and params have different tree structures, and {what} is not a "
                              f"prefix of params (a leaf standing for a whole subtree) either: {parting}")
-        try:
-            prefix = optree.tree_broadcast_prefix(prefix, params, namespace=NAMESPACE)
-        except ValueError as e:  # a node type optree tells apart and the walk above does not
-            raise ValueError(f"{where}: {what} is not params' structure nor a prefix of it: {e}") from None
+        # params' leaf order, mappings paired by key (a dict's leaves are sorted, an OrderedDict's
+        # are not: pairing by position gave one key's value to another)
+        return [(path, v) for (path, _), v in zip(leaves_with_paths(params), _broadcast(prefix, params))]
     return leaves_with_paths(prefix)
+
+
+def _broadcast(prefix: PyTree, tree: PyTree) -> list:
+    """The value of ``prefix`` (a prefix of ``tree``, as :func:`_parting` checked) for each leaf of
+    ``tree``, in ``tree``'s leaf order."""
+    if optree.tree_is_leaf(prefix, namespace=NAMESPACE):
+        return [prefix] * optree.tree_structure(tree, namespace=NAMESPACE).num_leaves
+    kids, _, entries, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
+    if isinstance(prefix, Mapping):
+        pkids = [prefix[e] for e in entries]
+    else:
+        pkids = optree.tree_flatten_one_level(prefix, namespace=NAMESPACE)[0]
+    return [v for p, t in zip(pkids, kids) for v in _broadcast(p, t)]
 
 
 def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:

@@ -1,5 +1,6 @@
 """Combinators: chain, named_chain, masked, partition, apply_updates."""
 
+import collections
 from typing import NamedTuple
 
 import pytest
@@ -150,3 +151,20 @@ def test_partition_labels_that_do_not_fit_name_the_path():
         af.partition(tx, {"enc": "a", "head": {"w": {"x": "a"}}}).init(params)
     with pytest.raises(ValueError, match=r"'head\.w' has label 'b'"):
         af.partition(tx, {"enc": "a", "head": "b"}).init(params)
+
+
+def test_a_dict_of_labels_or_mask_pairs_with_ordereddict_params_by_key_not_by_position():
+    # a dict's leaves come sorted, an OrderedDict's in insertion order: paired by position, the
+    # labels of 'a' went to 'b'
+    params = collections.OrderedDict(b=torch.ones(2), a=torch.ones(3))
+    grads = collections.OrderedDict(b=torch.ones(2), a=torch.ones(3))
+    tx = af.partition({"slow": af.sgd(0.1), "fast": af.sgd(1.0)}, {"a": "slow", "b": "fast"})
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert torch.equal(updates["b"], -torch.ones(2)) and torch.allclose(updates["a"], torch.full((3,), -0.1))
+    tx = af.masked(af.sgd(1.0), {"a": True, "b": False})
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert torch.equal(updates["a"], -torch.ones(3)) and torch.equal(updates["b"], torch.ones(2))
+    nested = {"enc": collections.OrderedDict(w=torch.ones(2), b=torch.ones(1)), "dec": {"w": torch.ones(2)}}
+    tx = af.partition({"x": af.sgd(1.0), "y": af.sgd(0.5)}, {"enc": {"b": "y", "w": "x"}, "dec": "x"})
+    updates, _ = tx.update(nested, tx.init(nested), nested)
+    assert torch.equal(updates["enc"]["b"], torch.full((1,), -0.5)) and torch.equal(updates["enc"]["w"], -torch.ones(2))
