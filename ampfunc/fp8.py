@@ -206,7 +206,7 @@ def _amax(t: torch.Tensor, group) -> torch.Tensor:
         # MAX over the ranks, so every rank quantises with the same scale. A NaN goes in as +inf:
         # a backend's MAX may drop a NaN depending on the rank order (gloo's MAX(3, nan) is 3),
         # and a non-finite amax must reach every rank (neither is recorded; both keep the scale).
-        amax = torch.nan_to_num(amax, nan=float("inf"))
+        amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
@@ -572,11 +572,22 @@ class _Fp8Mode(TorchFunctionMode):
     """Routes ``F.linear`` calls whose weight is one of ``weights`` to the FP8 linear, chaining
     the uses of each layer's state so that they combine by max (see :class:`_Fp8Linear`)."""
 
-    def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], links: list, policy: "Fp8Policy"):
+    def __init__(self, weights: list[torch.Tensor], states: list[Fp8LinearState], collectors: list,
+                 policy: "Fp8Policy"):
         super().__init__()
-        self.weights, self.states, self.policy = weights, states, policy
-        self.links = links  # per layer: what its next use chains to (None: that use advances the state)
+        self.weights, self.states, self.policy, self.collectors = weights, states, policy, collectors
+        # per layer: what its next use chains to (None: that use advances the state)
+        self.links = [self._chain_start(i) for i in range(len(weights))]
+        # per layer: a backward has run through its chain since it was started (a new one starts)
+        self.spent = [False] * len(weights)
         self.checkpoints = None
+
+    def _chain_start(self, i: int):
+        collector = self.collectors[i]
+        return None if collector is None else collector.link(self.policy.recipe)
+
+    def _spend(self, i: int) -> None:
+        self.spent[i] = True
 
     def __enter__(self):
         if not torch.compiler.is_compiling():
@@ -605,10 +616,17 @@ class _Fp8Mode(TorchFunctionMode):
                     if x.shape[-1] != w.shape[-1] or w.dim() != 2:
                         raise ValueError(f"Fp8Policy: layer {name!r}: input of shape {tuple(x.shape)} does not fit "
                                          f"weight of shape {tuple(w.shape)}")
+                    if self.spent[i]:
+                        # a backward ran through the chain (a micro-batch's .backward() inside this
+                        # context): its graph is freed, so the next use starts a new chain (a
+                        # tracked state's collector still takes the max over both)
+                        self.links[i], self.spent[i] = self._chain_start(i), False
                     y, link = _fp8_linear(x, w, b, self.states[i], p.recipe, _resolve_backend(p.backend, x.device),
                                           p.group, self.links[i], name)
                     if link.requires_grad:  # a use that a backward will reach: the next one chains to it
                         self.links[i] = link
+                        if y.requires_grad and not torch.compiler.is_compiling():
+                            y.register_hook(lambda _g, i=i: self._spend(i))
                     return y
         return func(*args, **kwargs)
 
@@ -653,12 +671,11 @@ class Fp8Policy:
         for name in self.layers:
             if not isinstance(state[name], Fp8LinearState):
                 raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
-        weights, links = [], []
+        weights, collectors = [], []
         for name in self.layers:
             weights.append(_weight_in(model, name, params))
-            collector = None if torch.compiler.is_compiling() else _TRACKED.get(state[name].input.amax_history)
-            links.append(None if collector is None else collector.link(self.recipe))
-        return _Fp8Mode(weights, [state[name] for name in self.layers], links, self)
+            collectors.append(None if torch.compiler.is_compiling() else _TRACKED.get(state[name].input.amax_history))
+        return _Fp8Mode(weights, [state[name] for name in self.layers], collectors, self)
 
     def apply(self, model: torch.nn.Module, params, state: dict[str, Fp8LinearState], *args, **kwargs):
         """``functional_call(model, params, args, kwargs)`` with the policy's layers in FP8.

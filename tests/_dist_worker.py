@@ -242,6 +242,9 @@ def scenario_misuse(env, out):
     from ampfunc import fp8 as af_fp8
     x = torch.tensor([1.0, 2.0]) if env.rank == 0 else torch.tensor([float("nan"), 3.0])
     out["fp8_amax"] = af_fp8._amax(x, env.group)
+    # and an inf stays inf (not fp32's largest number, which would be recorded as an amax)
+    x = torch.tensor([1.0, float("inf")]) if env.rank == 0 else torch.tensor([2.0, 3.0])
+    out["fp8_amax_inf"] = af_fp8._amax(x, env.group)
 
 
 def main():

@@ -186,6 +186,7 @@ def test_misuse_across_ranks_is_refused_by_name_on_every_rank(tmp_path):
         assert torch.equal(out["mean"], torch.full((3,), 1.5))
         # a NaN amax on rank 1 reaches rank 0 (as +inf: neither is recorded)
         assert torch.isinf(out["fp8_amax"]), out["fp8_amax"]
+        assert torch.isinf(out["fp8_amax_inf"]), out["fp8_amax_inf"]
     # rank 1 is not in the group of rank 0 alone: refused (it used to divide by -1, negating the
     # gradients); rank 0 averages over itself
     assert outs[0]["nonmember_error"] is None and outs[0]["nonmember_flag_error"] is None

@@ -3,6 +3,8 @@ are differentiated directly, several uses of one scaling state before one backwa
 max), a Linear tied to another parameter, and activation checkpointing.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,6 +179,28 @@ def test_gradient_accumulation_with_backward_per_micro_batch_records_the_max():
     assert_trees_equal(both, combined_by_max(one, two))
     assert torch.equal(wgrad, g1 + g2)  # the parameter gradients still add up
     assert not any(t.requires_grad for t in leaves(both))
+
+
+def test_one_context_around_a_backward_per_micro_batch_records_the_max():
+    # One autocast around the whole accumulation loop: a backward frees the chain of uses, so
+    # the next forward starts a new one (it used to chain to the freed graph and fail)
+    (x1, y1), (x2, y2) = batches(2, batch=8)
+
+    def accumulate(micro_batches, one_context):
+        model = one_layer_model()
+        pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
+        live = pol.track(pol.init())
+        with pol.autocast(model, live) if one_context else contextlib.nullcontext():
+            for x, y in micro_batches:
+                with contextlib.nullcontext() if one_context else pol.autocast(model, live):
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+        return pol.from_grads(live)["0"], model[0].weight.grad
+
+    one_ctx, g_one = accumulate([(x1, y1), (x2, y2)], True)
+    per_ctx, g_per = accumulate([(x1, y1), (x2, y2)], False)
+    assert_trees_equal(one_ctx, per_ctx)
+    assert torch.equal(g_one, g_per)
 
 
 def test_two_contexts_before_one_backward_on_a_tracked_state_record_the_max():
