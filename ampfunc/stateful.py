@@ -369,9 +369,12 @@ class ModuleTrainer:
                 # param: one more read-only check over the params' gradient views gives those,
                 # before anything is written (a hook that raises leaves the step undone).
                 finite, flags = self._packed.check_per_param()
-                try:
-                    hook(finite, flags, self._packed.names)
+                names = list(self._packed.names)
+                try:  # the engine's contract: the paths come as a function returning them
+                    hook(finite, flags, lambda: names)
                 except (RuntimeError, ValueError, TypeError) as e:
+                    if type(e) not in (RuntimeError, ValueError, TypeError):
+                        raise  # a subclass may not take a bare message: keep it as raised
                     raise type(e)(f"ModuleTrainer.step: {e}") from None
         else:
             grads = self._grads(params)

@@ -227,6 +227,18 @@ def test_leaf_flags_hook_counts_overflows_per_param_as_with_the_unpacked_trainer
     assert counts[0] == counts[1] == {"0.weight": 2, "4.bias": 1}
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_an_on_check_hook_gets_the_leaf_paths_as_a_function_on_both_trainers(flat):
+    # the Engine's contract: (finite, leaf_nonfinite, leaf_paths) with leaf_paths() -> the paths
+    model = _model()
+    trainer = af.ModuleTrainer(model, _tx(), loss_scale=af.DynamicLossScale(2.0**8), flat=flat)
+    seen = []
+    trainer.engine.on_check = lambda finite, flags, leaf_paths: seen.append((bool(finite), list(leaf_paths())))
+    _backward(model, trainer, 0, overflow=False)
+    trainer.step()
+    assert seen == [(True, [k for k, p in model.named_parameters() if p.requires_grad])]
+
+
 def test_a_leaf_flags_monitor_the_flat_trainer_does_not_step_is_refused_before_any_write():
     model = _model()
     model[0].bias.requires_grad_(False)  # not stepped, but in params_of(model)
