@@ -394,6 +394,17 @@ def test_closure_that_overflows_at_the_floor_raises_and_changes_nothing(capsys):
         for a, b in zip(xs, ys):
             assert torch.equal(a, b)
     assert opt.first_closure_call_this_step is True and opt.loss_scale == 2.0**14
+    # and the next step runs its closure (a flag left set skipped it, closure unrun)
+    calls[0] = 0
+
+    def clean():
+        calls[0] += 1
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        opt.backward(loss)
+        return loss
+
+    assert opt.step(clean) is not None and calls[0] == 1
 
 
 def test_state_dict_keys_and_resume_bit_for_bit():

@@ -283,6 +283,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
                 # overflowed evaluation stay unwritten (fused check) or are overwritten.
                 scale = self.loss_scaler.loss_scale()
                 if scale == tried:
+                    # the next step starts clean (a set flag would skip it without running the closure)
+                    self.overflow = False
                     raise RuntimeError(
                         "FP16_Optimizer.step(closure): the closure's gradients overflowed again at loss scale "
                         f"{scale}, which the dynamic scale cannot lower (min_loss_scale="
