@@ -183,7 +183,8 @@ def flatten(tree: PyTree) -> FlatTree:
         paths = [str(i) for i in range(len(leaves))]
     floats = [(path, leaf) for path, leaf in zip(paths, leaves)
               if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
-    pair = ops.overlapping_pair([leaf for _, leaf in floats])
+    # (a trace's fake tensors have no addresses to compare)
+    pair = None if torch.compiler.is_compiling() else ops.overlapping_pair([leaf for _, leaf in floats])
     if pair is not None:
         # each leaf gets its own slot: writing one would no longer move the other (untied)
         (a, _), (b, _) = floats[pair[0]], floats[pair[1]]

@@ -392,7 +392,8 @@ def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
 
     Exact for strided tensors: the columns of one matrix, or its even and odd elements, share
     no element and are not reported (as torch allows them), while two views of one column are.
-    Empty tensors share nothing; a tensor overlapping itself is not looked for here.
+    Empty tensors and tensors on the meta device (no memory) share nothing; a tensor
+    overlapping itself is not looked for here.
 
     Args:
       tensors: strided tensors, any devices (only addresses are compared, never values).
@@ -404,7 +405,8 @@ def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     not contiguous, one sort of those tensors' element addresses (host memory, 8 bytes per
     element). No host sync.
     """
-    spans = sorted(((*_extent(t), i, t) for i, t in enumerate(tensors) if t.numel() > 0), key=lambda s: (s[0], s[2]))
+    spans = sorted(((*_extent(t), i, t) for i, t in enumerate(tensors) if t.numel() > 0 and not t.is_meta),
+                   key=lambda s: (s[0], s[2]))
     group, hi = [], 0
     for span in spans + [None]:
         if span is not None and group and span[0] < hi:

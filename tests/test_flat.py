@@ -53,6 +53,9 @@ def test_flatten_refuses_a_tensor_listed_twice_rather_than_untie_it():
     cols = torch.randn(5, 2)
     flat = af.flatten({"q": cols[:, 0], "k": cols[:, 1]})
     assert torch.equal(flat.tree["q"], cols[:, 0]) and torch.equal(flat.tree["k"], cols[:, 1])
+    # meta tensors hold no memory (every data_ptr is 0): nothing is shared
+    meta = af.flatten({"a": torch.empty(3, device="meta"), "b": torch.empty(2, 2, device="meta")})
+    assert meta.buffers[0].device.type == "meta" and meta.buffers[0].numel() == 7
 
 
 def test_unflatten_over_other_buffers_and_flatten_like_round_trip():
