@@ -370,9 +370,56 @@ def _element_addresses(t: torch.Tensor, lo: int, unit: int) -> torch.Tensor:
     return (addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64)).flatten()
 
 
+# Element addresses are sorted (about 100 bytes of host memory per element, all told) only for
+# runs of up to this many elements; larger runs are decided from their layouts (_by_layout).
+_EXACT_ELEMENTS = 1 << 22
+
+
+def _lattice_shares(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether ``a`` and ``b``, of one element size, shape and strides (neither overlapping
+    itself), share an element: whether their offset is a difference of two of ``a``'s element
+    offsets, found dim by dim from the largest stride (each stride passes what the dims below
+    reach, so at most two candidates a dim). None when the offset is not whole elements."""
+    size = a.element_size()
+    gap = b.data_ptr() - a.data_ptr()
+    if gap % size:
+        return None
+    dims = sorted((st, n) for n, st in zip(a.shape, a.stride()) if n > 1)
+
+    def reachable(delta: int, k: int) -> bool:  # delta from the first k dims
+        if k == 0:
+            return delta == 0
+        stride, n = dims[k - 1]
+        below = sum(st * (m - 1) for st, m in dims[:k - 1])
+        first, last = -((below - delta) // stride), (delta + below) // stride
+        return any(reachable(delta - c * stride, k - 1) for c in range(max(first, 1 - n), min(last, n - 1) + 1))
+
+    return reachable(gap // size, len(dims))
+
+
+def _by_layout(group: list) -> tuple[int, int] | None:
+    """:func:`_shared_in` for a run too large to sort: members of one layout (the columns of a
+    large matrix) are compared pair by pair from their offsets; any other run is taken as
+    overlapping (as the byte-range check took it), its first two members named."""
+    first = group[0][3]
+    layout = (first.element_size(), tuple(first.shape), first.stride())
+    if all((t.element_size(), tuple(t.shape), t.stride()) == layout and not _self_overlaps(t) for *_, t in group):
+        for i in range(len(group)):
+            for j in range(i + 1, len(group)):
+                shares = _lattice_shares(group[i][3], group[j][3])
+                if shares is None or shares:
+                    a, b = group[i][2], group[j][2]
+                    return (a, b) if a < b else (b, a)
+        return None
+    a, b = group[0][2], group[1][2]
+    return (a, b) if a < b else (b, a)
+
+
 def _shared_in(group: list) -> tuple[int, int] | None:
     """The first two members of ``group`` (``(lo, hi, index, tensor)`` items whose spans chain
     into one run of memory) that share a byte, element by element, or None."""
+    if sum(t.numel() for *_, t in group) > _EXACT_ELEMENTS:
+        return _by_layout(group)
     size = group[0][3].element_size()
     unit = size if all(t.element_size() == size and lo % size == group[0][0] % size for lo, _, _, t in group) else 1
     addrs = torch.cat([_element_addresses(t, lo, unit) for lo, _, _, t in group])
@@ -402,8 +449,10 @@ def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
       The first pair found (by address), or None when every element lies in memory of its own.
 
     Cost: a sort of the tensors' byte spans; where spans intersect and a tensor among them is
-    not contiguous, one sort of those tensors' element addresses (host memory, 8 bytes per
-    element). No host sync.
+    not contiguous, one sort of those tensors' element addresses (host memory, about 100 bytes
+    per element) when they hold at most 2**22 elements, else a test from their strides and
+    offsets (tensors of one shape and strides, e.g. the columns of one matrix; others of that
+    size whose spans interleave are reported as sharing). No host sync.
     """
     spans = sorted(((*_extent(t), i, t) for i, t in enumerate(tensors) if t.numel() > 0 and not t.is_meta),
                    key=lambda s: (s[0], s[2]))

@@ -200,10 +200,63 @@ Tensor element_addresses(const Tensor& t, uintptr_t lo, int64_t unit) {
   return (addr.unsqueeze(-1) + at::arange(size, opts)).flatten();
 }
 
+// Element addresses are sorted only for runs of up to this many elements (about 100 bytes of
+// host memory per element); larger runs are decided from their layouts (by_layout).
+constexpr int64_t kExactElements = int64_t{1} << 22;
+
+// Whether a and b, of one element size, shape and strides (neither overlapping itself), share an
+// element: whether their offset is a difference of two of a's element offsets, found dim by dim
+// from the largest stride (each stride passes what the dims below reach: at most two candidates
+// a dim). -1 when the offset is not whole elements. As ops._lattice_shares.
+int lattice_shares(const Tensor& a, const Tensor& b) {
+  const int64_t size = a.element_size();
+  const int64_t gap = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data_ptr())) -
+                      static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr()));
+  if (gap % size != 0) return -1;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), ascending
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1) dims.emplace_back(a.stride(d), a.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  std::function<bool(int64_t, size_t)> reachable = [&](int64_t delta, size_t k) -> bool {
+    if (k == 0) return delta == 0;
+    const auto [stride, n] = dims[k - 1];
+    int64_t below = 0;
+    for (size_t e = 0; e + 1 < k; ++e) below += dims[e].first * (dims[e].second - 1);
+    // floor division for negative numerators
+    auto floordiv = [](int64_t x, int64_t y) { return x / y - ((x % y != 0) && ((x < 0) != (y < 0))); };
+    const int64_t first = -floordiv(below - delta, stride), last = floordiv(delta + below, stride);
+    for (int64_t c = std::max(first, 1 - n); c <= std::min(last, n - 1); ++c) {
+      if (reachable(delta - c * stride, k - 1)) return true;
+    }
+    return false;
+  };
+  return reachable(gap / size, dims.size()) ? 1 : 0;
+}
+
+std::pair<const Span*, const Span*> by_layout(const Span* begin, const Span* end) {
+  const Tensor& first = *begin->t;
+  bool one_layout = true;
+  for (const Span* s = begin; s != end && one_layout; ++s) {
+    one_layout = s->t->element_size() == first.element_size() && s->t->sizes() == first.sizes() &&
+                 s->t->strides() == first.strides() && !self_overlaps(*s->t);
+  }
+  if (!one_layout) return {begin, begin + 1};  // taken as overlapping, as the byte-range check took it
+  for (const Span* a = begin; a != end; ++a) {
+    for (const Span* b = a + 1; b != end; ++b) {
+      if (lattice_shares(*a->t, *b->t) != 0) return {a, b};
+    }
+  }
+  return {nullptr, nullptr};
+}
+
 // Of spans [begin, end) that chain into one run of memory, with a strided tensor among them:
 // the first two that share a byte, element by element (the columns of one matrix share none,
-// as torch allows), or nullptr/nullptr.
+// as torch allows), or nullptr/nullptr. As ops._shared_in.
 std::pair<const Span*, const Span*> shared_in(const Span* begin, const Span* end) {
+  int64_t total = 0;
+  for (const Span* s = begin; s != end; ++s) total += s->t->numel();
+  if (total > kExactElements) return by_layout(begin, end);
   const int64_t size = begin->t->element_size();
   int64_t unit = size;
   for (const Span* s = begin; s != end; ++s) {
