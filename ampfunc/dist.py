@@ -160,7 +160,8 @@ def _check_same_layout(tree: PyTree, spec, group, device, where: str) -> None:
     flat buffer, they would mix values of different leaves (or the collective would fail inside
     the backend with no word of why). One all-reduce of two integers and one host read per new
     tree structure (the first step), a set lookup after."""
-    key = (group if group is not None else "WORLD", spec)
+    # the group object itself (the world group's too: a new one after destroy/init is checked anew)
+    key = (group if group is not None else dist.group.WORLD, spec)
     if key in _AGREED:
         return
     layout = _layout(tree)
