@@ -67,22 +67,35 @@ def save(obj: Any, f: PathOrFile) -> None:
       >>> af.checkpoint.save({"params": params, "state": state}, "ckpt.pt")  # doctest: +SKIP
       >>> ckpt = af.checkpoint.load("ckpt.pt")                               # doctest: +SKIP
 
-    Cost: one ``torch.save`` into memory, one SHA-256 pass over the bytes (about 1 GB/s) and
-    one write; tensors on a GPU are copied to the host (as ``torch.save`` does).
+    Cost: one ``torch.save`` into memory (host memory for one serialized copy of the state, on
+    top of the state), one SHA-256 pass over the bytes (about 1 GB/s) and one write; tensors on
+    a GPU are copied to the host (as ``torch.save`` does). The file gets ``torch.save``'s
+    permissions (the umask's), or those of the file it replaces.
     """
     buf = io.BytesIO()
     torch.save(obj, buf)
-    payload = buf.getvalue()
-    blob = _MAGIC + _FIELDS.pack(FORMAT_VERSION, len(payload)) + _digest(FORMAT_VERSION, payload) + payload
+    payload = buf.getbuffer()  # a view, not a copy: the bytes are held once
+    header = _MAGIC + _FIELDS.pack(FORMAT_VERSION, len(payload)) + _digest(FORMAT_VERSION, payload)
     if not isinstance(f, (str, os.PathLike)):
-        f.write(blob)
+        f.write(header)
+        f.write(payload)
         return
     path = os.fspath(f)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".ampfunc-ckpt-", dir=folder)
     try:
+        # mkstemp makes the file 0600: give it torch.save's mode (the umask's), or the mode of
+        # the file it replaces, so other users and jobs can still read the checkpoints
+        try:
+            mode = os.stat(path).st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as out:
-            out.write(blob)
+            out.write(header)
+            out.write(payload)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
@@ -167,7 +180,8 @@ def load(f: PathOrFile, *, map_location=None, weights_only: bool = True) -> Any:
       >>> with open("run.ckpts", "rb") as fh:                        # doctest: +SKIP
       ...     first, second = af.checkpoint.load(fh), af.checkpoint.load(fh)
 
-    Cost: one read of the checkpoint's bytes and one SHA-256 pass before ``torch.load``.
+    Cost: one read of the checkpoint's bytes into host memory (the whole serialized state, held
+    while ``torch.load`` rebuilds it) and one SHA-256 pass before ``torch.load``.
     """
     name = _name(f)
     if isinstance(f, (str, os.PathLike)):

@@ -323,7 +323,8 @@ class MonitorConfig(NamedTuple):
       window: steps of loss/scale/skip history kept on the device (>= 2).
       explode_factor: the loss alert's threshold: recent mean loss over the window's median (> 1).
       max_skip_rate: the skip alert's threshold, a fraction of the window's steps in [0, 1].
-      min_steps: the steps the window must hold before the skip alert is checked.
+      min_steps: the steps the window must hold before the skip alert is checked (a full
+        window when it is smaller).
       scale_drop_factor: the scale alert's threshold: the drop from the recent highest scale (> 1).
       scale_drop_steps: the steps over which that drop is measured.
 
@@ -566,8 +567,11 @@ class TrainingMonitor:
         if leaf_nonfinite is None:
             new_counts = leaf_counts
         else:
-            if not isinstance(leaf_nonfinite, torch.Tensor) or leaf_nonfinite.shape != leaf_counts.shape:
+            if not isinstance(leaf_nonfinite, torch.Tensor) or leaf_nonfinite.shape != leaf_counts.shape \
+                    or leaf_nonfinite.dtype != torch.bool:
                 shape = tuple(leaf_nonfinite.shape) if isinstance(leaf_nonfinite, torch.Tensor) else leaf_nonfinite
+                if isinstance(leaf_nonfinite, torch.Tensor) and leaf_nonfinite.dtype != torch.bool:
+                    shape = f"{shape} of dtype {leaf_nonfinite.dtype}"
                 raise ValueError(f"TrainingMonitor.record: leaf_nonfinite must be a bool vector of "
                                  f"{leaf_counts.numel()} flags (one per leaf path), got {shape}")
             new_counts = leaf_counts + leaf_nonfinite.detach().to(device=device, dtype=torch.int64)
@@ -680,7 +684,8 @@ class TrainingMonitor:
                 checks["loss_exploding"] = True
                 alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
-        if len(h["finite"]) >= c.min_steps and window_skip_rate > c.max_skip_rate:
+        # a window smaller than min_steps never holds that many steps: a full window is enough
+        if len(h["finite"]) >= min(c.min_steps, c.window) and window_skip_rate > c.max_skip_rate:
             checks["skip_rate_high"] = True
             alerts.append(f"{window_skip_rate:.1%} of the last {len(h['finite'])} steps skipped (above "
                           f"{c.max_skip_rate:.0%}): gradients overflow often; see overflowing_leaves")

@@ -2,6 +2,7 @@
 
 import io
 import os
+import stat
 
 import pytest
 import torch
@@ -175,3 +176,17 @@ def test_resume_after_a_skipped_step_and_mid_accumulation_is_bit_exact(tmp_path,
         a = getattr(tx, method)(a[0], grads(i), a[1])
         b = getattr(tx, method)(b[0], grads(i), b[1])
     _assert_same(a, b)
+
+
+def test_save_gives_the_file_torch_saves_permissions_or_those_of_the_file_it_replaces(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        theirs, ours = tmp_path / "torch.pt", tmp_path / "ours.pt"
+        torch.save({"w": torch.ones(2)}, theirs)
+        af.checkpoint.save({"w": torch.ones(2)}, ours)
+        assert stat.S_IMODE(os.stat(ours).st_mode) == stat.S_IMODE(os.stat(theirs).st_mode) == 0o644
+        os.chmod(ours, 0o640)
+        af.checkpoint.save({"w": torch.zeros(2)}, ours)  # replacing keeps the file's mode
+        assert stat.S_IMODE(os.stat(ours).st_mode) == 0o640
+    finally:
+        os.umask(umask)

@@ -366,3 +366,19 @@ def test_health_at_the_floor_is_quiet_while_steps_are_applied():
     stats = record(init_stats(), torch.tensor(True), af.NoOpLossScale())
     assert health(stats) == []
     assert health(run([F] * 3 + [T] * 97, scales=[4.0, 2.0, 1.0] + [1.0] * 97)) == []
+
+
+def test_a_window_smaller_than_min_steps_alerts_once_it_is_full():
+    # the window never holds min_steps (10) steps: a full window is enough (it never fired)
+    mon = af.TrainingMonitor({"w": torch.ones(2)}, window=8)
+    for _ in range(8):
+        mon = mon.record(torch.tensor(False), af.DynamicLossScale(1.0), loss=1.0)
+    report = mon.check_health()
+    assert report["checks"]["skip_rate_high"] and report["status"] == "unhealthy"
+
+
+@pytest.mark.parametrize("flags", [torch.tensor([0.5, float("nan")]), torch.tensor([3, -1])])
+def test_leaf_flags_must_be_bools(flags):
+    mon = af.TrainingMonitor({"a": torch.ones(2), "b": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"leaf_nonfinite must be a bool vector of 2 flags .*dtype"):
+        mon.record(torch.tensor(True), 1.0, leaf_nonfinite=flags)
