@@ -576,7 +576,43 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             grads = all_reduce_mean(tree_map(lambda g, p: g.to(p.dtype), grads, state.params), group)
         return grads, new8, loss, new_buffers, aux
 
+    # The layout init() gives, {path: (shape, dtype)} for params and buffers, built on first use
+    # (meta tensors: nothing allocated); and the params dicts already found to match it (the
+    # in-place step gets its own back, the pure step's outputs are ours), held strongly.
+    layout: dict = {}
+    matched: list = []
+
+    def check_layout(state: TrainState, where: str) -> None:
+        """A state from another model or another policy is refused, naming the leaf: the step
+        would train it through functional_call, silently, with the model's own tensors for the
+        paths it lacks."""
+        if ops._is_compiling() or not isinstance(state, TrainState) or any(state.params is m for m in matched):
+            return
+        if not layout:
+            meta = tree_map(lambda p: torch.empty_like(p, device="meta"), params_of(model))
+            layout["params"] = {k: (tuple(v.shape), v.dtype)
+                                for k, v in cast_params(meta, policy.param_dtype, keep=keep).items()}
+            layout["buffers"] = {k: (tuple(v.shape), v.dtype) for k, v in buffers_of(model).items()}
+        for name in ("params", "buffers"):
+            tree, want = getattr(state, name), layout[name]
+            if not isinstance(tree, dict) or set(tree) != set(want):
+                got = set(tree) if isinstance(tree, dict) else set()
+                raise ValueError(f"{where}: state.{name} is not this model's: leaves only in the state "
+                                 f"{sorted(got - set(want))[:5]}, only in the model {sorted(set(want) - got)[:5]} "
+                                 "(a state from another model? build it with this step's init())")
+            for k, (shape, dtype) in want.items():
+                t = tree[k]
+                if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype) != (shape, dtype):
+                    got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"{where}: state.{name} leaf {k!r} is {got}, but this model and policy "
+                                     f"give {shape} {dtype} (a state from another model or another policy?)")
+        remember(state.params)
+
+    def remember(params) -> None:
+        matched[:] = matched[-1:] + [params]  # the last two: a pure step's input and output
+
     def step(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
+        check_layout(state, "make_train_step")
         ls = state.loss_scale
         grads, new8, loss, new_buffers, aux = gradients(state, batch)
         mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
@@ -589,9 +625,12 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         new_buffers = _kept_on_skip(mp.finite, new_buffers, state.buffers)
         new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped,
                                new8 if fp8 is not None else None)
+        if not ops._is_compiling():
+            remember(new_state.params)  # built by us from a matching state
         return new_state, StepOutput(loss, mp.finite, _scale_on(ls, mp.finite.device), aux if has_aux else None)
 
     def step_(state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
+        check_layout(state, "make_train_step.step_")
         ls = state.loss_scale
         # The scale this step's loss used, kept apart: the in-place scale update overwrites it.
         # Not `.clone()`: inductor (torch 2.13) drops a clone of a graph input as a no-op and then

@@ -549,3 +549,29 @@ def test_module_trainer_refuses_bad_input_clearly():
     trainer = af.ModuleTrainer(mlp(), af.sgd(0.1, momentum=0.9))
     with pytest.raises(TypeError, match="TrainerState"):
         trainer.state = {"opt_state": None}
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_make_train_step_refuses_a_state_of_another_model_or_policy_naming_the_leaf(inplace):
+    def train_step(hidden, policy="full"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+        return af.make_train_step(model, lambda f, x: f(x).sum(), af.sgd(0.1), policy)
+
+    x = torch.randn(2, 8)
+    small = train_step(16)
+    for other, pattern in ((train_step(32), r"leaf '0\.weight' is \(16, 8\) torch.float32, but this model and "
+                                            r"policy give \(32, 8\)"),
+                           (train_step(16, "p=bf16"), r"leaf '0\.weight' is \(16, 8\) torch.float32, but .* "
+                                                      r"torch.bfloat16")):
+        state = small.init()
+        before = [t.clone() for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        with pytest.raises(ValueError, match=pattern):
+            (other.step_ if inplace else other.step)(state, x)
+        after = [t for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # its own state still steps, many times (the check is paid once per state)
+    state = small.init()
+    for _ in range(3):
+        state, _ = (small.step_ if inplace else small.step)(state, x)
+    assert int(state.skipped) == 0
