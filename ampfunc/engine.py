@@ -630,7 +630,9 @@ class Engine:
         f, skipped = _next_stats(finite, state.finite, state.skipped, device)
         if state.master is None:
             return new_ref, MixedPrecisionState(None, new_inner, new_ls, f, skipped)
-        new_params = tree_map(lambda m, p: m.to(p.dtype), new_ref, params)
+        # a copy where the dtypes match: the new params must not be the masters themselves (an
+        # in-place step refuses a state whose params alias its masters; init() copies too)
+        new_params = tree_map(lambda m, p: m.to(p.dtype) if m.dtype != p.dtype else m.clone(), new_ref, params)
         return new_params, MixedPrecisionState(new_ref, new_inner, new_ls, f, skipped)
 
     def _kernel_lists(self, params, grads, state, named) -> dict:

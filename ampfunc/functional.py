@@ -213,7 +213,12 @@ def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_au
             raise TypeError("value_and_grad: the first argument of the returned function is the loss scale "
                             f"(e.g. af.DynamicLossScale()), got {type(loss_scale).__name__}")
         # argnums counts loss_fn's arguments; loss_scale sits in front of them here.
-        shifted = tuple(a + 1 for a in argnums) if isinstance(argnums, tuple) else argnums + 1
+        # loss_scale goes in front: non-negative indices move up by one; negative ones count from
+        # the end and stay (-1 is still loss_fn's last argument, never the scale)
+        def shift(a):
+            return a + 1 if a >= 0 else a
+
+        shifted = tuple(map(shift, argnums)) if isinstance(argnums, tuple) else shift(argnums)
         grads, value = torch.func.grad(scaled, shifted, has_aux=True)(loss_scale, *args, **kwargs)
         if any(_is_batched(g) for g in tree_leaves(grads)):
             if group is not None:

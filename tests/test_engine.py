@@ -370,3 +370,17 @@ def test_each_init_owns_its_loss_scale_tensors():
     t1 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
     t2 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
     assert t1.loss_scale.loss_scale.data_ptr() not in (t2.loss_scale.loss_scale.data_ptr(), ls.loss_scale.data_ptr())
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_a_pure_steps_params_never_alias_its_masters_so_step_takes_its_state(generic):
+    # fp16 params with an fp32 leaf kept (a norm layer): the pure step's new fp32 param was the
+    # master itself on the generic path, and step_ then refused the state as aliased
+    inner = unregistered(af.adamw(1e-3)) if generic else af.adamw(1e-3)
+    tx = af.mixed_precision(inner, af.DynamicLossScale(2.0**4))
+    params = {"w": torch.randn(4, dtype=torch.float16), "norm": torch.randn(4), "x": torch.randn(2, dtype=torch.float64)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    params, state = tx.step(params, grads, tx.init(params))
+    master = af.tree.tree_leaves(state.master)
+    assert not any(p is m or p.data_ptr() == m.data_ptr() for p in params.values() for m in master)
+    tx.step_(params, grads, state)  # accepted

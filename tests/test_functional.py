@@ -575,3 +575,16 @@ def test_make_train_step_refuses_a_state_of_another_model_or_policy_naming_the_l
     for _ in range(3):
         state, _ = (small.step_ if inplace else small.step)(state, x)
     assert int(state.skipped) == 0
+
+
+def test_value_and_grad_takes_negative_argnums_as_torch_func_does():
+    def loss_fn(w, b, x):
+        return ((w * x).sum() + b.square().sum()) ** 2
+    w, b, x = torch.randn(3), torch.randn(3), torch.randn(3)
+    for argnums in (-1, -2, (0, -1)):
+        _, grads, finite = af.value_and_grad(loss_fn, argnums)(af.StaticLossScale(1024.0), w, b, x)
+        want = torch.func.grad(loss_fn, argnums)(w, b, x)
+        assert bool(finite)
+        for g, t in zip(grads if isinstance(argnums, tuple) else (grads,), want if isinstance(argnums, tuple) else (want,)):
+            assert isinstance(g, torch.Tensor)  # never the loss scale's gradient
+            torch.testing.assert_close(g, t)
