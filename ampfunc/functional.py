@@ -431,6 +431,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
       policy: a :class:`~ampfunc.Policy` or its string form; default full fp32.
       loss_scale: the initial :class:`~ampfunc.LossScale`; default :class:`NoOpLossScale`.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back as ``StepOutput.aux``.
+        Under ``torch.compile`` (and ``vmap``) ``aux`` must hold tensors only, as
+        ``torch.func.grad``'s aux must; eagerly it may hold anything.
       keep: the params the forward uses as stored, not cast to the compute dtype: paths, a
         predicate or :func:`ampfunc.norm_layers`'s result, as :func:`ampfunc.cast_params`
         takes; default ``norm_layers(model)``.
