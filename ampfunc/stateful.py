@@ -286,6 +286,9 @@ class ModuleTrainer:
                 raise ValueError(f"ModuleTrainer.state: leaf {path!r} is {got} in the new state but "
                                  f"{cur.dtype} {tuple(cur.shape)} in this trainer's: the state was made for another "
                                  "model or configuration")
+            if isinstance(cur, torch.Tensor) and giv.is_meta and not cur.is_meta:
+                raise ValueError(f"ModuleTrainer.state: leaf {path!r} is on the meta device (it holds no data; "
+                                 "a checkpoint loaded with map_location='meta'?): load it onto a real device")
         if any(isinstance(c, torch.Tensor) and g.device != c.device for c, g in zip(current, given)):
             spec = tree_structure(new)
             new = tree_unflatten(spec, [g.to(c.device) if isinstance(c, torch.Tensor) else g

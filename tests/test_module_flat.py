@@ -251,3 +251,15 @@ def test_a_leaf_flags_monitor_the_flat_trainer_does_not_step_is_refused_before_a
         trainer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(state, af.tree.tree_leaves(trainer.state)))
+
+
+def test_a_state_on_the_meta_device_is_refused_by_name_before_anything_changes():
+    model = _model()
+    trainer = af.ModuleTrainer(model, _tx(), loss_scale=af.DynamicLossScale(2.0**8))
+    sd = trainer.state_dict()
+    meta = af.tree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sd)
+    before = [t.clone() for t in af.tree.tree_leaves(trainer.state) if isinstance(t, torch.Tensor)]
+    with pytest.raises(ValueError, match=r"is on the meta device .* map_location='meta'"):
+        trainer.load_state_dict(meta)
+    after = [t for t in af.tree.tree_leaves(trainer.state) if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
