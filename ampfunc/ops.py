@@ -397,6 +397,11 @@ def _lattice_shares(a: torch.Tensor, b: torch.Tensor) -> bool | None:
     return reachable(gap // size, len(dims))
 
 
+def _pair(a: tuple, b: tuple) -> tuple[int, int]:
+    """The tensor indices of two ``(lo, hi, index, tensor)`` spans, in ascending order."""
+    return tuple(sorted((a[2], b[2])))
+
+
 def _by_layout(group: list) -> tuple[int, int] | None:
     """:func:`_shared_in` for a run too large to sort: members of one layout (the columns of a
     large matrix) are compared pair by pair from their offsets; any other run is taken as
@@ -408,11 +413,9 @@ def _by_layout(group: list) -> tuple[int, int] | None:
             for j in range(i + 1, len(group)):
                 shares = _lattice_shares(group[i][3], group[j][3])
                 if shares is None or shares:
-                    a, b = group[i][2], group[j][2]
-                    return (a, b) if a < b else (b, a)
+                    return _pair(group[i], group[j])
         return None
-    a, b = group[0][2], group[1][2]
-    return (a, b) if a < b else (b, a)
+    return _pair(group[0], group[1])
 
 
 def _shared_in(group: list) -> tuple[int, int] | None:
@@ -430,8 +433,7 @@ def _shared_in(group: list) -> tuple[int, int] | None:
     if same.numel() == 0:
         return None
     j = int(same[0, 0])
-    a, b = group[int(owners[order[j]])][2], group[int(owners[order[j + 1]])][2]
-    return (a, b) if a < b else (b, a)
+    return _pair(group[int(owners[order[j]])], group[int(owners[order[j + 1]])])
 
 
 def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
@@ -465,8 +467,7 @@ def overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
         if len(group) > 1:
             if all(t.is_contiguous() for *_, t in group):
                 # contiguous spans that intersect share bytes: the first two are a pair
-                a, b = group[0][2], group[1][2]
-                return (a, b) if a < b else (b, a)
+                return _pair(group[0], group[1])
             found = _shared_in(group)
             if found is not None:
                 return found
