@@ -32,6 +32,7 @@ parameters produce the infs), the scaler statistics, and health alerts returned 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, NamedTuple, Optional, Union
 
 import optree
@@ -208,6 +209,27 @@ def _from_words(words: torch.Tensor, like) -> list:
     return out
 
 
+def _as_written(x: float) -> Fraction | float:
+    """A threshold as the user wrote it, exactly: the rational of its shortest decimal form.
+
+    ``0.3`` is 3/10, not the binary double just below it, so 3 skips in 10 steps is *at* a 30%
+    threshold (the float ``1 - 7/10`` is ``0.30000000000000004``, above it). An infinite
+    threshold stays a float (it compares exactly)."""
+    x = float(x)
+    return Fraction(repr(x)) if math.isfinite(x) else x
+
+
+def _exact(x: float) -> Fraction | float:
+    """A measured value (a count, a loss, a scale read back) as the exact rational it holds."""
+    return Fraction(x) if math.isfinite(x) else x
+
+
+def _percent(x: float) -> str:
+    """A threshold fraction as a percentage that shows every digit given (0.055: ``5.5%``)."""
+    written = _as_written(x)
+    return f"{float(written * 100):g}%"
+
+
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
@@ -269,10 +291,11 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
             "overflowing layers; see nonfinite_leaves)"
         )
-    if s["skip_rate"] > max_skip_rate:
+    # counts against the threshold as written, exactly: 3 of 10 is not above 30%
+    if Fraction(s["skipped"], s["steps"]) > _as_written(max_skip_rate):
         warnings.append(
             f"{s['skip_rate']:.1%} of steps skipped ({s['skipped']} of {s['steps']}), above "
-            f"{max_skip_rate:.0%}: the effective number of updates is lower than the step count"
+            f"{_percent(max_skip_rate)}: the effective number of updates is lower than the step count"
         )
     if s["consecutive_skips"] >= max_consecutive_skips:
         warnings.append(
@@ -669,7 +692,11 @@ class TrainingMonitor:
         if h["steps"] == 0:
             return {"status": "no_data", "alerts": [], "checks": {}}
         losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
-        window_skip_rate = 1.0 - sum(h["finite"]) / len(h["finite"])
+        # Every threshold is compared exactly (counts and the values read back as rationals, the
+        # thresholds as written): a value exactly at a threshold never trips it by a rounding.
+        window_steps = len(h["finite"])
+        window_skipped = window_steps - sum(h["finite"])
+        window_skip_rate = window_skipped / window_steps
         checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False}
         alerts = []
         if not all(math.isfinite(x) for x in losses):
@@ -680,19 +707,21 @@ class TrainingMonitor:
             k = max(1, min(5, len(losses) // 4))
             recent, earlier = sum(losses[-k:]) / k, sorted(losses[:-k])
             median = earlier[len(earlier) // 2]
-            if median > 0 and recent > c.explode_factor * median:
+            exact_recent = sum(_exact(x) for x in losses[-k:]) / k
+            if median > 0 and exact_recent > _as_written(c.explode_factor) * _exact(median):
                 checks["loss_exploding"] = True
                 alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
         # a window smaller than min_steps never holds that many steps: a full window is enough
-        if len(h["finite"]) >= min(c.min_steps, c.window) and window_skip_rate > c.max_skip_rate:
+        if window_steps >= min(c.min_steps, c.window) \
+                and Fraction(window_skipped, window_steps) > _as_written(c.max_skip_rate):
             checks["skip_rate_high"] = True
-            alerts.append(f"{window_skip_rate:.1%} of the last {len(h['finite'])} steps skipped (above "
-                          f"{c.max_skip_rate:.0%}): gradients overflow often; see overflowing_leaves")
+            alerts.append(f"{window_skip_rate:.1%} of the last {window_steps} steps skipped (above "
+                          f"{_percent(c.max_skip_rate)}): gradients overflow often; see overflowing_leaves")
         scales = [s for s in h["scale_hist"][-c.scale_drop_steps:] if not math.isnan(s)]
-        if scales and scales[-1] > 0 and max(scales) >= c.scale_drop_factor * scales[-1]:
+        if scales and scales[-1] > 0 and _exact(max(scales)) >= _as_written(c.scale_drop_factor) * _exact(scales[-1]):
             checks["scale_falling"] = True
-            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.0f}x within {len(scales)} steps "
+            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.3g}x within {len(scales)} steps "
                           f"(to {scales[-1]:g}): inf/NaN gradients step after step")
         return {
             "status": "unhealthy" if alerts else "healthy",

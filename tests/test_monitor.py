@@ -382,3 +382,57 @@ def test_leaf_flags_must_be_bools(flags):
     mon = af.TrainingMonitor({"a": torch.ones(2), "b": torch.ones(2)})
     with pytest.raises(ValueError, match=r"leaf_nonfinite must be a bool vector of 2 flags .*dtype"):
         mon.record(torch.tensor(True), 1.0, leaf_nonfinite=flags)
+
+
+# -- thresholds compared exactly: a value at a threshold never trips it by a float rounding -------------
+
+
+def test_the_skip_rate_alert_does_not_fire_at_exactly_its_threshold():
+    # 3 skips in a window of 10 is 30%, not above a 30% threshold (1 - 7/10 is 0.30000000000000004)
+    mon = TrainingMonitor(window=10, max_skip_rate=0.3)
+    for ok in [T] * 7 + [F] * 3:
+        mon = mon.record(torch.tensor(ok), 1.0, loss=1.0)
+    h = mon.check_health()
+    assert not h["checks"]["skip_rate_high"] and h["status"] == "healthy", h
+    assert h["skip_rate"] == 0.3
+    # one more skip in the window (4 of 10) is above it
+    mon = mon.record(torch.tensor(F), 1.0, loss=1.0)
+    h = mon.check_health()
+    assert h["checks"]["skip_rate_high"] and "40.0% of the last 10 steps skipped (above 30%)" in h["alerts"][0], h
+    # a threshold written with more digits is shown with them
+    mon = TrainingMonitor(window=200, max_skip_rate=0.055)
+    for ok in [T] * 188 + [F] * 12:
+        mon = mon.record(torch.tensor(ok), 1.0, loss=1.0)
+    assert "(above 5.5%)" in mon.check_health()["alerts"][0]
+
+
+def test_health_skip_rate_at_its_threshold_is_quiet():
+    # 3 of 10 steps skipped against max_skip_rate=0.3: at the threshold, not above it
+    assert health(run([T] * 7 + [F] * 3, [2.0 ** 16] * 10), max_skip_rate=0.3, max_consecutive_skips=10) == []
+    warnings = health(run([T] * 6 + [F] * 4), max_skip_rate=0.3, max_consecutive_skips=10)
+    assert len(warnings) == 1 and "above 30%" in warnings[0]
+    # 7 of 100 against 0.07 (100 * 0.07 is 7.000000000000001, 7 / 100 is not 0.07 in binary)
+    assert health(run([T] * 93 + [F] * 7), max_skip_rate=0.07, max_consecutive_skips=10) == []
+
+
+def test_the_loss_alert_does_not_fire_at_exactly_explode_factor_times_the_median():
+    # median 45, last loss 63 = 1.4 * 45 exactly (the float 1.4 * 45 is 62.99999999999999)
+    mon = TrainingMonitor(window=4, explode_factor=1.4)
+    for loss in (45.0, 45.0, 45.0, 63.0):
+        mon = mon.record(torch.tensor(T), 1.0, loss=loss)
+    assert not mon.check_health()["checks"]["loss_exploding"]
+    mon = mon.record(torch.tensor(T), 1.0, loss=64.0)
+    assert mon.check_health()["checks"]["loss_exploding"]
+
+
+def test_the_scale_alert_fires_at_exactly_scale_drop_factor():
+    # from 55 to 50 is a drop of exactly 1.1 (the float 1.1 * 50 is 55.00000000000001)
+    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
+    for s in (55.0, 50.0):
+        mon = mon.record(torch.tensor(T), s, loss=1.0)
+    h = mon.check_health()
+    assert h["checks"]["scale_falling"] and "fell 1.1x within 2 steps" in h["alerts"][0], h
+    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
+    for s in (55.0, 50.5):
+        mon = mon.record(torch.tensor(T), s, loss=1.0)
+    assert not mon.check_health()["checks"]["scale_falling"]
