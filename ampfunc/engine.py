@@ -40,6 +40,7 @@ from ampfunc.tree import (
     PyTree,
     aligned_leaves,
     arithmetic_dtype,
+    check_dense,
     check_same_structure,
     dict_values_aligned,
     float_leaves_with_paths,
@@ -222,7 +223,13 @@ _KERNEL_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
 
 def _blame(err: Exception, where: str, lists: dict) -> Exception:
     """A kernel's error ("ampfunc: grads[2] has shape ...") as the same exception type with the
-    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only."""
+    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only.
+    A sparse leaf is named first: a compressed layout (CSR, ...) fails in torch naming none."""
+    try:
+        for tree_name, tree in lists.values():
+            check_dense(tree, f"{where}: {tree_name}")
+    except TypeError as sparse:
+        return sparse
     msg = str(err)
     if msg.startswith("ampfunc: "):
         msg = msg[len("ampfunc: "):]
