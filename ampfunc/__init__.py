@@ -56,6 +56,7 @@ from ampfunc.policy import (  # noqa: F401
 from ampfunc.monitor import (  # noqa: F401
     MonitorConfig, StepStats, TrainingMonitor, health, init_stats, leaf_nonfinite, nonfinite_leaves, record, skip_rate,
 )
+from ampfunc.monitor import moment_overflows  # noqa: F401
 from ampfunc import advisor  # noqa: F401,E402
 from ampfunc.advisor import Recommendation, recommend_policy  # noqa: F401,E402
 # -- optimizers (ampfunc/optim/)
@@ -133,7 +134,7 @@ __all__ = [
     "BATCH_NORM_TYPES", "NORM_LAYER_TYPES",
     # monitoring
     "monitor", "StepStats", "init_stats", "record", "skip_rate", "health", "nonfinite_leaves",
-    "TrainingMonitor", "MonitorConfig", "leaf_nonfinite",
+    "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "moment_overflows",
     # the precision advisor
     "advisor", "recommend_policy", "Recommendation",
     # optimizers and schedules

@@ -436,3 +436,107 @@ def test_the_scale_alert_fires_at_exactly_scale_drop_factor():
     for s in (55.0, 50.5):
         mon = mon.record(torch.tensor(T), s, loss=1.0)
     assert not mon.check_health()["checks"]["scale_falling"]
+
+
+# -- a second moment that overflowed to inf in an applied step: reported from the state, when you log --------
+
+
+BIG = 1e21  # finite in fp32; its square (1e42) is not
+
+
+def _moment_params():
+    return {"enc.w": torch.ones(3), "head.b": torch.ones(2)}
+
+
+def _big_grads(scale=1.0):
+    return {"enc.w": torch.tensor([BIG, 1.0, 1.0]) * scale, "head.b": torch.ones(2) * scale}
+
+
+def _pure(tx):
+    p = _moment_params()
+    _, state = tx.update(_big_grads(), tx.init(p), p)
+    return state
+
+
+def _mixed(inner, how, dtype=torch.float32):
+    tx = af.mixed_precision(inner, loss_scale=af.StaticLossScale(256.0))
+    p = {k: v.to(dtype) for k, v in _moment_params().items()}
+    state = tx.init(p)
+    g = _big_grads(256.0)  # fp32 gradients (fp16 cannot hold 1e21), for fp16 params too
+    if how == "update":
+        _, state = tx.update(g, state, p)
+    else:
+        _, state = getattr(tx, how)(p, g, state)
+    assert bool(state.finite)  # the gradient was finite: the step was applied
+    return state
+
+
+MOMENT_PATHS = {
+    "adam.update": lambda: _pure(af.adam(1e-3)),
+    "adamw.update": lambda: _pure(af.adamw(1e-3)),
+    "adam-amsgrad.update": lambda: _pure(af.adam(1e-3, amsgrad=True)),
+    "chain-adamw.update": lambda: _pure(af.chain(af.identity(), af.adamw(1e-3))),
+    "from_torch-Adam.update": lambda: _pure(af.from_torch(torch.optim.Adam, lr=1e-3)),
+    "from_torch-RMSprop.update": lambda: _pure(af.from_torch(torch.optim.RMSprop, lr=1e-3)),
+    "mp-adamw.update": lambda: _mixed(af.adamw(1e-3), "update"),
+    "mp-adamw.step": lambda: _mixed(af.adamw(1e-3), "step"),
+    "mp-adamw.step_": lambda: _mixed(af.adamw(1e-3), "step_"),
+    "mp-adamw-f16-master.step_": lambda: _mixed(af.adamw(1e-3), "step_", torch.float16),
+    "mp-from_torch-Adam.step_": lambda: _mixed(af.from_torch(torch.optim.Adam, lr=1e-3), "step_"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(MOMENT_PATHS))
+def test_a_second_moment_overflowed_in_an_applied_step_is_reported_naming_the_leaf(path):
+    state = MOMENT_PATHS[path]()
+    assert af.moment_overflows(state) == ["enc.w"]
+    warnings = health(run([T]), state=state)
+    assert len(warnings) == 1 and "overflowed to inf for 'enc.w'" in warnings[0] and "clip_by_global_norm" in warnings[0]
+    mon = TrainingMonitor(_moment_params()).record(torch.tensor(T), 256.0, loss=1.0)
+    h = mon.check_health(state)
+    assert h["status"] == "unhealthy" and h["checks"]["moment_overflow"] and h["moment_overflows"] == ["enc.w"]
+    assert sum("second moment" in a for a in h["alerts"]) == 1  # once, however many moments the leaf has
+    assert mon.as_dict(state)["status"] == "unhealthy"
+    # without the state (or with a healthy one) nothing is reported
+    assert mon.check_health()["status"] == "healthy" and not mon.check_health()["checks"]["moment_overflow"]
+
+
+def test_the_overflowed_param_no_longer_moves_and_the_report_persists_through_a_checkpoint():
+    tx = af.mixed_precision(af.adam(1e-3), loss_scale=af.StaticLossScale(1.0))  # no weight decay to move it
+    params = _moment_params()
+    state = tx.init(params)
+    params, state = tx.step_(params, _big_grads(), state)
+    frozen = params["enc.w"].clone()
+    for _ in range(3):  # ordinary gradients afterwards: the leaf's first element never moves again
+        params, state = tx.step_(params, {"enc.w": torch.ones(3), "head.b": torch.ones(2)}, state)
+    assert params["enc.w"][0] == frozen[0] and not torch.equal(params["enc.w"][1:], frozen[1:])
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert af.moment_overflows(torch.load(buf)) == ["enc.w"]
+
+
+def test_make_train_step_and_module_trainer_states_report_the_overflowed_leaf():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    train = af.make_train_step(model, lambda fwd, x: (fwd(x) * BIG).sum(), af.adamw(1e-3), "p=f32,c=f32,o=f32")
+    state, out = train.step(train.init(), torch.ones(4, 3))
+    assert bool(out.finite) and sorted(af.moment_overflows(state)) == ["0.bias", "0.weight"]
+    trainer = af.ModuleTrainer(model, af.adamw(1e-3))
+    (model(torch.ones(4, 3)) * BIG).sum().backward()
+    assert bool(trainer.step())
+    assert sorted(af.moment_overflows(trainer.state)) == ["0.bias", "0.weight"]
+    mon = TrainingMonitor(af.params_of(model)).record_state(trainer.state, loss=1.0)
+    assert sorted(mon.check_health(trainer.state)["moment_overflows"]) == ["0.bias", "0.weight"]
+
+
+def test_healthy_states_and_states_without_second_moments_report_nothing():
+    p = _moment_params()
+    for tx in (af.adamw(1e-3), af.sgd(0.1, momentum=0.9), af.from_torch(torch.optim.RMSprop, lr=1e-3)):
+        _, state = tx.update({k: torch.full_like(v, 1e3) for k, v in p.items()}, tx.init(p), p)
+        assert af.moment_overflows(state) == []
+        assert health(run([T]), state=state) == []
+    assert af.moment_overflows({}) == [] and af.moment_overflows(None) == []
+    # a state alone, before any step is recorded, still tells
+    h = TrainingMonitor().check_health(_pure(af.adamw(1e-3)))
+    assert h["status"] == "unhealthy" and h["moment_overflows"] == ["enc.w"]
