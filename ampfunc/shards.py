@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ampfunc import ops
 from ampfunc.dist import _dtensor_loaded, _dtensor_types
-from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_unflatten
+from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = ["Sharding", "LocalView", "sharding_of", "local_view", "active", "grads_to_local"]
 
@@ -40,7 +40,10 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ampfunc_active_shardin
 def active() -> Optional["Sharding"]:
     """The :class:`Sharding` of the step running now on local shards, or None. Read by the
     reductions across leaves (the fused check, ``clip_by_global_norm``, ``global_norm``) so
-    that they count the whole tensors, not this rank's shards."""
+    that they count the whole tensors, not this rank's shards. None inside a ``torch.compile``
+    trace (the unwrap runs eagerly, at the front door)."""
+    if torch.compiler.is_compiling():
+        return None
     return _ACTIVE.get()
 
 
@@ -257,21 +260,21 @@ def local_view(params: PyTree, grads: PyTree = None, *, where: str) -> Optional[
     or plain gradients for DTensor params. Cost: one ``to_local()`` per leaf (no copy; a
     gradient laid out unlike its param is redistributed first); no host sync.
     """
-    if not _dtensor_loaded():
+    if torch.compiler.is_compiling() or not _dtensor_loaded():
         return None
+    DTensor = _dtensor_types()[0]
+    # the common case, no DTensor: the set of the leaves' types, no paths built
+    if not _holds(params, DTensor):
+        if grads is not None and _holds(grads, DTensor):
+            path = next(p for p, g in leaves_with_paths(grads) if isinstance(g, DTensor))
+            raise ValueError(f"{where}: grads leaf {path!r} is a DTensor but the params are plain tensors: "
+                             "pass the DTensor params (dict(model.named_parameters()) under FSDP2), or the "
+                             "local shards of both with group=")
+        return None
+    p_flat, p_spec = tree_flatten(params)
     items = leaves_with_paths(params)
     paths, leaves = [p for p, _ in items], [x for _, x in items]
     sharding = sharding_of(paths, leaves, where)
-    if sharding is None:
-        if grads is not None:
-            DTensor = _dtensor_types()[0]
-            for path, g in leaves_with_paths(grads):
-                if isinstance(g, DTensor):
-                    raise ValueError(f"{where}: grads leaf {path!r} is a DTensor but the params are plain tensors: "
-                                     "pass the DTensor params (dict(model.named_parameters()) under FSDP2), or the "
-                                     "local shards of both with group=")
-        return None
-    p_flat, p_spec = tree_flatten(params)
     local_params = tree_unflatten(p_spec, [_local(x) if isinstance(x, torch.Tensor) else x for x in p_flat])
     local_grads = None
     if grads is not None:
@@ -282,6 +285,16 @@ def local_view(params: PyTree, grads: PyTree = None, *, where: str) -> Optional[
         else:
             local_grads = tree_unflatten(g_spec, grads_to_local(sharding, paths, p_flat, g_flat, where))
     return LocalView(sharding, local_params, local_grads, p_spec)
+
+
+def _holds(tree: PyTree, cls) -> bool:
+    """Whether a leaf of ``tree`` is a ``cls``: a flat dict's values are read directly (0.4 ms
+    for 10,000 leaves, a twentieth of flattening it), any other tree is flattened."""
+    values = tree.values() if type(tree) is dict else None
+    types = set(map(type, values)) if values is not None else ()
+    if values is None or not all(issubclass(t, torch.Tensor) for t in types):
+        types = set(map(type, tree_leaves(tree)))
+    return any(issubclass(t, cls) for t in types)
 
 
 def _is_dtensor(x: Any) -> bool:

@@ -216,6 +216,44 @@ def scenario_checkpoint(env, out):
                scales=(float(trainer.loss_scale.loss_scale), float(resumed_trainer.loss_scale.loss_scale)),
                files=sorted(os.listdir(directory)))
 
+    # mixed_precision(...).step_ on the DTensor params themselves (no group: the mesh is in them),
+    # the fused clip + AdamW; the state is saved per rank and resumed bit for bit, an inf on
+    # rank 1 after the resume included.
+    def mp_tx():
+        return af.mixed_precision(af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD)),
+                                  loss_scale())
+
+    def mp_train(model, tx, state, steps, first):
+        params = dict(model.named_parameters())
+        for step, (x, y) in enumerate(steps, first):
+            x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+            af.scale_loss(F.cross_entropy(model(x), y), af.loss_scale_of(state)).backward()
+            if step == 4 and env.rank == 1:
+                poison(model[0].weight.grad.to_local())
+            _, state = tx.step_(params, {k: p.grad for k, p in params.items()}, state)
+            model.zero_grad(set_to_none=True)
+        return state
+
+    mp_dir = os.path.join(os.environ["AMPFUNC_TEST_OUT"], "mp_ckpt")
+    model, tx = shard(net()), mp_tx()
+    state = tx.init(dict(model.named_parameters()))
+    out["state_leaf_types"] = sorted({type(t).__name__ for t in af.tree.tree_leaves(state)
+                                      if isinstance(t, torch.Tensor)})
+    out["exp_avg_local_shape"] = tuple(state.inner[1].exp_avg["0.weight"].shape)
+    state = mp_train(model, tx, state, batches[:3], 0)
+    af.dist.save_sharded({"params": af.params_of(model), "state": state}, mp_dir)
+    state = mp_train(model, tx, state, batches[3:], 3)
+
+    resumed, tx2 = shard(net()), mp_tx()
+    fresh = tx2.init(dict(resumed.named_parameters()))
+    loaded = af.dist.load_sharded(mp_dir, like={"params": af.params_of(resumed), "state": fresh})
+    af.copy_to_module(resumed, loaded["params"])
+    state2 = mp_train(resumed, tx2, loaded["state"], batches[3:], 3)
+    out.update(mp_uninterrupted=full_params(model), mp_resumed=full_params(resumed),
+               mp_state=[t.clone() for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)],
+               mp_state_resumed=[t.clone() for t in af.tree.tree_leaves(state2) if isinstance(t, torch.Tensor)],
+               mp_skipped=(int(state.skipped), int(state2.skipped)))
+
 
 # ----------------------------------------------------------------------------------------------
 # Every path (update, step, step_, make_train_step, ModuleTrainer) under DDP, FSDP2 with DTensor

@@ -174,6 +174,15 @@ def test_sharded_state_saves_per_rank_and_resumes_bit_for_bit(tmp_path):
         assert out["scales"][0] == out["scales"][1]
         for k, p in out["uninterrupted"].items():
             assert torch.equal(out["resumed"][k], p), (out["rank"], k)
+        # mixed_precision on DTensor params: the state is per rank, plain tensors of the local
+        # shards (16 rows over 2 ranks: 8), and it resumes bit for bit (an inf on rank 1 after
+        # the resume skipped on both ranks, in both runs)
+        assert out["state_leaf_types"] == ["Tensor"] and out["exp_avg_local_shape"] == (8, 6)
+        assert out["mp_skipped"] == (1, 1)
+        for k, p in out["mp_uninterrupted"].items():
+            assert torch.equal(out["mp_resumed"][k], p), (out["rank"], k)
+        for a, b in zip(out["mp_state"], out["mp_state_resumed"]):
+            assert torch.equal(a, b)
 
 
 @slow
