@@ -444,6 +444,30 @@ def _refusals(env):
     model = shard(net())
     model.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     out["trainer_mixed"] = error_of(lambda: af.ModuleTrainer(model, af.adamw(LR)))
+    # a Partial param holds partial sums: refused, naming it
+    try:
+        from torch.distributed.tensor import Partial
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import Partial
+    out["partial"] = error_of(lambda: tx.init({"p": DTensor.from_local(torch.ones(2), mesh, [Partial()])}))
+    # leaves of different layouts in one step (an uneven Shard(0) and a Replicate): the clip's norm
+    # counts each whole tensor once, on the fused path (sgd) and the generic one (a clip with no kernel)
+    torch.manual_seed(5)
+    full = {"s": torch.randn(5, 3), "r": torch.randn(4)}
+    grads = {"s": torch.randn(5, 3), "r": torch.randn(4)}
+    placements = {"s": [Shard(0)], "r": [Replicate()]}
+    dparams = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
+    dgrads = {k: distribute_tensor(v, mesh, placements[k]) for k, v in grads.items()}
+    norm = torch.cat([g.reshape(-1) for g in grads.values()]).norm()
+    coef = min(1.0, 0.1 / (float(norm) + 1e-6))
+    want = {k: full[k] - coef * grads[k] for k in full}
+    diffs = []
+    for clip in (af.clip_by_global_norm(0.1), af.GradientTransformation(af.clip_by_global_norm(0.1).init,
+                                                                        af.clip_by_global_norm(0.1).update)):
+        mp = af.mixed_precision(af.chain(clip, af.sgd(1.0)), af.NoOpLossScale())
+        new, _ = mp.step(dparams, dgrads, mp.init(dparams))
+        diffs.append(max(float((new[k].full_tensor() - want[k]).abs().max()) for k in want))
+    out["mixed_layout_diffs"] = diffs
     # fully_shard's hooks gather their own params, bypassing functional_call's: refused
     out["fsdp2_module"] = error_of(lambda: af.make_train_step(shard(net()), lambda f, x: f(x).sum(), af.adamw(LR)))
     out["untouched"] = torch.equal(a.to_local(), before) and int(state.skipped) == 0

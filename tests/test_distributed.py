@@ -264,7 +264,14 @@ def test_bad_sharded_input_is_refused_naming_the_leaf(paths):
         assert "params leaf 'c' is a DTensor on mesh" in err["two_meshes"] and "leaf 'a'" in err["two_meshes"]
         assert "ModuleTrainer: params leaf 'extra' is a plain tensor" in err["trainer_mixed"]
         assert "make_train_step" in err["fsdp2_module"] and "fully_shard" in err["fsdp2_module"]
+        assert "params leaf 'p'" in err["partial"] and "Partial" in err["partial"]
         assert err["untouched"]
+
+
+@slow
+def test_leaves_sharded_and_replicated_in_one_step_count_each_whole_tensor_once(paths):
+    for out in paths:  # fused and generic clip, against the single-process clip of the full tensors
+        assert max(out["refusals"]["mixed_layout_diffs"]) <= 1e-6, out["refusals"]["mixed_layout_diffs"]
 
 
 # ----------------------------------------------------------------------------------------------
