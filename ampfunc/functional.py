@@ -438,7 +438,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         predicate or :func:`ampfunc.norm_layers`'s result, as :func:`ampfunc.cast_params`
         takes; default ``norm_layers(model)``.
       group: a ``torch.distributed`` process group: gradients are averaged over it (data
-        parallelism without DDP) and every rank takes the same skip decision.
+        parallelism without DDP) and every rank takes the same skip decision. A module whose
+        params are DTensors (``distribute_tensor``; a batch sharded on its rows) needs none:
+        the step runs on their local shards, reduced over their mesh (:mod:`ampfunc.shards`);
+        a module under FSDP2's ``fully_shard`` is refused (its hooks bypass functional_call).
       overwrite_with_gradient: a predicate on param paths (flax's "overwrite with gradient"):
         those params are not given to ``tx``; their "gradient" (what a custom autograd
         function's backward returned for them, e.g. new FP8 scaling state) becomes their new
