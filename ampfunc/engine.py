@@ -35,6 +35,7 @@ from ampfunc.dist import agree_finite, any_dtensor
 from ampfunc.flat import copy_packed
 from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for, plan_for_torch_group
 from ampfunc.loss_scale import DynamicLossScale, LossScale
+from ampfunc.shards import active as active_sharding, local_view
 from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,
@@ -356,6 +357,11 @@ class Engine:
 
         Cost: one copy of the params when a master is needed, plus the inner state.
         """
+        view = local_view(params, where=f"{self.where}.init")
+        if view is not None:
+            # DTensor params: the state is made per rank on the local shards, as plain tensors
+            # (ampfunc.shards); the steps unwrap the params the same way.
+            params = view.params
         paths, leaves = float_leaves_with_paths(params, f"{self.where}.init: params")
         for path, leaf in zip(paths, leaves):
             if leaf.device.type == "meta":
@@ -507,7 +513,8 @@ class Engine:
         # refusal can be retried on the generic path with nothing done twice (no hook has seen
         # this step's check, no collective ran): reading 10,000 dtypes costs ~1 ms a step.
         deferred = on_dev and KERNELS_VALIDATE and not compiling and self.group is None and \
-            self.on_check is None and (not lined.g or lined.g[0].dtype in KERNEL_GRAD_DTYPES)
+            active_sharding() is None and self.on_check is None and \
+            (not lined.g or lined.g[0].dtype in KERNEL_GRAD_DTYPES)
         fused = on_dev and (deferred or set(_attrs("dtype", lined.g)) <= KERNEL_GRAD_DTYPES)
         if not (fused and KERNELS_VALIDATE):
             p_shapes = self._validate_grads(where, named, trust_grads, p_shapes)
@@ -560,6 +567,11 @@ class Engine:
         cloned: 0-d or empty in practice). Generic: the pure primitives. No host sync.
         """
         where = where or f"{self.where}.step"
+        view = local_view(params, grads, where=where)
+        if view is not None:  # DTensor params: the step on the local shards, the ranks agreeing
+            with view.sharding:
+                new_params, new_state = self.step(view.params, view.grads, state, where=where, trust_grads=trust_grads)
+            return view.wrap(new_params), new_state
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads)
         if prep.opt is not None:
             out = self._fused(params, grads, state, prep, where, trust_grads)
@@ -628,6 +640,9 @@ class Engine:
         grads32, finite = ls.unscale_and_check(grads, f"{where}: grads")
         if self.group is not None:
             finite = agree_finite(finite, self.group)
+        sharding = active_sharding()
+        if sharding is not None:  # local shards of DTensor params: every rank of the mesh agrees
+            finite = sharding.reduce(finite)[0]
         ref = state.master if state.master is not None else params
         updates, new_inner = self.inner.update(grads32, state.inner, ref)
         new_ref = apply_updates(ref, updates)
@@ -670,6 +685,11 @@ class Engine:
         param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
         """
         where = where or f"{self.where}.step_"
+        view = local_view(params, grads, where=where)
+        if view is not None:  # DTensor params: their local shards alias them, written in place
+            with view.sharding:
+                _, state = self.step_(view.params, view.grads, state, where=where, trust_grads=trust_grads)
+            return params, state
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
         lined, opt = prep.lined, prep.opt
         if opt is not None:
