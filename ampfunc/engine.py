@@ -72,7 +72,7 @@ class MixedPrecisionState(NamedTuple):
     """The state of a mixed-precision step (a pytree of tensors; ``torch.save``-able).
 
     Made by ``mixed_precision(...).init(params)``. Read ``finite`` and ``skipped`` without a
-    host sync as tensors (``af.record``), or with ``bool(state.finite)`` /
+    host sync as tensors (``af.monitor.record``), or with ``bool(state.finite)`` /
     ``int(state.skipped)`` when a sync is fine (logging every N steps).
 
     Attributes:

@@ -123,7 +123,7 @@ class LossScale:
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
-      >>> isinstance(ls, af.LossScale)
+      >>> isinstance(ls, af.loss_scale.LossScale)
       True
       >>> ls.scale(torch.tensor(0.5))
       tensor(512.)
@@ -320,7 +320,7 @@ class DynamicConfig(NamedTuple):
       >>> ls = af.DynamicLossScale(growth_interval=500)
       >>> ls.config.growth_interval, ls.config.hysteresis
       (500, 1)
-      >>> af.DynamicConfig(backoff_factor=0.25).validate().backoff_factor
+      >>> af.loss_scale.DynamicConfig(backoff_factor=0.25).validate().backoff_factor
       0.25
     """
 

@@ -95,7 +95,7 @@ def unscale(tree: PyTree, ls: LossScale) -> PyTree:
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
-      >>> af.unscale({"w": torch.tensor([1024.0, 2048.0], dtype=torch.float16)}, ls)
+      >>> af.mixed.unscale({"w": torch.tensor([1024.0, 2048.0], dtype=torch.float16)}, ls)
       {'w': tensor([1., 2.])}
 
     Cost: one read and one fp32 write per leaf (the finite flag is computed too, and dropped;
@@ -257,7 +257,7 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
 
     Example:
       >>> grads = {"w": torch.tensor([1024.0, 2048.0])}
-      >>> out, finite = af.unscale_and_check_(grads, af.StaticLossScale(1024.0))
+      >>> out, finite = af.mixed.unscale_and_check_(grads, af.StaticLossScale(1024.0))
       >>> out is grads, grads["w"], bool(finite)
       (True, tensor([1., 2.]), True)
 
@@ -301,7 +301,7 @@ def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
     Example:
       >>> p = nn.Parameter(torch.zeros(2))
-      >>> out = af.skip_or_apply_(torch.tensor(True), {"w": torch.ones(2)}, {"w": p})
+      >>> out = af.mixed.skip_or_apply_(torch.tensor(True), {"w": torch.ones(2)}, {"w": p})
       >>> out["w"] is p, p.detach()
       (True, tensor([1., 1.]))
 
@@ -334,7 +334,7 @@ def update_scale_(ls, finite):
 
     Example:
       >>> ls = af.DynamicLossScale(2.0**15)
-      >>> af.update_scale_(ls, torch.tensor(False)) is ls
+      >>> af.mixed.update_scale_(ls, torch.tensor(False)) is ls
       True
       >>> float(ls.loss_scale)
       16384.0
@@ -526,17 +526,3 @@ def loss_scale_of(state: Any) -> LossScale:
         except ValueError:
             continue
     raise ValueError(f"loss_scale_of: no MixedPrecisionState or loss scale found in {type(state).__name__}")
-
-
-# Names that moved (README "Names that changed"): the old spellings still work for one release.
-_MOVED = {"agree_finite": ("ampfunc.dist.agree_finite", _agree_finite),
-          "MixedPrecisionState": ("ampfunc.engine.MixedPrecisionState", _MixedPrecisionState)}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        where, obj = _MOVED[name]
-        warnings.warn(f"ampfunc.mixed.{name} is deprecated and will be removed in the next release: use {where} "
-                      f"(or af.{name})", DeprecationWarning, stacklevel=2)
-        return obj
-    raise AttributeError(f"module 'ampfunc.mixed' has no attribute {name!r}")

@@ -142,7 +142,7 @@ def cast_floating(tree: PyTree, dtype: DTypeLike) -> PyTree:
       A new pytree of ``tree``'s structure.
 
     Example:
-      >>> out = af.cast_floating({"x": torch.ones(2), "ids": torch.arange(2), "n": 3}, "bf16")
+      >>> out = af.policy.cast_floating({"x": torch.ones(2), "ids": torch.arange(2), "n": 3}, "bf16")
       >>> out["x"].dtype, out["ids"].dtype, out["n"]
       (torch.bfloat16, torch.int64, 3)
 
@@ -365,7 +365,7 @@ def buffers_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Example:
       >>> model = nn.Sequential(nn.BatchNorm1d(2))
-      >>> list(af.buffers_of(model))
+      >>> list(af.policy.buffers_of(model))
       ['0.running_mean', '0.running_var', '0.num_batches_tracked']
 
     Cost: one ``detach`` per buffer (a view: no copy, no kernel); no host sync.

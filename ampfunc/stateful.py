@@ -50,7 +50,7 @@ class TrainerState(NamedTuple):
         fp32), a copy of every (local shard of a) param in ``master_dtype`` (wider params keep
         their dtype); else ``None``.
       opt_state: the optimizer transform's state.
-      loss_scale: the :class:`~ampfunc.LossScale` for the next loss.
+      loss_scale: the :class:`~ampfunc.loss_scale.LossScale` for the next loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
 

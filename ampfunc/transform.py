@@ -266,7 +266,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
 
     Example:
       >>> params = {"w": torch.ones(2)}
-      >>> tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.sgd(0.1)))
+      >>> tx = af.transform.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.sgd(0.1)))
       >>> state = tx.init(params)
       >>> sorted(state)
       ['clip', 'opt']

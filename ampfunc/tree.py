@@ -65,7 +65,7 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
       A new pytree of ``tree``'s structure holding ``fn``'s results.
 
     Example:
-      >>> af.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
+      >>> af.tree.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
       {'w': tensor([2., 2.]), 'b': None}
 
     Cost: one flatten of each tree and one unflatten, plus whatever ``fn`` costs per leaf;
@@ -119,7 +119,7 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
 
     Example:
       >>> tree = {"enc": [torch.zeros(1), torch.ones(1)], "b": torch.zeros(2)}
-      >>> [path for path, _ in af.leaves_with_paths(tree)]
+      >>> [path for path, _ in af.tree.leaves_with_paths(tree)]
       ['b', 'enc.0', 'enc.1']
 
     Cost: one flatten with accessors; reads no tensor data, no host sync.
@@ -268,7 +268,7 @@ def all_finite(tree: PyTree) -> torch.Tensor:
       A 0-d bool tensor, ``True`` when no floating leaf holds an inf or a NaN.
 
     Example:
-      >>> af.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
+      >>> af.tree.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
       tensor(False)
 
     Cost: one read-only pass over the floating leaves (:func:`ampfunc.ops.all_finite`, the
@@ -285,7 +285,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
 
     Each selected leaf becomes ``leaf.to(dtype)``: a leaf already in ``dtype`` is returned as
     is (no copy). Other leaves and ``None`` pass through. ``dtype=None`` returns ``tree`` itself.
-    Unlike :func:`ampfunc.cast_floating`, no dtype names and no special case for loss scales.
+    Unlike :func:`ampfunc.policy.cast_floating`, no dtype names and no special case for loss scales.
 
     Args:
       tree: a pytree.
@@ -296,7 +296,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
       A new pytree of ``tree``'s structure (``tree`` itself when ``dtype`` is ``None``).
 
     Example:
-      >>> t = af.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
+      >>> t = af.tree.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
       >>> t["w"].dtype, t["step"].dtype
       (torch.bfloat16, torch.int64)
 

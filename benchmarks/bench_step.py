@@ -503,7 +503,7 @@ def main(argv=None):
         t_few = med if t_few is None else t_few
         if n == args.many:
             flat_p, flat_g = flatten(params), flatten(grads)
-            table.add(f"ampfunc step_, {n} tensors flattened to 1 buffer (af.flatten)",
+            table.add(f"ampfunc step_, {n} tensors flattened to 1 buffer (af.flat.flatten)",
                       timer(ampfunc_step(flat_p.buffers, flat_g.buffers)), adam_floor)
             table.add(f"torch AdamW(fused) + GradScaler + clip, {n} tensors",
                       timer(torch_step(params, grads, device, fused=True)), adam_floor)

@@ -163,7 +163,7 @@ def scenario_fsdp2(env, out):
             if env.rank == 1:
                 poison(model[0].weight.grad.to_local())
             local = [p.grad.to_local() for p in model.parameters()]
-            local_finite_at_inject = bool(af.all_finite(local))
+            local_finite_at_inject = bool(af.tree.all_finite(local))
         finite.append(bool(trainer.step()))
         scales.append(float(trainer.loss_scale.loss_scale))
     out.update(finite=finite, scales=scales, params=full_params(model),
@@ -209,7 +209,7 @@ def scenario_checkpoint(env, out):
     resumed = shard(net())
     resumed_trainer = af.ModuleTrainer(resumed, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
     loaded = af.dist.load_sharded(directory, like={"params": af.params_of(resumed), "trainer": resumed_trainer.state})
-    af.copy_to_module(resumed, loaded["params"])
+    af.functional.copy_to_module(resumed, loaded["params"])
     resumed_trainer.state = loaded["trainer"]
     train(resumed, resumed_trainer, batches[3:])
     out.update(uninterrupted=full_params(model), resumed=full_params(resumed),
@@ -237,7 +237,7 @@ def scenario_misuse(env, out):
     # rank 1 is outside a group of rank 0 alone: refused there, a no-op average on rank 0
     solo = dist.new_group([0])
     out["nonmember_error"] = error_of(lambda: af.dist.all_reduce_mean(same, solo))
-    out["nonmember_flag_error"] = error_of(lambda: af.agree_finite(torch.tensor(True), solo))
+    out["nonmember_flag_error"] = error_of(lambda: af.dist.agree_finite(torch.tensor(True), solo))
     # fp8: a NaN amax on the higher rank reaches every rank (gloo's MAX drops it there)
     from ampfunc import fp8 as af_fp8
     x = torch.tensor([1.0, 2.0]) if env.rank == 0 else torch.tensor([float("nan"), 3.0])

@@ -33,7 +33,7 @@ def grads_at(step: int, scale=1.0, dtype=torch.float32, shapes=SHAPES, overflow_
 def random_like(tree, seed: int, scale=1.0):
     """A tree like ``tree`` of fp32 normal samples times ``scale``, reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    return af.tree_map(lambda p: scale * torch.randn(p.shape, generator=gen), tree)
+    return af.tree.tree_map(lambda p: scale * torch.randn(p.shape, generator=gen), tree)
 
 
 def unregistered(tx: af.GradientTransformation) -> af.GradientTransformation:
@@ -48,7 +48,7 @@ def unregistered(tx: af.GradientTransformation) -> af.GradientTransformation:
 
 def clone_tree(tree):
     """Detached copies of every tensor leaf (other leaves as they are)."""
-    return af.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
+    return af.tree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def assert_trees_equal(a, b):

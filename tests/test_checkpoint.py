@@ -163,7 +163,7 @@ def test_resume_after_a_skipped_step_and_mid_accumulation_is_bit_exact(tmp_path,
         out = {"enc": {"w": torch.randn(6, 4, generator=g)}, "head": {"b": torch.randn(4, generator=g)}}
         if i in (1, 6):
             out["head"]["b"][2] = float("inf")
-        return af.tree_cast(out, torch.float16)
+        return af.tree.tree_cast(out, torch.float16)
 
     for i in range(3):  # finite, skipped, finite: two good mini-steps of three accumulated
         params, state = getattr(tx, method)(params, grads(i), state)

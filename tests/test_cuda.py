@@ -1692,15 +1692,15 @@ def test_make_train_step_outputs_live_on_the_params_device(cuda_backend, loss_sc
 def test_the_monitor_readers_sync_once_each():
     import warnings
     mon = af.TrainingMonitor({"a": torch.ones(3, device="cuda"), "b": torch.ones(2, device="cuda")}, window=8)
-    stats = af.init_stats("cuda")
+    stats = af.monitor.init_stats("cuda")
     for ok in (True, False, True):
         flag = torch.tensor(ok, device="cuda")
         mon = mon.record(flag, 1024.0, loss=torch.tensor(0.5, device="cuda"),
                          leaf_nonfinite=torch.tensor([not ok, False], device="cuda"))
-        stats = af.record(stats, flag, 1024.0)
+        stats = af.monitor.record(stats, flag, 1024.0)
     torch.cuda.synchronize()
     readers = {"check_health": mon.check_health, "as_dict": mon.as_dict, "history": mon.history,
-               "summary": lambda: af.monitor.summary(stats), "health": lambda: af.health(stats)}
+               "summary": lambda: af.monitor.summary(stats), "health": lambda: af.monitor.health(stats)}
     previous = torch.cuda.get_sync_debug_mode()
     try:
         for name, read in readers.items():

@@ -15,7 +15,7 @@ INNERS = {
     "adamw": lambda: af.adamw(1e-2, weight_decay=0.05),
     "clip+adam": lambda: af.chain(af.clip_by_global_norm(0.5), af.adam(1e-2, amsgrad=True)),
     "sgd": lambda: af.sgd(0.05, momentum=0.9, nesterov=True),
-    "named clip+adamw": lambda: af.named_chain(("clip", af.clip_by_global_norm(0.5)), ("opt", af.adamw(1e-2))),
+    "named clip+adamw": lambda: af.transform.named_chain(("clip", af.clip_by_global_norm(0.5)), ("opt", af.adamw(1e-2))),
 }
 
 
@@ -96,7 +96,7 @@ def test_module_trainer_and_make_train_step_give_the_in_place_fused_numbers(name
     train = af.make_train_step(_Net(), _loss, INNERS[name](), loss_scale=ls)
     tstate = train.init()
     tx = af.mixed_precision(INNERS[name](), ls)
-    params = af.tree_map(lambda p: p.detach().clone(), af.params_of(_Net()))
+    params = af.tree.tree_map(lambda p: p.detach().clone(), af.params_of(_Net()))
     state = tx.init(params)
     kernel = "adam" if "adam" in name else "sgd"
     calls = {f"{kernel}_step_": 0, f"{kernel}_step": 0, f"{kernel}_step_checked": 0}
@@ -257,12 +257,12 @@ def test_fp64_params_keep_an_fp64_master_never_a_narrower_one():
 
 def test_skip_or_apply_in_place_writes_parameters_and_refuses_aliases_before_writing():
     old = {"a": torch.zeros(3), "b": torch.nn.Parameter(torch.zeros(3))}
-    af.skip_or_apply_(torch.tensor(True), {"a": torch.ones(3), "b": torch.ones(3)}, old)
+    af.mixed.skip_or_apply_(torch.tensor(True), {"a": torch.ones(3), "b": torch.ones(3)}, old)
     assert torch.equal(old["b"].detach(), torch.ones(3)) and torch.equal(old["a"], torch.ones(3))
     t = torch.zeros(3)
     aliased = {"a": torch.zeros(3), "x": t, "y": t}
     with pytest.raises(ValueError, match=r"'x'.*'y'"):
-        af.skip_or_apply_(torch.tensor(True), {k: torch.ones(3) for k in aliased}, aliased)
+        af.mixed.skip_or_apply_(torch.tensor(True), {k: torch.ones(3) for k in aliased}, aliased)
     assert torch.equal(aliased["a"], torch.zeros(3))
 
 

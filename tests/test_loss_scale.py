@@ -259,7 +259,7 @@ def test_hand_set_invalid_scale_skips_every_step_instead_of_poisoning():
     # unscale_and_check says "not finite", and the composed step is skipped.
     for bad in (0.0, float("inf"), float("nan"), 1e-45):
         ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
-                                              torch.ones((), dtype=torch.int32), af.DynamicConfig())
+                                              torch.ones((), dtype=torch.int32), af.loss_scale.DynamicConfig())
         assert not ls.is_valid().item()
         assert math.isnan(ls.inv_scale.item())
         _, finite = af.unscale_and_check({"w": torch.ones(3)}, ls)
@@ -277,7 +277,7 @@ def test_update_scale_refuses_non_bool_or_shaped_flags(flag, ls):
     with pytest.raises((TypeError, ValueError), match="finite"):
         af.update_scale(ls, flag)
     with pytest.raises((TypeError, ValueError), match="finite"):
-        af.update_scale_(ls, flag)
+        af.mixed.update_scale_(ls, flag)
     assert all(torch.equal(a, b) for a, b in zip(before, af.tree.tree_leaves(ls)))
 
 
@@ -301,7 +301,7 @@ def test_non_number_settings_are_refused_naming_them(name, value):
 def test_hand_set_invalid_scale_skips_the_composed_step(bad, inner, method):
     params = {"w": torch.ones(3, dtype=torch.float16)}
     ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
-                                          torch.ones((), dtype=torch.int32), af.DynamicConfig())
+                                          torch.ones((), dtype=torch.int32), af.loss_scale.DynamicConfig())
     tx = af.mixed_precision(inner(), loss_scale=ls)
     state = tx.init(params)
     new_params, new_state = getattr(tx, method)(params, {"w": torch.ones(3, dtype=torch.float16)}, state)

@@ -38,7 +38,7 @@ class ExampleConfig(NamedTuple):
     """
 
     policy: str
-    loss_scale: Callable[[], af.LossScale]
+    loss_scale: Callable[[], af.loss_scale.LossScale]
     setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     about: str = ""
     fp8: Optional[Callable[..., Any]] = None  # (model, group=None) -> af.fp8.Fp8Policy; None: no fp8

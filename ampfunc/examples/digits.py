@@ -114,7 +114,7 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
             ls = af.loss_scale_of(state)
             (grads, state8), loss = grad_fn(params, state8, x_tr[idx], y_tr[idx], ls)
             if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
-                grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
+                grads = af.dist.all_reduce_mean(af.tree.tree_cast(grads, torch.float32), group)
             zero_grads = zero_grads + count_zeros(grads)
             grad_elems += sum(g.numel() for g in grads.values())
             params, state = tx.step(params, grads, state)

@@ -92,7 +92,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
 
     Args:
       lr: the learning rate, a float or a schedule (a callable of the step count, see
-        :func:`ampfunc.linear_schedule` and co.), evaluated at the number of steps applied
+        :func:`ampfunc.optim.linear_schedule` and co.), evaluated at the number of steps applied
         before this one.
       momentum: the momentum factor; 0 keeps no buffer.
       dampening: the dampening of the momentum's gradient term.
