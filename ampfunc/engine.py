@@ -609,7 +609,7 @@ class Engine:
         new_opt = opt._replace(**{f: written[f] if f in written else _cloned(getattr(opt, f)) for f in opt._fields})
         new_inner = self.plan.replace_opt_state(state.inner, new_opt, _cloned)
         ls = state.loss_scale
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         if new_ls is ls:  # static and no-op scales return themselves; the result owns its tensors
             new_ls = _cloned(ls)
         dev = opt.step.device
@@ -625,7 +625,7 @@ class Engine:
         updates, new_inner = self.inner.update(grads32, state.inner, ref)
         new_ref = apply_updates(ref, updates)
         new_ref, new_inner = select_tree(finite, (new_ref, new_inner), (ref, state.inner))
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         device = state.finite.device if state.finite is not None else finite.device
         f, skipped = _next_stats(finite, state.finite, state.skipped, device)
         if state.master is None:
@@ -679,7 +679,7 @@ class Engine:
                 ls = state.loss_scale
                 with torch.no_grad():
                     if isinstance(ls, DynamicLossScale):
-                        ls.adjust_(finite.to(ls.loss_scale.device))
+                        ls._adjust_(finite.to(ls.loss_scale.device))
                 return params, self._commit_stats(state, finite)
         if opt is None:
             self._generic_hook(params, grads, lined)

@@ -171,7 +171,7 @@ def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 def update_scale(ls, finite):
     """The loss scale for the next step.
 
-    The function form of ``LossScale.adjust`` that also takes several scales at once.
+    Also takes several scales at once (apex's ``num_losses``).
 
     Args:
       ls: a loss scale, or a dict, list or tuple of loss scales, one per loss (apex's
@@ -200,7 +200,7 @@ def update_scale(ls, finite):
         new = [update_scale(v, f) for _, v, f in pairs]
         return dict(zip((k for k, _, _ in pairs), new)) if isinstance(ls, Mapping) else type(ls)(new)
     _check_loss_scale(ls, "update_scale")
-    return ls.adjust(finite)
+    return ls._adjust(finite)
 
 
 def _scales_and_flags(ls, finite, where: str) -> list:
@@ -346,7 +346,7 @@ def update_scale_(ls, finite):
             update_scale_(v, f)
         return ls
     _check_loss_scale(ls, "update_scale_")
-    ls.adjust_(finite)  # static and no-op scales only check the flag
+    ls._adjust_(finite)  # static and no-op scales only check the flag
     return ls
 
 

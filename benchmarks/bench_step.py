@@ -349,7 +349,7 @@ def ampfunc_bookkeeping(grads, device, out_of_place=False):
 
     def run():
         finite, _ = ops.check(leaves)
-        ls.adjust_(finite)
+        ls._adjust_(finite)
     return run
 
 
@@ -482,7 +482,7 @@ def main(argv=None):
     leaves = list(grads.values())
     table.add("ampfunc ops.check alone (read-only: finite + sum of squares)", timer(lambda: ops.check(leaves)),
               check_floor, t_gs)
-    table.add("ampfunc ops.check + DynamicLossScale.adjust_ (read-only)",
+    table.add("ampfunc ops.check + update_scale_ (read-only)",
               timer(ampfunc_bookkeeping(grads, device)), check_floor, t_gs)
     table.add("ampfunc unscale_and_check + update_scale (pure, fp32 out)",
               timer(ampfunc_bookkeeping(grads, device, out_of_place=True)), check_floor, t_gs)
