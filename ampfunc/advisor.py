@@ -30,7 +30,7 @@ import torch
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.policy import Policy, get_policy
 
-__all__ = ["Recommendation", "recommend_policy", "cpu_bf16_flags"]
+__all__ = ["Recommendation", "recommend_policy"]
 
 # Instruction-set flags (Linux /proc/cpuinfo names) that execute bf16 arithmetic natively.
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX, Arm FEAT_BF16

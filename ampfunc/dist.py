@@ -225,6 +225,8 @@ def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
 
 
 def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (False, without importing
+    ``torch.distributed.tensor``, while nothing has imported it)."""
     return _dtensor_loaded() and isinstance(x, _dtensor_types()[0])
 
 

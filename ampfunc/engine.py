@@ -832,7 +832,7 @@ def torch_step_(optimizer, lists: list, *, instead_of=None) -> bool:
     dtypes or devices; a param listed twice): the caller runs ``optimizer.step()`` instead.
 
     Example:
-      >>> ok = torch_step_(opt, [[(masters, fp16_grads, fp16_params, lambda dev: inv_scale)]])
+      >>> ok = torch_step_(opt, [[(masters, fp16_grads, fp16_params, lambda dev: inv_scale)]])  # doctest: +SKIP
 
     Cost: the kernel passes plus one stack of the step counts per segment (a CPU read; no
     device sync), Python work per param.

@@ -217,7 +217,24 @@ def flatten(tree: PyTree) -> FlatTree:
 
 
 def unflatten(flat: FlatTree, buffers: Sequence[torch.Tensor] | None = None) -> PyTree:
-    """``flat.unflatten(buffers)`` (``flat.tree`` when ``buffers`` is None)."""
+    """The pytree of views into ``buffers`` laid out as ``flat`` (``flat.tree`` when None).
+
+    Args:
+      flat: a :class:`FlatTree` (from :func:`flatten`).
+      buffers: one buffer per group of ``flat``, of its buffers' sizes and dtypes (default: the
+        buffers ``flat`` holds).
+
+    Returns:
+      A pytree of ``flat``'s structure whose leaves are views into ``buffers``.
+
+    Example:
+      >>> flat = af.flat.flatten({"w": torch.ones(2, 3), "b": torch.zeros(3)})
+      >>> tree = af.flat.unflatten(flat, [buf * 2 for buf in flat.buffers])
+      >>> tree["w"].shape, float(tree["w"].sum())
+      (torch.Size([2, 3]), 12.0)
+
+    Cost: one view per leaf; no copy, no host sync.
+    """
     return flat.tree if buffers is None else flat.unflatten(buffers)
 
 

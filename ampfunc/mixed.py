@@ -40,7 +40,6 @@ __all__ = [
     "MixedPrecision",
     "mixed_precision",
     "loss_scale_of",
-    "check_optimizer_transform",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -211,8 +211,21 @@ def _from_words(words: torch.Tensor, like) -> list:
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
-    Reads the stats back to the host in one copy (one sync): call it when you log, not every
-    step.
+    Args:
+      stats: the :class:`StepStats` that :func:`record` returned.
+
+    Returns:
+      A dict of Python ints and floats.
+
+    Example:
+      >>> stats = af.monitor.init_stats()
+      >>> for ok in (True, False, True, True):
+      ...     stats = af.monitor.record(stats, torch.tensor(ok), 512.0)
+      >>> af.monitor.summary(stats)
+      {'steps': 4, 'skipped': 1, 'skip_rate': 0.25, 'consecutive_skips': 0, 'last_scale': 512.0}
+
+    Cost: reads the stats back to the host in one copy (one sync): call it when you log, not
+    every step.
     """
     steps, skipped, consecutive, scale = (t.item() for t in _to_host(stats))
     return {
@@ -398,11 +411,19 @@ class LeafFlagsHook:
     called and :meth:`take` returns ``None`` (record without per-leaf counts, or call
     :func:`leaf_nonfinite` on the gradients).
 
+    Args:
+      monitor: the :class:`TrainingMonitor` whose leaf order the flags take.
+
     Example:
-      >>> hook = LeafFlagsHook(mon)
+      >>> params = {"a": torch.ones(2), "b": torch.ones(2)}
+      >>> tx = af.mixed_precision(af.sgd(0.1), af.DynamicLossScale(8.0))
+      >>> state, mon = tx.init(params), af.TrainingMonitor(params)
+      >>> hook = af.monitor.LeafFlagsHook(mon)
       >>> tx.engine.on_check = hook
+      >>> grads = {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}
       >>> params, state = tx.step(params, grads, state)
-      >>> mon = mon.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+      >>> hook.take()
+      tensor([False,  True])
     """
 
     def __init__(self, monitor: "TrainingMonitor"):

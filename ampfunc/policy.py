@@ -78,6 +78,19 @@ def parse_dtype(value: DTypeLike, what: str = "dtype") -> torch.dtype:
     Names (case-insensitive, an optional ``"torch."`` prefix is allowed): ``f16 float16 half
     fp16``, ``bf16 bfloat16``, ``f32 float32 full fp32 float single``, ``f64 float64 double
     fp64``. Anything else raises ``ValueError`` naming ``what`` and the bad value.
+
+    Args:
+      value: a floating ``torch.dtype`` or one of the names above.
+      what: how errors name the value (the setting it came from).
+
+    Returns:
+      The ``torch.dtype``.
+
+    Example:
+      >>> af.policy.parse_dtype("bf16"), af.policy.parse_dtype("torch.float32")
+      (torch.bfloat16, torch.float32)
+
+    Cost: a dictionary lookup; no tensor work.
     """
     if isinstance(value, torch.dtype):
         if value not in _DTYPE_NAMES:

@@ -38,8 +38,6 @@ __all__ = [
     "GradientTransformation",
     "FusedSpec",
     "ChainSpec",
-    "register_kernel",
-    "kernel_spec",
     "EmptyState",
     "identity",
     "chain",

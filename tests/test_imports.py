@@ -168,7 +168,7 @@ def test_the_top_level_is_small_and_every_name_resolves():
 
 # Names that left the top level, and the module that holds each now.
 MOVED = {
-    "tree": ["tree_map", "tree_cast", "leaves_with_paths", "all_finite", "select_tree"],
+    "tree": ["tree_map", "tree_cast", "leaves_with_paths", "all_finite"],
     "transform": ["EmptyState", "FusedSpec", "ChainSpec", "named_chain"],
     "loss_scale": ["LossScale", "DynamicConfig"],
     "mixed": ["unscale", "unscale_and_check_", "skip_or_apply_", "update_scale_", "MixedPrecision"],

@@ -17,7 +17,18 @@ __all__ = ["ScaleByScheduleState", "scale", "scale_by_schedule", "scale_by_learn
 
 
 class ScaleByScheduleState(NamedTuple):
-    """``count``: 0-d float32, the number of updates seen (the schedule's argument)."""
+    """The state of :func:`scale_by_schedule`.
+
+    Attributes:
+      count: 0-d float32, the number of updates seen (the schedule's argument).
+
+    Example:
+      >>> tx = af.optim.scale_by_schedule(af.optim.linear_schedule(1.0, 0.0, 10))
+      >>> state = tx.init({"w": torch.ones(2)})
+      >>> _, state = tx.update({"w": torch.ones(2)}, state)
+      >>> float(state.count)
+      1.0
+    """
 
     count: torch.Tensor
 

@@ -23,6 +23,9 @@ def _device_type(args, kwargs, model) -> str:
 
 
 def patch_forward(model: torch.nn.Module, props: Properties) -> None:
+    """Wraps ``model.forward`` as apex's opt levels do: floating inputs cast to the model's
+    type, the body under fp16 autocast when ``props.patch_torch_functions`` (O1), floating
+    outputs cast to ``props.cast_model_outputs`` (fp32 by default)."""
     original = model.forward
     input_dtype = props.cast_model_type if props.cast_model_type else None
     output_dtype = props.cast_model_outputs or torch.float32
@@ -43,6 +46,8 @@ def patch_forward(model: torch.nn.Module, props: Properties) -> None:
 
 
 def check_models(models, what="models") -> list[torch.nn.Module]:
+    """``models`` as a list, after apex's checks: each a bare ``nn.Module`` (not DDP- or
+    DataParallel-wrapped) with fp32 floating params; errors name ``what[i]`` and the param."""
     for i, m in enumerate(models):
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"amp.initialize: {what}[{i}] is a {type(m).__name__}, expected a torch.nn.Module")

@@ -68,7 +68,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     next step writes NaN into model and masters).
 
     Example:
-      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+      >>> model = nn.Linear(4, 2).half()
+      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
       >>> opt.loss_scale
       65536.0
 
@@ -351,7 +352,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
           None.
 
         Example:
-          >>> opt.load_state_dict(checkpoint["optimizer"])
+          >>> opt.load_state_dict(checkpoint["optimizer"])  # doctest: +SKIP
 
         Cost: one pass over the saved state's shapes (no tensor data read), then the load.
         """
