@@ -246,7 +246,7 @@ def _cuda_target() -> dict:
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if not archs and torch.cuda.is_available():
-        archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+        archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
                                  for i in range(torch.cuda.device_count())}))
     return {"cuda": torch.version.cuda, "cuda_home": str(CUDA_HOME), "archs": archs}
 
@@ -404,7 +404,7 @@ def _lock_is_free(lock_path: Path) -> bool:
     except ImportError:
         return False  # cannot tell: age decides
     try:
-        with open(lock_path, "r") as f:
+        with open(lock_path) as f:
             if not _try_flock(f):
                 return False
             fcntl.flock(f, fcntl.LOCK_UN)

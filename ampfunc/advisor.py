@@ -23,7 +23,7 @@ import numbers
 import platform
 import re
 from collections import abc
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-
-import sys
 
 from ampfunc import ops
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten

@@ -42,8 +42,16 @@ from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (PyTree, arithmetic_dtype, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves,
-                          tree_map, tree_unflatten)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    float_leaves_with_paths,
+    leaves_with_paths,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 
 __all__ = [
     "apply_module",

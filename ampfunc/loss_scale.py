@@ -24,8 +24,15 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import (NAMESPACE, PyTree, arithmetic_dtype, check_flag, float_leaves_with_paths, tree_unflatten,
-                          tree_flatten)
+from ampfunc.tree import (
+    NAMESPACE,
+    PyTree,
+    arithmetic_dtype,
+    check_flag,
+    float_leaves_with_paths,
+    tree_flatten,
+    tree_unflatten,
+)
 
 __all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig", "SCALE_RANGE"]
 

@@ -32,8 +32,7 @@ from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import check_same_structure, leaves_with_paths, tree_leaves, tree_structure, tree_unflatten
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 

@@ -368,7 +368,8 @@ def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
     out = []
     for path, m in _per_leaf(mask, params, "mask", where):
         if not isinstance(m, bool):
-            if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # numpy's bool_
+            # numpy's bool_: its dtype compares equal to (is not) the Python type
+            if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # noqa: E721
                 m = bool(m)
             else:
                 raise TypeError(f"{where}: mask leaf {path!r} is {m!r}; masks hold Python (or numpy) bools")

@@ -21,7 +21,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time

@@ -57,8 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
-from ampfunc import ops  # noqa: E402
-from ampfunc import engine  # noqa: E402
+from ampfunc import engine, ops  # noqa: E402
 from ampfunc.compat.apex import amp  # noqa: E402
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer  # noqa: E402
 from ampfunc.flat import flatten  # noqa: E402
@@ -436,7 +435,7 @@ def main(argv=None):
     buf = torch.randn(total, device=device)
     t_mul = table.add("x.mul_(1.0)  (read + write, 8 B/elem)", timer(lambda: buf.mul_(1.0)))
     t_sum = table.add("x.sum()      (read, 4 B/elem)", timer(lambda: buf.sum()))
-    del buf
+    buf = None  # frees the buffer before the next section (the lambdas above ran)
     bw_rw = 8 * total / (t_mul * 1e-3) / 1e9
     bw_r = 4 * total / (t_sum * 1e-3) / 1e9
     adam_floor = 28 * total / (bw_rw * 1e9) * 1e3
@@ -568,7 +567,7 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
               f"{med['flat_trainer'] / t0:5.2f}x torch alone (grads kept on the views)")
     table.add(names["many_flat_trainer"], times["many_flat_trainer"], floor_ms, None,
               f"{med['many_flat_trainer'] / med['flat_trainer']:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
-    del params, grads, mparams, mgrads, fns
+    params = grads = mparams = mgrads = fns = None  # frees the trees (the closures above ran)
 
 
 if __name__ == "__main__":

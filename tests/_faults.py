@@ -26,7 +26,6 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.func import functional_call
 
 import ampfunc as af
 from ampfunc import ops

@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_same, assert_states_same, exact
-
 from ampfunc import engine
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
+from conftest import assert_same, assert_states_same, exact
 
 INF = float("inf")
 

@@ -11,7 +11,6 @@ pass by accident. Each row costs microseconds to milliseconds: the whole table r
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Callable, NamedTuple
 

@@ -74,7 +74,7 @@ def test_accumulate_applies_the_inner_optimizer_to_the_mean_every_k_calls():
     k = 3
     tx = af.accumulate(af.adam(lr=0.1), every_k=k)
     ref = af.adam(lr=0.1)
-    state, ref_state, ref_params = tx.init(params), ref.init(params), params
+    state, ref_state = tx.init(params), ref.init(params)
     for n in range(2 * k):
         updates, state = tx.update(grads_at(params, n), state, params)
         if (n + 1) % k:

@@ -189,7 +189,7 @@ def test_multi_tensor_apply_visits_every_chunk_once_in_order(layout_harness, dep
         assert 0 < launch["nb"] <= max_blocks
         slots = {slot for slot, *_ in launch["blocks"]}
         assert max(slots) < max_tensors
-        for slot, leaf, chunk, numel, ptrs_ok in launch["blocks"]:
+        for _slot, leaf, chunk, numel, ptrs_ok in launch["blocks"]:
             assert ptrs_ok and numel == numels[leaf]
             seen.append((leaf, chunk))
         base += launch["nb"]

@@ -103,6 +103,9 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     assert shipped == expected
     licenses = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" in n and n.endswith("/LICENSE")]
     assert licenses and zipfile.ZipFile(wheel).read(licenses[0]) == (CHECKOUT / "LICENSE").read_bytes()
+    # One version source (ampfunc.__version__, read by setuptools), and PEP 561's marker.
+    assert wheel.name.startswith(f"ampfunc-{ampfunc.__version__}-")
+    assert "ampfunc/py.typed" in zipfile.ZipFile(wheel).namelist()
 
     # Reuses this interpreter's torch (the truly fresh path is .ci/run's); outside the checkout.
     # A .pth line puts this environment's site-packages after the new venv's own, whether this

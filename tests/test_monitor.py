@@ -147,7 +147,7 @@ def test_nonfinite_leaves_of_finite_or_empty_trees_is_empty():
 
 # -- TrainingMonitor: history, health alerts, scaler statistics, per-leaf overflow counts ------
 
-from ampfunc.monitor import MonitorConfig, TrainingMonitor, leaf_nonfinite  # noqa: E402
+from ampfunc.monitor import TrainingMonitor, leaf_nonfinite  # noqa: E402
 
 
 def healthy_run(steps=60, window=20):

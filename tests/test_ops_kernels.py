@@ -507,7 +507,7 @@ def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(ki
     state, step = _fresh_state(kind, params), torch.zeros(())
     model = [p.to(model_dtype) for p in params] if model_dtype else None
     yes = torch.ones((), dtype=torch.bool)
-    for k in range(2):
+    for _ in range(2):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
         saved = [t.clone() for t in params + (model or [])]
         new_p, new_state, new_model, new_step = _ours_out(kind, "compiled", params, grads, state, step, h,

@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-import ampfunc as af
 import _faults as F
+import ampfunc as af
 
 FULL = os.environ.get("AMPFUNC_FAULTS_FULL", "") not in ("", "0")
 STEPS = int(os.environ.get("AMPFUNC_SOAK_STEPS", "10000" if FULL else "3000"))

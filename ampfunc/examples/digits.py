@@ -36,7 +36,15 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-from ampfunc.examples.common import CONFIGS, LiveLog, add_run_args, configs_from_args, count_zeros, format_table, plot_runs
+from ampfunc.examples.common import (
+    CONFIGS,
+    LiveLog,
+    add_run_args,
+    configs_from_args,
+    count_zeros,
+    format_table,
+    plot_runs,
+)
 from ampfunc.monitor import LeafFlagsHook
 
 

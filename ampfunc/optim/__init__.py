@@ -7,7 +7,6 @@ and is re-exported at the top level: ``af.adamw(1e-3)``, ``af.from_torch(torch.o
 
 from ampfunc.optim.accumulate import AccumulateState, accumulate
 from ampfunc.optim.adam import AdamState, adam, adamw, scale_by_adam
-from ampfunc.transform import FusedSpec
 from ampfunc.optim.clip import clip_by_global_norm, global_norm
 from ampfunc.optim.from_torch import TorchOptimizerState, from_torch
 from ampfunc.optim.schedule import (
@@ -25,6 +24,7 @@ from ampfunc.optim.transforms import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from ampfunc.transform import FusedSpec
 
 __all__ = [
     "FusedSpec",

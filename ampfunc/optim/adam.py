@@ -16,9 +16,9 @@ import torch
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
+    ScalarOrSchedule,
     arithmetic_groups,
     as_dtype,
-    ScalarOrSchedule,
     check_lr,
     check_nonneg,
     checked_inputs,
@@ -28,8 +28,15 @@ from ampfunc.optim.base import (
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import (PyTree, arithmetic_dtype, flatten_together, float_leaves_with_paths, tree_flatten, tree_map,
-                          tree_structure, tree_unflatten)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    flatten_together,
+    float_leaves_with_paths,
+    tree_flatten,
+    tree_structure,
+    tree_unflatten,
+)
 
 __all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
 

@@ -4,7 +4,6 @@ decoupled weight decay."""
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
