@@ -515,7 +515,8 @@ def _failure_message(exc: BaseException, kind: str, entry: Path) -> str:
         where = f"full output in {log}"
     except OSError:
         where = "full output with AMPFUNC_REQUIRE_EXT=1"
-    msg = f"building the {kind} kernels failed: {_failure_cause(text)} ({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output"
+    msg = (f"building the {kind} kernels failed: {_failure_cause(text)} "
+           f"({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output")
     raw_march = os.environ.get("AMPFUNC_EXT_MARCH", "").strip()
     if raw_march:
         msg += f"; AMPFUNC_EXT_MARCH={raw_march!r} is set"

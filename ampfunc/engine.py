@@ -189,8 +189,9 @@ def check_no_overlap(where: str, named: list) -> None:
     A leaf that overlaps itself (``expand()``, stride 0) or two leaves whose memory overlaps
     (the same tensor twice, overlapping views) raise ``ValueError`` naming the leaf path(s):
     the kernels would write that memory twice. So does an inference tensor outside inference
-    mode (torch refuses to update one in place, after the leaves before it were written). Cost: a few attribute reads per leaf and one
-    sort; the engine runs it once per set of tensors (cached by identity), not per step.
+    mode (torch refuses to update one in place, after the leaves before it were written).
+    Cost: a few attribute reads per leaf and one sort; the engine runs it once per set of
+    tensors (cached by identity), not per step.
     """
     written = []
     inference_ok = torch.is_inference_mode_enabled()

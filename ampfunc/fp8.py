@@ -256,7 +256,8 @@ def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Reci
       The 0-d fp32 scale for this use and the advanced :class:`Fp8Meta`.
 
     Example:
-      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, af.fp8.DelayedScaling())  # doctest: +SKIP
+      >>> recipe = af.fp8.DelayedScaling()
+      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, recipe)  # doctest: +SKIP
     """
     return _used_scale(meta, amax, fp8_max, recipe), _next_meta(meta, amax, fp8_max, recipe)
 
@@ -512,7 +513,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if not isinstance(state, Fp8LinearState):
         raise TypeError(f"fp8_linear: state must be an Fp8LinearState, got {type(state).__name__}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
+        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape "
+                         f"{tuple(weight.shape)}")
     return _fp8_linear(x, weight, bias, state, recipe, _resolve_backend(backend, x.device), group, None)[0]
 
 
@@ -670,7 +672,8 @@ class Fp8Policy:
             raise ValueError(f"Fp8Policy: state must hold one Fp8LinearState per layer {list(self.layers)}, got {got}")
         for name in self.layers:
             if not isinstance(state[name], Fp8LinearState):
-                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
+                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, "
+                                f"got {type(state[name]).__name__}")
         weights, collectors = [], []
         for name in self.layers:
             weights.append(_weight_in(model, name, params))

@@ -538,7 +538,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             out = loss_fn(forward, *batch)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(f"make_train_step(has_aux=True): loss_fn must return (loss, aux), got {type(out).__name__}")
+                raise TypeError("make_train_step(has_aux=True): loss_fn must return (loss, aux), "
+                                f"got {type(out).__name__}")
             loss, aux = out
         else:
             loss, aux = out, ()

@@ -116,8 +116,8 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
 
     Returns:
       ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (fp64 gradients stay fp64; with
-      :class:`NoOpLossScale`, fp32 and fp64 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
-      ``True`` when every element was finite.
+      :class:`NoOpLossScale`, fp32 and fp64 leaves pass through as they are) and a 0-d bool
+      tensor on the first leaf's device, ``True`` when every element was finite.
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)

@@ -98,7 +98,8 @@ def _scale_tensor(loss_scale: Any, device: torch.device) -> torch.Tensor:
         return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return torch.tensor(float(scale), dtype=torch.float32, device=device)
-    raise TypeError(f"record: loss_scale must be a loss scale, a 0-d tensor or a number, got {type(loss_scale).__name__}")
+    raise TypeError("record: loss_scale must be a loss scale, a 0-d tensor or a number, "
+                    f"got {type(loss_scale).__name__}")
 
 
 def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any = 1.0) -> StepStats:
@@ -574,8 +575,8 @@ class TrainingMonitor:
         finite = finite.detach().reshape(()).to(device=device, dtype=torch.bool)
         scale = _scale_tensor(loss_scale, device)
         tracker = getattr(loss_scale, "growth_tracker", None)
-        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64) if isinstance(tracker, torch.Tensor)
-                   else torch.zeros((), dtype=torch.int64, device=device))
+        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64)
+                   if isinstance(tracker, torch.Tensor) else torch.zeros((), dtype=torch.int64, device=device))
         given = torch.full((), loss is not None, dtype=torch.bool, device=device)  # a fill, not a copy
         if loss is None:
             loss_t = torch.full((), math.nan, dtype=torch.float32, device=device)

@@ -570,7 +570,8 @@ def _check_update_shapes(params: PyTree, p_leaves: list, u_leaves: list) -> None
             if all(type(u) in _PLAIN_TENSORS for u in u_leaves) and \
                     [p.shape for p in p_leaves] == [u.shape for u in u_leaves]:
                 return
-        elif set(map(type, u_leaves)) <= _PLAIN_TENSORS and list(map(_shape_of, p_leaves)) == list(map(_shape_of, u_leaves)):
+        elif (set(map(type, u_leaves)) <= _PLAIN_TENSORS
+              and list(map(_shape_of, p_leaves)) == list(map(_shape_of, u_leaves))):
             return
     except AttributeError:  # a param leaf that is not a tensor: the look below skips it
         pass

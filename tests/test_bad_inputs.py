@@ -325,7 +325,8 @@ def _():
 def _():
     with torch.inference_mode():
         b = torch.zeros(3)
-    new, old, f = params_f32(), with_leaf(af.tree.tree_map(torch.zeros_like, params_f32()), "head.b", b), torch.tensor(True)
+    new, f = params_f32(), torch.tensor(True)
+    old = with_leaf(af.tree.tree_map(torch.zeros_like, params_f32()), "head.b", b)
     return (lambda: af.mixed.skip_or_apply_(f, new, old)), (new, old, f)
 
 
@@ -368,7 +369,8 @@ _CONSUMERS = {
     "unscale_and_check_": (lambda gf: (None, params_f32(), gf(params_f32()), dls()),
                            lambda tx, p, g, s: af.mixed.unscale_and_check_(g, s)),
     "unscale": (lambda gf: (None, params_f32(), gf(params_f32()), dls()), lambda tx, p, g, s: af.mixed.unscale(g, s)),
-    "global_norm": (lambda gf: (None, params_f32(), gf(params_f32()), None), lambda tx, p, g, s: af.optim.global_norm(g)),
+    "global_norm": (lambda gf: (None, params_f32(), gf(params_f32()), None),
+                    lambda tx, p, g, s: af.optim.global_norm(g)),
     "mp-adamw.step": (_mp(lambda: af.adamw(1e-3)), lambda tx, p, g, s: tx.step(p, g, s)),
     "mp-adamw.step_": (_mp(lambda: af.adamw(1e-3)), lambda tx, p, g, s: tx.step_(p, g, s)),
     "mp-adamw.update": (_mp(lambda: af.adamw(1e-3)), lambda tx, p, g, s: tx.update(g, s, p)),
@@ -682,7 +684,8 @@ _BAD_HPARAMS = [
     ("adam-state-with-max_exp_avg_sq-amsgrad-off", ValueError, ["max_exp_avg_sq", "amsgrad"],
      lambda: af.adam(1e-3).update(params_f32(), af.adam(1e-3, amsgrad=True).init(params_f32()), params_f32())),
     ("scale_by_schedule-foreign-state", TypeError, ["scale_by_schedule", "AdamState"],
-     lambda: af.optim.scale_by_schedule(af.optim.constant_schedule(0.1)).update(params_f32(), af.adam(1e-3).init(params_f32()))),
+     lambda: af.optim.scale_by_schedule(af.optim.constant_schedule(0.1)).update(params_f32(),
+                                                                                 af.adam(1e-3).init(params_f32()))),
     ("partition-foreign-state", ValueError, ["partition", "'n'"],
      lambda: af.partition({"d": af.sgd(0.1), "x": af.identity()}, {"enc": {"w": "d"}, "head": {"b": "x"}}).update(
          params_f32(), {"d": af.sgd(0.1).init(params_f32()), "n": ()}, params_f32())),
@@ -705,7 +708,8 @@ _BAD_HPARAMS = [
     ("warmup_cosine_decay_schedule-init-nan", ValueError, ["warmup_cosine_decay_schedule", "init_value"],
      lambda: af.optim.warmup_cosine_decay_schedule(NAN, 1.0, 2, 10)),
     # A float flag would count a NaN as a finite step.
-    ("record-float-flag", ValueError, ["record", "finite"], lambda: af.monitor.record(af.monitor.init_stats(), torch.tensor(NAN))),
+    ("record-float-flag", ValueError, ["record", "finite"],
+     lambda: af.monitor.record(af.monitor.init_stats(), torch.tensor(NAN))),
     ("TrainingMonitor.record-float-flag", ValueError, ["TrainingMonitor.record", "finite"],
      lambda: af.TrainingMonitor({"w": torch.zeros(2)}).record(torch.tensor(1.0))),
     ("copy_to_module-non-tensor", TypeError, ["copy_to_module", "'weight'", "int"],

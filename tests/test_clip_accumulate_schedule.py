@@ -158,7 +158,8 @@ def test_schedules_follow_optax_formulas():
 
 
 def test_schedules_return_0d_float32_on_the_count_device():
-    for s in [af.optim.constant_schedule(1.0), af.optim.linear_schedule(1.0, 0.1, 10), af.optim.cosine_decay_schedule(1.0, 10),
+    for s in [af.optim.constant_schedule(1.0), af.optim.linear_schedule(1.0, 0.1, 10),
+              af.optim.cosine_decay_schedule(1.0, 10),
               af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10), af.optim.exponential_decay(1.0, 5, 0.9)]:
         out = s(torch.tensor(3.0))
         assert out.shape == () and out.dtype == torch.float32
@@ -166,7 +167,8 @@ def test_schedules_return_0d_float32_on_the_count_device():
 
 def test_schedules_compile_with_fullgraph():
     torch._dynamo.reset()
-    for s in [af.optim.linear_schedule(1.0, 0.1, 10, transition_begin=2), af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10),
+    for s in [af.optim.linear_schedule(1.0, 0.1, 10, transition_begin=2),
+              af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10),
               af.optim.exponential_decay(1.0, 5, 0.9, staircase=True, end_value=0.5)]:
         compiled = torch.compile(s, fullgraph=True, backend="eager", dynamic=False)
         for i in [0.0, 3.0, 20.0]:
@@ -231,7 +233,8 @@ def test_adamw_built_from_scale_by_adam_with_masked_decay_tracks_native_adamw():
     separate multiply), and masked() exempts leaves from the decay."""
     params = make_params()
     mask = {"w": True, "b": False, "v": [True]}
-    hand = af.chain(af.optim.scale_by_adam(), af.masked(af.add_decayed_weights(0.1), mask), af.optim.scale_by_learning_rate(0.01))
+    hand = af.chain(af.optim.scale_by_adam(), af.masked(af.add_decayed_weights(0.1), mask),
+                    af.optim.scale_by_learning_rate(0.01))
     native = af.partition({"decay": af.adamw(0.01, weight_decay=0.1), "plain": af.adamw(0.01, weight_decay=0.0)},
                           {"w": "decay", "b": "plain", "v": ["decay"]})
     hs, ns, hp, np_ = hand.init(params), native.init(params), params, params

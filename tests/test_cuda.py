@@ -112,7 +112,8 @@ int run(const std::vector<int64_t>& numels) {
       const int leaf = meta.leaf[slot];
       int ptrs_ok = 1;
       for (int d = 0; d < D; ++d) ptrs_ok &= meta.ptr[d][slot] == store[d][leaf];
-      printf("B %d %d %lld %lld %d\n", slot, leaf, (long long)meta.block_chunk[b], (long long)meta.numel[slot], ptrs_ok);
+      printf("B %d %d %lld %lld %d\n", slot, leaf, (long long)meta.block_chunk[b], (long long)meta.numel[slot],
+             ptrs_ok);
     }
     return cudaSuccess;
   });
@@ -352,9 +353,14 @@ extern "C" cudaError_t cudaGetLastError(void) {
   emu::last_error = cudaSuccess;
   return e;
 }
-extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return cudaSuccess; }
+extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
 extern "C" const char* cudaGetErrorString(cudaError_t e) {
-  return e == cudaSuccess ? "no error" : e == cudaErrorLaunchOutOfResources ? "emulation: no threads" : "emulated error";
+  return e == cudaSuccess                     ? "no error"
+         : e == cudaErrorLaunchOutOfResources ? "emulation: no threads"
+                                              : "emulated error";
 }
 #endif
 """
@@ -2057,7 +2063,8 @@ def test_cuda_validation_refuses_before_writing_with_the_cpu_message():
     m = [torch.zeros(3, 4, device="cuda"), torch.zeros(5, device="cuda")]
     v = [torch.zeros(3, 4, device="cuda"), m[1]]  # aliases exp_avgs[1]
     args = (p, [torch.ones(3, 4, device="cuda"), torch.ones(5, device="cuda")], m, v, None, None,
-            torch.zeros((), device="cuda"), torch.ones((), device="cuda"), torch.ones((), dtype=torch.bool, device="cuda"))
+            torch.zeros((), device="cuda"), torch.ones((), device="cuda"),
+            torch.ones((), dtype=torch.bool, device="cuda"))
     with pytest.raises(ValueError, match=r"^ampfunc: exp_avgs\[1\] and exp_avg_sqs\[1\] overlap in memory"):
         ops.adam_step_(*args, lr=0.1)
     assert all(bool((x == 1).all()) for x in p) and all(bool((x == 0).all()) for x in m)

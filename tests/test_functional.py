@@ -585,6 +585,7 @@ def test_value_and_grad_takes_negative_argnums_as_torch_func_does():
         _, grads, finite = af.value_and_grad(loss_fn, argnums)(af.StaticLossScale(1024.0), w, b, x)
         want = torch.func.grad(loss_fn, argnums)(w, b, x)
         assert bool(finite)
-        for g, t in zip(grads if isinstance(argnums, tuple) else (grads,), want if isinstance(argnums, tuple) else (want,)):
+        several = isinstance(argnums, tuple)
+        for g, t in zip(grads if several else (grads,), want if several else (want,)):
             assert isinstance(g, torch.Tensor)  # never the loss scale's gradient
             torch.testing.assert_close(g, t)

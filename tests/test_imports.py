@@ -100,7 +100,8 @@ def test_no_import_reaches_up_a_layer():
 
 def test_no_import_cycle():
     mods, edges = graph()
-    adj = {m: sorted({t for t, _, _ in imps if t != m and t != "ampfunc"}) for m, imps in edges.items() if m != "ampfunc"}
+    adj = {m: sorted({t for t, _, _ in imps if t != m and t != "ampfunc"})
+           for m, imps in edges.items() if m != "ampfunc"}
     state: dict[str, int] = {}
     stack: list[str] = []
 

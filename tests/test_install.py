@@ -118,8 +118,9 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     (Path(purelib) / "_this_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
-         if _pip_has_python_option() else [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
+    install = ["install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
+    _run([sys.executable, "-m", "pip", "--python", str(python), *install] if _pip_has_python_option()
+         else [str(python), "-m", "pip", *install])
     # This session's cache: the same sources give the same entry, so the install loads the build
     # this process uses instead of compiling again (one build shared by checkout and wheel).
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AMPFUNC_DISABLE_EXT")}

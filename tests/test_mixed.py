@@ -161,7 +161,8 @@ def _ampfunc_run(opt, steps):
     ls = af.DynamicLossScale(2.0**16, growth_interval=5, min_scale=0.0, max_scale=float("inf"))
     scales, trajectory, flags = [], [], []
     for i, (x, y) in enumerate(_data(steps)):
-        grads = torch.func.grad(lambda p: af.scale_loss(F.cross_entropy(functional_call(model, p, (x,)), y), ls))(params)
+        grads = torch.func.grad(
+            lambda p: af.scale_loss(F.cross_entropy(functional_call(model, p, (x,)), y), ls))(params)
         if i in INF_STEPS:
             grads["2.bias"] = grads["2.bias"].clone()
             grads["2.bias"][1] = float("inf")

@@ -390,8 +390,8 @@ def test_first_sgd_step_after_a_skipped_one_still_starts_the_buffer_from_the_gra
 def test_compiled_step_refuses_mismatched_lists_naming_the_index_and_writes_nothing():
     params = [torch.ones(3), torch.ones(4)]
     m, v = [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)]
-    with pytest.raises(ValueError, match=r"^ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] has shape \(4,\) "
-                                         r"\(adam_step_\)$"):
+    with pytest.raises(ValueError, match=r"^ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] "
+                                         r"has shape \(4,\) \(adam_step_\)$"):
         ops.adam_step_(params, [torch.ones(3), torch.ones(4)], m, v, None, None, torch.zeros(()), torch.ones(()),
                        torch.ones((), dtype=torch.bool), lr=0.1)
     assert all(bool((p == 1).all()) for p in params) and all(bool((x == 0).all()) for x in m)
@@ -524,7 +524,8 @@ def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(ki
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_out_of_place_step_names_the_mismatched_list_and_index():
     params, grads = [torch.ones(3), torch.ones(4)], [torch.ones(3), torch.ones(4)]
-    with pytest.raises(ValueError, match=r"ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] .*\(adam_step\)$"):
+    with pytest.raises(ValueError,
+                       match=r"ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] .*\(adam_step\)$"):
         ops.adam_step(params, grads, [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)], None, None,
                       torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
     with pytest.raises(TypeError, match=r"ampfunc: momentum_buffers\[0\] has dtype torch.float16.*\(sgd_step\)$"):
@@ -853,7 +854,8 @@ def _bad_adam_cases():
                               r"^ampfunc: tensors\[0\] and tensors\[1\] overlap in memory; .* \(unscale_\)$")
     p, g, m, v = _fresh()
     cols = torch.zeros(6, 2)
-    cases["column_twice"] = ("unscale_", dict(tensors=[cols[:, 0], cols[:, 1], cols.t()[0]], inv_scale=torch.tensor(0.5)),
+    cases["column_twice"] = ("unscale_",
+                             dict(tensors=[cols[:, 0], cols[:, 1], cols.t()[0]], inv_scale=torch.tensor(0.5)),
                              ValueError, r"^ampfunc: tensors\[0\] and tensors\[2\] overlap in memory; .* \(unscale_\)$")
     p, g, m, v = _fresh()
     halves = torch.zeros(8)
@@ -901,7 +903,8 @@ def test_interleaved_views_that_share_no_element_are_written_on_both_backends():
     for backend in BACKENDS:
         cols = torch.arange(1.0, 13.0).view(6, 2)
         evens_odds = torch.arange(1.0, 9.0)
-        finite = _validated_unscale_(backend, [cols[:, 0], cols[:, 1], evens_odds[0::2], evens_odds[1::2]], torch.tensor(0.5))
+        views = [cols[:, 0], cols[:, 1], evens_odds[0::2], evens_odds[1::2]]
+        finite = _validated_unscale_(backend, views, torch.tensor(0.5))
         assert bool(finite)
         assert torch.equal(cols, torch.arange(1.0, 13.0).view(6, 2) * 0.5), backend
         assert torch.equal(evens_odds, torch.arange(1.0, 9.0) * 0.5), backend

@@ -430,7 +430,8 @@ def test_cast_params_of_params_and_buffers_keeps_each_parts_norm_paths():
     # The (params, buffers) pair functional_call takes: "1.weight" names the norm weight in the
     # params dict, not "0.1.weight" in the pair.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    p, b = af.cast_params((af.params_of(model), af.policy.buffers_of(model)), torch.bfloat16, keep=af.norm_layers(model))
+    p, b = af.cast_params((af.params_of(model), af.policy.buffers_of(model)), torch.bfloat16,
+                          keep=af.norm_layers(model))
     assert p["0.weight"].dtype == torch.bfloat16 and p["1.weight"].dtype == torch.float32
     assert b["1.running_var"].dtype == torch.float32
     # a list of tensors keeps its index paths

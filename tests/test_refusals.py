@@ -189,7 +189,8 @@ def test_from_torch_foreign_state_is_refused_naming_the_key(key, cls, made_by, u
     assert _same(state, state0) and _same(params, params0)
 
     # In place: nothing is written before the error.
-    tx_a, tx_b = af.mixed_precision(made_by(), af.DynamicLossScale()), af.mixed_precision(used_by(), af.DynamicLossScale())
+    tx_a = af.mixed_precision(made_by(), af.DynamicLossScale())
+    tx_b = af.mixed_precision(used_by(), af.DynamicLossScale())
     mp_state = tx_a.init(params)
     mp_state0 = tree_clone(mp_state)
     with pytest.raises(ValueError, match="different optimizer or configuration"):

@@ -111,7 +111,8 @@ def test_optax_options_add_decayed_weights_mask_and_scale_by_learning_rate_flip_
         updates, _ = tx.update(zeros, tx.init(params), params)
         assert updates["w"].tolist() == [0.5, 0.5] and updates["b"].tolist() == [0.0, 0.0]
     for lr in (0.25, af.optim.constant_schedule(0.25)):
-        up, _ = af.optim.scale_by_learning_rate(lr, flip_sign=False).update(params, af.optim.scale_by_learning_rate(lr).init(params))
+        tx = af.optim.scale_by_learning_rate(lr, flip_sign=False)
+        up, _ = tx.update(params, tx.init(params))
         down, _ = af.optim.scale_by_learning_rate(lr).update(params, af.optim.scale_by_learning_rate(lr).init(params))
         assert up["w"].tolist() == [0.25, 0.25] and down["w"].tolist() == [-0.25, -0.25]
     with pytest.raises(TypeError, match="flip_sign"):

@@ -23,8 +23,8 @@ import ampfunc as af
 import ampfunc.fp8  # noqa: F401  (af.fp8)
 from ampfunc.monitor import TrainingMonitor
 
-__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs", "format_table",
-           "count_zeros", "state_bytes"]
+__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs",
+           "format_table", "count_zeros", "state_bytes"]
 
 
 class ExampleConfig(NamedTuple):

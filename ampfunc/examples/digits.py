@@ -179,7 +179,8 @@ def main(argv=None):
         for r in rows:
             if r["status"] != "healthy" or r["overflows"]:
                 worst = ", ".join(f"{p} ({c})" for p, c in list(r["overflows"].items())[:3])
-                print(f"{r['config']}: monitor says {r['status']}" + (f"; overflowing leaves: {worst}" if worst else ""))
+                print(f"{r['config']}: monitor says {r['status']}"
+                      + (f"; overflowing leaves: {worst}" if worst else ""))
         if args.plot:
             plot_runs(histories, args.plot, title=f"digits: {args.epochs} epochs, batch {args.batch}")
             print(f"plot: {args.plot}")

@@ -297,8 +297,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     ``chain(scale_by_adam(), masked(add_decayed_weights(wd), mask), scale_by_learning_rate(lr))``
     is AdamW with decay on selected leaves only. Per leaf, with ``t`` the new step count:
     ``m = lerp(m, g, 1 - b1)``, ``v = b2 * v + (1 - b2) * g^2``, output
-    ``m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps)`` in fp32. The numbers are close to, not bit-identical with, :func:`adamw`'s (a different
-    order of operations, and torch's own ``sqrt``).
+    ``m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps)`` in fp32. The numbers are close to,
+    not bit-identical with, :func:`adamw`'s (a different order of operations, and torch's own
+    ``sqrt``).
 
     Args:
       b1: the decay rate of the first moment, in ``[0, 1)``.

@@ -91,11 +91,12 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     """SGD as ``torch.optim.SGD`` computes it, as a pure transform.
 
     Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param): ``g = -g`` if
-    ``maximize``; ``g += weight_decay * p``; with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
-    after (decided on the device from ``state.step``, no host sync); ``g = g + momentum * buf``
-    with ``nesterov`` else ``g = buf``; the update is ``-lr * g``, returned as the delta
-    ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result
-    (as ``-lr * g`` when ``params`` is not passed).
+    ``maximize``; ``g += weight_decay * p``; with momentum ``buf = g`` on the first step and
+    ``buf = momentum * buf + (1 - dampening) * g`` after (decided on the device from
+    ``state.step``, no host sync); ``g = g + momentum * buf`` with ``nesterov`` else
+    ``g = buf``; the update is ``-lr * g``, returned as the delta ``(p - lr * g) - p`` so that
+    :func:`ampfunc.apply_updates` lands on torch's in-place result (as ``-lr * g`` when
+    ``params`` is not passed).
 
     Args:
       lr: the learning rate, a float or a schedule (a callable of the step count, see

@@ -68,7 +68,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     check_models(model_list)
     for i, opt in enumerate(opt_list):
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"amp.initialize: optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
+            raise TypeError(f"amp.initialize: optimizers[{i}] is a {type(opt).__name__}, "
+                            "expected a torch.optim.Optimizer")
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError(f"amp.initialize: optimizers[{i}] was already processed by amp.initialize")
         if any(opt is other for other in opt_list[:i]):  # apex: "should only be passed through once"

@@ -68,11 +68,13 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
     # apex registers this on every module after casting the model: checkpoints hold fp32
     # weights, loadable into an fp32 model (and back into this one, which casts on load).
     for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        if (key.startswith(prefix) and isinstance(value, torch.Tensor)
+                and value.dtype in (torch.float16, torch.bfloat16)):
             state_dict[key] = value.to(torch.float32)
 
 
 def register_fp32_state_dict(model: torch.nn.Module) -> None:
-    """Makes ``model.state_dict()`` return fp32 tensors where the cast model holds fp16/bf16 ones (apex's O2/O3 hook)."""
+    """Makes ``model.state_dict()`` return fp32 tensors where the cast model holds fp16/bf16
+    ones (apex's O2/O3 hook)."""
     for module in model.modules():
         module._register_state_dict_hook(_fp32_state_dict_hook)

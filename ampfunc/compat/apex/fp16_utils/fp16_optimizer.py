@@ -212,7 +212,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         return [[None if p.grad is None else p.grad.data for p in g["params"]] for g in self.optimizer.param_groups]
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
-        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total norm, or -1 after an overflow."""
+        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total
+        norm, or -1 after an overflow."""
         if self.overflow:
             return -1
         self._materialize_master_grads()
