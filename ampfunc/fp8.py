@@ -523,9 +523,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"fp8: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         # On CPU the emulation, even where torch._scaled_mm takes fp8: torch 2.13's CPU kernel
-        # (oneDNN on this AMX Xeon) took 15-66 ms for a 64x64x256 .. 64x256x256 product that the
-        # emulation's fp32 GEMM does in 0.1-0.3 ms (2026-12-01), and the products of fp8 values
-        # are exact in fp32 either way (only the order of the fp32 sums may differ).
+        # (oneDNN, AMX) takes 15-66 ms for a 64x64x256 .. 64x256x256 product that the
+        # emulation's fp32 GEMM does in 0.1-0.3 ms, and the products of fp8 values are exact in
+        # fp32 either way (only the order of the fp32 sums may differ).
         return "scaled_mm" if device.type != "cpu" and fp8_available(device) else "emulate"
     return backend
 

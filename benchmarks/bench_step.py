@@ -3,7 +3,7 @@
 One run, one process, the same tree for every row. Prints medians, the spread (min-max) and
 ratios: to the memory-bandwidth floor measured in this run, and to the torch baseline.
 
-    python benchmarks/bench_step.py                  # CPU, 200 tensors / 32M elements (issue 3)
+    python benchmarks/bench_step.py                  # CPU, 200 tensors / 32M elements
     python benchmarks/bench_step.py --quick          # smoke run: 1M elements, fewer repeats
     python benchmarks/bench_step.py --device cuda    # the GPU run (benchmarks/gpu_check.sh)
 
@@ -23,7 +23,7 @@ Sections:
           unscale_and_check, vs GradScaler.unscale_ + update.
   (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
           same on one flat buffer; torch fused AdamW + GradScaler + clip for reference).
-  (e)     every path the README teaches (issue 8), on 200 tensors / 16M elements fp32, as a ratio
+  (e)     every step path the library documents, on 200 tensors / 16M elements fp32, as a ratio
           to torch AdamW(fused=True).step() alone in the same run, with each path's target:
           af.adamw().update + af.apply_updates (<= 1.5x), mixed_precision(...).step (<= 1.3x),
           .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
@@ -513,7 +513,7 @@ def main(argv=None):
 
 
 def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
-    """(e): every path of issue 8 against torch AdamW(fused=True).step() alone, same run."""
+    """(e): every step path against torch AdamW(fused=True).step() alone, same run."""
     sizes = tree_sizes(total, n_few)
     params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
     fresh = lambda: {k: v.clone() for k, v in params.items()}  # noqa: E731

@@ -5,7 +5,7 @@ its pure, in-place and ``update`` forms over fused and generic inner optimizers,
 and with ``accumulate``; the five primitives by hand, pure and in place; the torch.amp-style
 ``GradScaler`` facade) and injects faults from a *plan*: NaN, +inf or -inf written at random
 leaves and positions of the gradients, or multiplied into the loss, in bursts of consecutive
-steps. After every step it asserts the invariants of issue 10:
+steps. After every step it asserts these invariants:
 
 * no non-finite value in any state (params, master, optimizer state, loss scale);
 * a step is skipped exactly when the gradients it was given are not all finite, and a skipped

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import bits
 from ampfunc.tree import tree_leaves
 
 INF = float("inf")
@@ -51,7 +52,6 @@ def add(id: str, exc, names, build) -> None:
 # Snapshots: bit patterns of every tensor (and numpy array) given to a call
 # ----------------------------------------------------------------------------------------------
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _given_leaves(given) -> list:
@@ -84,7 +84,8 @@ def _given_leaves(given) -> list:
     return out
 
 
-def _bits(x):
+def _leaf_record(x):
+    """What a refused call must leave as it was: a leaf's dtype, shape, strides and bits."""
     if isinstance(x, np.ndarray):
         return ("numpy", x.copy())
     t = x.detach()
@@ -95,7 +96,7 @@ def _bits(x):
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.reshape(-1) if t.dim() == 0 else t
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), flat.view(_INT_OF_SIZE[t.element_size()]).clone())
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), bits(flat).clone())
 
 
 def _same(a, b) -> bool:
@@ -154,7 +155,7 @@ BAD_LEAVES = {
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Loss-scale construction (issue 10 items 2 and 9)
+# 1. Loss-scale construction
 # ----------------------------------------------------------------------------------------------
 
 _BAD_SCALE_VALUES = {
@@ -825,8 +826,8 @@ def _():
 # The test
 # ----------------------------------------------------------------------------------------------
 
-# Rows the engine/kernels changes of issue 10 are expected to fix; kept here so that a change
-# that regresses a row is visible. Empty once every row passes.
+# Rows expected to fail, each with the reason; empty while every row passes (a row that starts
+# failing must be fixed or listed here, visibly).
 KNOWN_FAILING: dict[str, str] = {}
 
 
@@ -841,13 +842,13 @@ def test_table_is_large_and_ids_unique():
 def test_bad_input_is_refused_clearly_and_touches_nothing(row: Case):
     call, given = row.build()
     leaves = _given_leaves(given)
-    before = [_bits(x) for x in leaves]
+    before = [_leaf_record(x) for x in leaves]
     with pytest.raises(row.exc) as err:
         call()
     message = str(err.value)
     missing = [n for n in row.names if n not in message]
     assert not missing, f"{row.id}: message does not name {missing}: {type(err.value).__name__}: {message}"
-    after = [_bits(x) for x in leaves]
+    after = [_leaf_record(x) for x in leaves]
     changed = [i for i, (a, b) in enumerate(zip(before, after)) if not _same(a, b)]
     assert not changed, f"{row.id}: given tensors {changed} were modified before the error"
 
@@ -896,11 +897,11 @@ def test_no_warning_with_a_master_or_fp32_params(name, fresh_warnings):
 
 
 def _all_or_nothing(call, written, expected):
-    before = [_bits(t) for t in written]
+    before = [_leaf_record(t) for t in written]
     try:
         call()
     except (TypeError, ValueError, RuntimeError):
-        assert all(_same(a, _bits(t)) for a, t in zip(before, written)), "partly written, then raised"
+        assert all(_same(a, _leaf_record(t)) for a, t in zip(before, written)), "partly written, then raised"
         return
     assert all(torch.equal(t.detach(), e) for t, e in zip(written, expected)), "not fully written"
 

@@ -1,6 +1,6 @@
 """The build cache (ampfunc/_build.py): keyed by content, shared across paths, one build at a time.
 
-Only the subprocess test loads the real extension (from the cache this session already built);
+Only the subprocess test loads the real extension (from the cache this test run already built);
 the others replace the compiler with a stand-in, so nothing here compiles.
 """
 

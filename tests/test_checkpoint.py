@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import bits
 from ampfunc.checkpoint import FORMAT_VERSION, CheckpointError
 
 
@@ -22,14 +23,13 @@ def _state():
     return tx, params, state
 
 
-def _bits(tree):
-    return [(t.dtype, t.shape, t.reshape(-1).view(torch.uint8).clone()) for t in af.tree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor)]
+def _tree_bits(tree):
+    return [(t.dtype, t.shape, bits(t).clone()) for t in af.tree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _assert_same(a, b):
     assert af.tree.tree_structure(a) == af.tree.tree_structure(b)
-    for (da, sa, ba), (db, sb, bb) in zip(_bits(a), _bits(b)):
+    for (da, sa, ba), (db, sb, bb) in zip(_tree_bits(a), _tree_bits(b)):
         assert da == db and sa == sb and torch.equal(ba, bb)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import random_like
 from ampfunc.transform import EmptyState
 from ampfunc.tree import select_tree, tree_leaves
-from conftest import random_like
 
 
 def make_params():

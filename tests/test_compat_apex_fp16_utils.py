@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _helpers import fp16_optimizer_loop
 from ampfunc.compat.apex.fp16_utils import (
     BN_convert_float,
     DynamicLossScaler,
@@ -29,7 +30,6 @@ from ampfunc.compat.apex.fp16_utils import (
     prep_param_lists,
     to_python_float,
 )
-from conftest import fp16_optimizer_loop
 
 
 class ApexDynamicRule:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampfunc as af
+from _helpers import bits
 from ampfunc import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -932,14 +933,9 @@ def _nan_like(ts, dtype=None):
     return [torch.full(t.shape, float("nan"), dtype=dtype or t.dtype) for t in ts]
 
 
-def _bits(t):
-    """The storage bits of a tensor (NaN payloads and signed zeros included)."""
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
 def _same_storage_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(bits(a), bits(b))
 
 
 def _clones(ts):
@@ -1104,7 +1100,7 @@ def test_emulated_pure_skipped_step_returns_the_inputs_bit_for_bit(emu):
     step_upd = torch.full((), -1.0)
     assert emu.adam_update(grads, p, m, v, vmax, upd, step, step_upd, gs, no, amsgrad=True) == 0
     for d in upd[0]:
-        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))  # +0: apply_updates keeps the params
+        assert torch.equal(bits(d), torch.zeros_like(bits(d)))  # +0: apply_updates keeps the params
     for got, want in zip([t for ts in upd[1:] for t in ts] + [step_upd], m + v + vmax + [step]):
         _same_storage_bits(got, want)
 
@@ -1116,7 +1112,7 @@ def test_emulated_pure_skipped_step_returns_the_inputs_bit_for_bit(emu):
     supd = (_nan_like(p), _nan_like(m))
     assert emu.sgd_update(grads, p, m, supd, step, step_out, gs, no, momentum=0.9) == 0
     for d in supd[0]:
-        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))
+        assert torch.equal(bits(d), torch.zeros_like(bits(d)))
     for got, want in zip(supd[1] + [step_out], m + [step]):
         _same_storage_bits(got, want)
     for t, b in zip(inputs, before):
@@ -1826,7 +1822,7 @@ def _gpu_leaves(shapes, gen, dtypes, scale=1.0, positive=False):
 def _gpu_same_bits(got, want):
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device.type == "cuda"
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
 
 
 GRAD_MIXES = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "mixed": DTYPES}  # mixed: several dtype groups

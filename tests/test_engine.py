@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import ampfunc as af
+from _helpers import OVERFLOW_STEPS, assert_trees_equal, clone_tree, grads_at, make_params, unregistered
 from ampfunc import ops
-from conftest import OVERFLOW_STEPS, assert_trees_equal, clone_tree, grads_at, make_params, unregistered
 
 INNERS = {
     "adamw": lambda: af.adamw(1e-2, weight_decay=0.05),

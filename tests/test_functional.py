@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import ampfunc as af
-from conftest import clone_tree
+from _helpers import clone_tree
 
 
 def mlp(seed=0, dropout=0.0, batchnorm=True):

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import OVERFLOW_STEPS, grads_at, make_params, unregistered
 from _tolerance import assert_compiled_close
 from ampfunc import ops
 from ampfunc.flat import flatten
 from ampfunc.fused import FusedPlan, plan_for
-from conftest import OVERFLOW_STEPS, grads_at, make_params, unregistered
 
 _params = make_params
 _scaled_grads = grads_at

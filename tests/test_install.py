@@ -1,5 +1,5 @@
 """A normal (non-editable) install has the kernels: the sdist and the wheel carry ext/'s sources,
-and the installed package builds (or, from this session's cache, loads) them exactly as a
+and the installed package builds (or, from this test run's cache, loads) them exactly as a
 checkout does. ``.ci/run`` goes further: a truly fresh virtual environment, torch from the wheel
 on disk, and the whole suite against the installed package (AMPFUNC_EXPECT_INSTALLED=1)."""
 
@@ -121,7 +121,7 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     install = ["install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
     _run([sys.executable, "-m", "pip", "--python", str(python), *install] if _pip_has_python_option()
          else [str(python), "-m", "pip", *install])
-    # This session's cache: the same sources give the same entry, so the install loads the build
+    # This test run's cache: the same sources give the same entry, so the install loads the build
     # this process uses instead of compiling again (one build shared by checkout and wheel).
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AMPFUNC_DISABLE_EXT")}
     env.update(AMPFUNC_REQUIRE_EXT="1", AMPFUNC_EXT_CUDA="0")

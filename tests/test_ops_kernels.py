@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _helpers import bits
 from ampfunc import ops
 
 BACKENDS = ["reference"] + (["compiled"] if ops.backend() != "reference" else [])
@@ -433,15 +434,11 @@ def _ours_out(kind, backend, params, grads, state, step, h, grad_scale, finite, 
     return p, [m1, m2, vmax if h["amsgrad"] else state[2]], m, s
 
 
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-
-
 def _assert_bits_equal(actual, expected, what):
     assert len(actual) == len(expected), what
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert a.dtype == e.dtype and a.shape == e.shape, f"{what}[{i}]"
-        assert torch.equal(_bits(a), _bits(e)), f"{what}[{i}]"
+        assert torch.equal(bits(a), bits(e)), f"{what}[{i}]"
 
 
 def _written_slots(kind, h, state):
@@ -602,10 +599,6 @@ def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monk
 # ---------------------------------------------------------------------------------------------
 
 
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t
-
-
 def _same_bits(a, b):
     """Bit for bit, except that any NaN equals any NaN (payloads and signs of NaN are not
     specified by the ops)."""
@@ -642,7 +635,7 @@ def test_check_norm_is_the_norm_of_the_unscaled_values(backend, tensors, inv_sca
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_norm_does_not_overflow_while_every_element_is_finite(backend):
-    # issue 10 item 5: fp32 gradients of 1e20 under a loss scale of 2**16
+    # fp32 gradients of 1e20 under a loss scale of 2**16: the sum of squares leaves fp32's range
     scaled = [torch.full((20,), 1e20) * 2.0**16, torch.full((1 << 20,), 3e19)]
     finite, norm = _check_norm(backend, scaled, torch.tensor(2.0**-16))
     want = math.sqrt(20 * 1e40 + (1 << 20) * (3e19 * 2.0**-16) ** 2)

@@ -350,7 +350,7 @@ def test_pure_adam_update_on_the_kernel_equals_the_generic_path(name, kw, monkey
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_the_generic_adam_update_takes_the_kernels_correctly_rounded_sqrt(amsgrad, monkeypatch):
     # torch's CPU sqrt (MKL's vector sqrt) is an ulp off for some fp32 inputs (0.7% of them on
-    # an AVX-512 Xeon); the kernel's is correctly rounded. The generic update (what a compiled
+    # an AVX-512 CPU); the kernel's is correctly rounded. The generic update (what a compiled
     # graph or an unusual tree runs) must give the kernel's numbers on every element, so that
     # the path taken never shows in the results.
     # The updates are compared, not only the params: p + update absorbs an ulp of an update

@@ -1,4 +1,4 @@
-"""A 10,000-step soak with overflow bursts (issue 10): the loss scale stays within its bounds,
+"""A 10,000-step soak with overflow bursts: the loss scale stays within its bounds,
 memory stays flat, every state stays finite, and the compiled kernels and the plain-torch
 reference skip the same steps with the same scales.
 

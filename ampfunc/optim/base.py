@@ -31,7 +31,7 @@ _WARNED_LOW_PRECISION: set = set()
 
 
 def warn_low_precision_params(params: PyTree, where: str) -> None:
-    """Warns once per process and optimizer when a param leaf is fp16/bf16 (issue 10, item 14).
+    """Warns once per process and optimizer when a param leaf is fp16/bf16.
 
     Without an fp32 master copy (:func:`ampfunc.mixed_precision` and ``ModuleTrainer`` keep
     one; ``make_train_step`` has the policy's params dtype for its params), updates smaller
