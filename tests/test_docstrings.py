@@ -78,7 +78,7 @@ IDS = [label for label, *_ in PUBLIC]
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_every_public_module_lists_its_names_and_they_resolve(module):
+def test_module_all_resolves(module):
     mod = importlib.import_module(module)
     names = getattr(mod, "__all__", None)
     assert names is not None, f"{module}: no __all__"
@@ -87,7 +87,7 @@ def test_every_public_module_lists_its_names_and_they_resolve(module):
     assert not missing, f"{module}.__all__ lists names it does not have: {missing}"
 
 
-def test_every_top_level_name_is_covered():
+def test_top_level_covered():
     labels = {id(obj) for _, obj, _, _ in PUBLIC}
     for name in af.__all__:
         obj = getattr(af, name)
@@ -126,7 +126,7 @@ def _doctests(label, obj, module):
 
 
 @pytest.mark.parametrize("label,obj,module,full", PUBLIC, ids=IDS)
-def test_docstring_examples_print_what_they_show(label, obj, module, full):
+def test_docstring_examples(label, obj, module, full):
     tests = _doctests(label, obj, module)
     if full:
         own = [t for t in tests if t.name == label]

@@ -148,7 +148,7 @@ def test_a_cycle_would_be_caught(tmp_path, monkeypatch):
         raise AssertionError("the layer checker missed an upward import")
 
 
-def test_the_engine_imports_in_a_fresh_interpreter_without_the_front_ends():
+def test_engine_imports_alone():
     # Importing a low layer first must work (a cycle through ampfunc/__init__ would break here)
     # and must not pull torch.distributed.tensor (about a second) into every import.
     code = ("import sys, ampfunc.engine, ampfunc.fused, ampfunc.dist;"
@@ -159,7 +159,7 @@ def test_the_engine_imports_in_a_fresh_interpreter_without_the_front_ends():
     assert out.stdout.strip() == "False"
 
 
-def test_the_top_level_is_small_and_every_name_resolves():
+def test_top_level_size():
     import ampfunc as af
 
     assert len(af.__all__) == len(set(af.__all__)) <= 50
@@ -187,7 +187,7 @@ MOVED = {
 }
 
 
-def test_moved_names_live_in_their_module_and_not_at_the_top():
+def test_moved_names_homes():
     import importlib
 
     import ampfunc as af
@@ -199,7 +199,7 @@ def test_moved_names_live_in_their_module_and_not_at_the_top():
             assert name not in af.__all__ and not hasattr(af, name), f"ampfunc.{name} is still at the top level"
 
 
-def test_no_module_keeps_a_deprecation_shim():
+def test_no_deprecation_shims():
     # Nothing was released, so nothing is kept under an old name: no module-level __getattr__
     # that answers for removed names, no DeprecationWarning anywhere in the package.
     offenders = []
