@@ -13,7 +13,7 @@ that goes in and out of the step like the loss scale does. The new state comes b
 returns the advanced input, weight and output-gradient metadata as the gradient of the state it
 was given. So the loop differentiates one more argument and keeps what comes back::
 
-    fp8 = af.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
+    fp8 = af.fp8.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
     state8 = fp8.init()
 
     def loss_fn(params, state8, x, y):

@@ -13,7 +13,7 @@ into the module's parameters -- one call per step::
 Works with DDP (gradients already averaged; pass ``group`` so ranks agree on skipping even if
 their gradients differ) and FSDP2 (``fully_shard``: DTensor params and grads; the trainer works
 on the local shards, so its optimizer state is sharded too; clip with
-``af.dist.clip_by_global_norm(max_norm, group)``).
+``af.clip_by_global_norm(max_norm, group=group)``).
 """
 
 from __future__ import annotations

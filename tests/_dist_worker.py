@@ -140,7 +140,7 @@ def shard(model):
 
 
 def fsdp_tx(group):
-    return af.chain(af.dist.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
+    return af.chain(af.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
 
 
 def full_params(model):
@@ -156,8 +156,8 @@ def scenario_fsdp2(env, out):
         trainer.scale(F.cross_entropy(model(x), y)).backward()  # reduce-scatter: each rank its shards
         if step == 0:
             grads = {k: p.grad for k, p in model.named_parameters()}
-            out["dtensor_grad_norm"] = af.dist.global_norm(grads)
-            out["local_shard_grad_norm"] = af.dist.global_norm(af.dist.local_shards(grads), group=env.group)
+            out["dtensor_grad_norm"] = af.optim.global_norm(grads)
+            out["local_shard_grad_norm"] = af.optim.global_norm(af.dist.local_shards(grads), group=env.group)
             out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
         if step == INJECT_STEP:
             if env.rank == 1:
@@ -181,10 +181,10 @@ def scenario_fsdp2(env, out):
     torch.manual_seed(11)
     a, b = torch.randn(5, 3), torch.randn(4)
     tree = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Replicate()])}
-    out["manual_dtensor_norm"] = af.dist.global_norm(tree)
+    out["manual_dtensor_norm"] = af.optim.global_norm(tree)
     out["manual_full_norm"] = torch.cat([a.reshape(-1), b]).norm()
     try:
-        af.dist.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
+        af.optim.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
         out["partial_error"] = None
     except ValueError as e:
         out["partial_error"] = str(e)

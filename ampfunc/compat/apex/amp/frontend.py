@@ -194,7 +194,7 @@ def load_state_dict(state_dict: dict) -> None:
     """Restores :func:`state_dict`; extra scalers are skipped with a message, unknown keys raise ``RuntimeError``.
 
     Every entry is checked before any is loaded: a ``loss_scale`` outside
-    :data:`ampfunc.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
+    :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
     that is not an int ``>= 0`` (``<= 2**31 - 1`` for a dynamic scaler, whose counter is int32)
     raises ``ValueError`` naming the entry, and no scaler changes.
 

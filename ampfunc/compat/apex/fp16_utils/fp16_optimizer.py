@@ -63,7 +63,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     whose gradients overflowed. ``verbose`` prints the params
     found at construction. Unlike apex, CPU tensors work. Scales (``static_loss_scale``,
     ``dynamic_loss_args["init_scale"]``, and any value assigned to :attr:`loss_scale`) must
-    lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
+    lie in :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
     raise ``ValueError`` naming the setting, before anything changes (apex accepts them and the
     next step writes NaN into model and masters).
 
@@ -432,7 +432,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.SCALE_RANGE once
+        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.loss_scale.SCALE_RANGE once
         # stored in fp32: a 0, negative, NaN or inf scale would write NaN into model and masters.
         self.loss_scaler.set_loss_scale(value, "FP16_Optimizer.loss_scale")
 
