@@ -34,8 +34,7 @@ from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.shards import grads_to_local, sharding_of
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import check_same_structure, leaves_with_paths, tree_leaves, tree_structure, tree_unflatten
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
@@ -52,7 +51,7 @@ class TrainerState(NamedTuple):
         fp32), a copy of every (local shard of a) param in ``master_dtype`` (wider params keep
         their dtype); else ``None``.
       opt_state: the optimizer transform's state.
-      loss_scale: the :class:`~ampfunc.LossScale` for the next loss.
+      loss_scale: the :class:`~ampfunc.loss_scale.LossScale` for the next loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
 

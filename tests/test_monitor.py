@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampfunc as af
-from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate, summary
+from ampfunc.monitor import StepStats, health, init_stats, nonfinite_paths, record, skip_rate, summary
 
 T, F = True, False
 
@@ -136,18 +136,18 @@ def test_nonfinite_leaves_names_the_paths_holding_inf_or_nan():
         "step": torch.tensor(7),
         "unused": None,
     }
-    assert nonfinite_leaves(grads) == ["encoder.layers.1.weight", "head.weight"]
+    assert nonfinite_paths(grads) == ["encoder.layers.1.weight", "head.weight"]
 
 
 def test_nonfinite_leaves_of_finite_or_empty_trees_is_empty():
-    assert nonfinite_leaves({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
-    assert nonfinite_leaves({}) == []
-    assert nonfinite_leaves({"n": torch.arange(3)}) == []
+    assert nonfinite_paths({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
+    assert nonfinite_paths({}) == []
+    assert nonfinite_paths({"n": torch.arange(3)}) == []
 
 
 # -- TrainingMonitor: history, health alerts, scaler statistics, per-leaf overflow counts ------
 
-from ampfunc.monitor import MonitorConfig, TrainingMonitor, leaf_nonfinite  # noqa: E402
+from ampfunc.monitor import TrainingMonitor, leaf_nonfinite  # noqa: E402
 
 
 def healthy_run(steps=60, window=20):
@@ -489,7 +489,7 @@ MOMENT_PATHS = {
 @pytest.mark.parametrize("path", sorted(MOMENT_PATHS))
 def test_a_second_moment_overflowed_in_an_applied_step_is_reported_naming_the_leaf(path):
     state = MOMENT_PATHS[path]()
-    assert af.moment_overflows(state) == ["enc.w"]
+    assert af.monitor.moment_overflows(state) == ["enc.w"]
     warnings = health(run([T]), state=state)
     assert len(warnings) == 1 and "overflowed to inf for 'enc.w'" in warnings[0] and "clip_by_global_norm" in warnings[0]
     mon = TrainingMonitor(_moment_params()).record(torch.tensor(T), 256.0, loss=1.0)
@@ -513,7 +513,7 @@ def test_the_overflowed_param_no_longer_moves_and_the_report_persists_through_a_
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    assert af.moment_overflows(torch.load(buf)) == ["enc.w"]
+    assert af.monitor.moment_overflows(torch.load(buf)) == ["enc.w"]
 
 
 def test_make_train_step_and_module_trainer_states_report_the_overflowed_leaf():
@@ -521,11 +521,11 @@ def test_make_train_step_and_module_trainer_states_report_the_overflowed_leaf():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     train = af.make_train_step(model, lambda fwd, x: (fwd(x) * BIG).sum(), af.adamw(1e-3), "p=f32,c=f32,o=f32")
     state, out = train.step(train.init(), torch.ones(4, 3))
-    assert bool(out.finite) and sorted(af.moment_overflows(state)) == ["0.bias", "0.weight"]
+    assert bool(out.finite) and sorted(af.monitor.moment_overflows(state)) == ["0.bias", "0.weight"]
     trainer = af.ModuleTrainer(model, af.adamw(1e-3))
     (model(torch.ones(4, 3)) * BIG).sum().backward()
     assert bool(trainer.step())
-    assert sorted(af.moment_overflows(trainer.state)) == ["0.bias", "0.weight"]
+    assert sorted(af.monitor.moment_overflows(trainer.state)) == ["0.bias", "0.weight"]
     mon = TrainingMonitor(af.params_of(model)).record_state(trainer.state, loss=1.0)
     assert sorted(mon.check_health(trainer.state)["moment_overflows"]) == ["0.bias", "0.weight"]
 
@@ -534,9 +534,9 @@ def test_healthy_states_and_states_without_second_moments_report_nothing():
     p = _moment_params()
     for tx in (af.adamw(1e-3), af.sgd(0.1, momentum=0.9), af.from_torch(torch.optim.RMSprop, lr=1e-3)):
         _, state = tx.update({k: torch.full_like(v, 1e3) for k, v in p.items()}, tx.init(p), p)
-        assert af.moment_overflows(state) == []
+        assert af.monitor.moment_overflows(state) == []
         assert health(run([T]), state=state) == []
-    assert af.moment_overflows({}) == [] and af.moment_overflows(None) == []
+    assert af.monitor.moment_overflows({}) == [] and af.monitor.moment_overflows(None) == []
     # a state alone, before any step is recorded, still tells
     h = TrainingMonitor().check_health(_pure(af.adamw(1e-3)))
     assert h["status"] == "unhealthy" and h["moment_overflows"] == ["enc.w"]

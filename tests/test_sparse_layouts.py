@@ -68,9 +68,9 @@ STEPPERS = {
     "clip-adamw.update": (_plain(lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))),
                           lambda tx, p, g, s: tx.update(g, s, p)),
     "unscale_and_check": (lambda: (None, params(), dls()), lambda tx, p, g, s: af.unscale_and_check(g, s)),
-    "unscale_and_check_": (lambda: (None, params(), dls()), lambda tx, p, g, s: af.unscale_and_check_(g, s)),
-    "all_finite": (lambda: (None, params(), None), lambda tx, p, g, s: af.all_finite(g)),
-    "global_norm": (lambda: (None, params(), None), lambda tx, p, g, s: af.global_norm(g)),
+    "unscale_and_check_": (lambda: (None, params(), dls()), lambda tx, p, g, s: af.mixed.unscale_and_check_(g, s)),
+    "all_finite": (lambda: (None, params(), None), lambda tx, p, g, s: af.tree.all_finite(g)),
+    "global_norm": (lambda: (None, params(), None), lambda tx, p, g, s: af.optim.global_norm(g)),
 }
 
 
@@ -99,7 +99,7 @@ def test_skip_or_apply_refuses_a_sparse_leaf_by_name(layout, inplace):
     new["enc"]["w"] = sparse(layout)
     before = [t.clone() for t in _tensors(old)]
     with pytest.raises(TypeError, match=f"select_tree: the new tree's leaf 'enc.w' has layout torch.sparse_{layout}"):
-        (af.skip_or_apply_ if inplace else af.skip_or_apply)(torch.tensor(True), new, old)
+        (af.mixed.skip_or_apply_ if inplace else af.skip_or_apply)(torch.tensor(True), new, old)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(old), before))
     with pytest.raises(TypeError, match=f"the old tree's leaf 'enc.w' has layout torch.sparse_{layout}"):
         af.skip_or_apply(torch.tensor(False), params(), {"enc": {"w": sparse(layout)}, "head": params()["head"]})
