@@ -760,7 +760,11 @@ class Fp8Policy:
           The same layers' states with histories of ``recipe.history_len``.
 
         Example:
-          >>> state8 = fp8.resize_history(torch.load("fp8_state.pt"))
+          >>> model = nn.Sequential(nn.Linear(16, 16))
+          >>> saved = af.fp8.fp8_policy(model, recipe=af.fp8.DelayedScaling(history_len=8)).init()
+          >>> fp8 = af.fp8.fp8_policy(model, recipe=af.fp8.DelayedScaling(history_len=2))
+          >>> [m.amax_history.shape[0] for m in fp8.resize_history(saved)["0"]]
+          [2, 2, 2]
         """
         n = self.recipe.history_len
 
