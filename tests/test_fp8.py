@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, grad
 
 import ampfunc as af
