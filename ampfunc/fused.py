@@ -226,7 +226,7 @@ class FusedPlan:
                      grad_scale: torch.Tensor, finite: torch.Tensor) -> None:
         """The optimizer pass alone, in place, for a caller that did its own check: ``ref``,
         ``slots``, ``model`` and ``step`` are written (nothing when ``finite`` is false); the
-        plan's ``lr`` must be a number. Serves :func:`ampfunc.engine.torch_step_` (a torch
+        plan's ``lr`` must be a number. Serves :func:`ampfunc.compat._torch_step.torch_step_` (a torch
         optimizer's param group, whose overflow the apex facade decides on the host).
         Cost: one kernel pass; no host sync."""
         lr = self.hparams["lr"]
