@@ -264,7 +264,10 @@ for _opt in _spec.OPTIMIZERS.values():
 del _opt
 
 _REFERENCE = references()
-for _name, _kernel in _REFERENCE.items():  # ops._ref_<op>_op: the reference kernel of each op, by name
-    globals()[f"_ref_{_name}_op"] = _kernel
-del _name, _kernel
+# ops._ref_<op>_op: the reference kernel of each op by name, an optimizer's in-place step as
+# _ref_<name>_step_op and its out-of-place one as _ref_<name>_step_out_op.
+for _name, _kernel in _REFERENCE.items():
+    _alias = _name[:-1] if _name.endswith("_step_") else f"{_name}_out" if _name.endswith("_step") else _name
+    globals()[f"_ref_{_alias}_op"] = _kernel
+del _name, _kernel, _alias
 register(_REFERENCE)
