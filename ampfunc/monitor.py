@@ -801,7 +801,8 @@ class TrainingMonitor:
         c = self._config
         if h["steps"] == 0:
             moments = h["moment_overflows"]  # a state can tell before any step is recorded
-            return {"status": "unhealthy" if moments else "no_data", "alerts": [_moment_alert(moments)] if moments else [],
+            alerts = [_moment_alert(moments)] if moments else []
+            return {"status": "unhealthy" if moments else "no_data", "alerts": alerts,
                     "checks": {"moment_overflow": True} if moments else {}, "moment_overflows": moments}
         losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
         # Every threshold is compared exactly (counts and the values read back as rationals, the

@@ -157,7 +157,8 @@ def test_the_grad_scaler_refuses_a_compressed_gradient_by_name(layout, call):
     scaler = GradScaler("cpu", init_scale=256.0)
     scaler.scale(torch.ones((), requires_grad=True))  # initialises the scale, as a loop's scale(loss) does
     grads = [dense.grad.clone(), sp.grad.clone()]
-    match = rf"the gradient of optimizer.param_groups\[0\]\['params'\]\[1\] \(shape \(4, 3\)\) has layout torch.sparse_{layout}"
+    match = (r"the gradient of optimizer.param_groups\[0\]\['params'\]\[1\] \(shape \(4, 3\)\) has layout "
+             f"torch.sparse_{layout}")
     with pytest.raises(TypeError, match=match):
         scaler.unscale_(opt) if call == "unscale_" else scaler.step(opt)
     assert torch.equal(dense.grad, grads[0]) and torch.equal(dense, torch.ones(3))  # nothing unscaled or stepped
