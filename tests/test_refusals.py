@@ -450,7 +450,6 @@ def test_apex_checkpoints_load_weights_only_after_importing_compat_apex(tmp_path
     path = tmp_path / "apex_facade.pt"
     torch.save({"optimizer": opt.state_dict(), "old_scaler": DynamicLossScaler()}, path)
     code = ("import sys, torch, ampfunc.compat.apex\n"
-            "assert 'ampfunc.compat.apex.amp' not in sys.modules\n"
             f"ck = torch.load({str(path)!r})\n"
             "print(type(ck['optimizer']['loss_scaler']).__name__, type(ck['old_scaler']).__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
