@@ -232,6 +232,13 @@ def _recommend_cpu(flag_set, requirements) -> Recommendation:
         "fp32", "cpu")
 
 
+def _fast_fp16(capability: tuple) -> bool:
+    """Whether fp16 arithmetic runs at least at the fp32 rate: sm53 and sm62 (Tegra), sm60 (P100),
+    and every part from sm70 (tensor cores). sm61 (GP10x consumer and Tesla P4/P40) runs fp16 at
+    1/64 of its fp32 rate, and the other sm5x/sm3x parts have no fp16 arithmetic units."""
+    return capability in ((5, 3), (6, 0), (6, 2)) or capability >= (7, 0)
+
+
 def _recommend_cuda(capability, n_params, stability, requirements) -> Recommendation:
     major, minor = capability
     sm = f"sm{major}{minor}"
@@ -267,12 +274,13 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
             f"{sm} has bf16 tensor cores: bf16 compute runs at fp16 speed with fp32's exponent range, "
             "so gradients neither overflow nor flush to zero and no loss scaling is needed.",
             reqs, "bf16", "cuda", capability)
-    if capability < (6, 0):
+    if not _fast_fp16(capability):
         return Recommendation(
             get_policy("full"), NoOpLossScale(),
-            f"{sm} has neither bf16 nor fast fp16 arithmetic (fast fp16 from sm60, tensor cores from sm70): "
-            "fp16 compute would run no faster than fp32 and need loss scaling, so train in fp32.",
-            requirements + [f"for mixed precision: CUDA capability >= 6.0 for fast fp16, >= 8.0 for bf16 "
+            f"{sm} has neither bf16 nor fast fp16 arithmetic (fast fp16 on sm53, sm60, sm62 and from sm70, "
+            "tensor cores from sm70; sm61 runs fp16 at 1/64 of its fp32 rate): fp16 compute would run no "
+            "faster than fp32 and need loss scaling, so train in fp32.",
+            requirements + [f"for mixed precision: fast fp16 (sm53, sm60, sm62, or >= sm70), >= sm80 for bf16 "
                             f"(this plan: {sm})"],
             "fp32", "cuda", capability)
     hysteresis = 2 if stability == "high" else 1
@@ -283,7 +291,7 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
         f"{'runs on its tensor cores' if tensor_cores else 'halves memory traffic'}, and dynamic loss "
         "scaling keeps small gradients from flushing to zero (fp16's smallest value is ~6e-8) while "
         "skipping the steps that overflow its 65504 ceiling.",
-        requirements + [f"CUDA capability >= 6.0 for fast fp16 (this plan: {sm}; tensor cores from 7.0)",
+        requirements + [f"fast fp16: sm53, sm60, sm62 or >= sm70 (this plan: {sm}; tensor cores from 7.0)",
                         "dynamic loss scaling (DynamicLossScale) and fp32 master weights",
                         "watch the skip rate (af.TrainingMonitor): a few skipped steps are normal, many are not"],
         "fp16", "cuda", capability)

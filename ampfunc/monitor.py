@@ -225,6 +225,15 @@ def _exact(x: float) -> Fraction | float:
     return Fraction(x) if math.isfinite(x) else x
 
 
+def _rate_above(count: int, total: int, threshold: float) -> bool:
+    """Whether ``count`` of ``total`` is above ``threshold``, a fraction.
+
+    The ratio is rounded once (``count / total``) and rounding is monotonic, so a ratio at most
+    the threshold never compares above it: 3 of 10 is at ``0.3`` and 1 of 3 at ``1 / 3``, both
+    written as the user would. (``1 - 7 / 10`` rounds twice, to ``0.30000000000000004``.)"""
+    return count / total > float(threshold)
+
+
 def _percent(x: float) -> str:
     """A threshold fraction as a percentage that shows every digit given (0.055: ``5.5%``)."""
     written = _as_written(x)
@@ -295,6 +304,12 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
     Cost: copies the four counters to the host: a host sync (call it when you log); with
     ``state``, one read pass over its second moments and a second sync.
     """
+    if not 0 <= max_skip_rate <= 1:
+        raise ValueError(f"health: max_skip_rate must be in [0, 1], got {max_skip_rate!r}")
+    if not max_consecutive_skips >= 1:
+        raise ValueError(f"health: max_consecutive_skips must be >= 1, got {max_consecutive_skips!r}")
+    if not min_scale >= 0:
+        raise ValueError(f"health: min_scale must be >= 0, got {min_scale!r}")
     s = summary(stats)
     warnings = []
     overflowed = moment_overflows(state) if state is not None else []
@@ -311,8 +326,7 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
             "overflowing layers; see nonfinite_paths)"
         )
-    # counts against the threshold as written, exactly: 3 of 10 is not above 30%
-    if Fraction(s["skipped"], s["steps"]) > _as_written(max_skip_rate):
+    if _rate_above(s["skipped"], s["steps"], max_skip_rate):
         warnings.append(
             f"{s['skip_rate']:.1%} of steps skipped ({s['skipped']} of {s['steps']}), above "
             f"{_percent(max_skip_rate)}: the effective number of updates is lower than the step count"
@@ -828,7 +842,7 @@ class TrainingMonitor:
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
         # a window smaller than min_steps never holds that many steps: a full window is enough
         if window_steps >= min(c.min_steps, c.window) \
-                and Fraction(window_skipped, window_steps) > _as_written(c.max_skip_rate):
+                and _rate_above(window_skipped, window_steps, c.max_skip_rate):
             checks["skip_rate_high"] = True
             alerts.append(f"{window_skip_rate:.1%} of the last {window_steps} steps skipped (above "
                           f"{_percent(c.max_skip_rate)}): gradients overflow often; see overflowing_leaves")

@@ -64,7 +64,7 @@ def test_fp8_advised_on_fp8_hardware_for_large_models(capability):
     assert recommend_policy("cuda", capability=(8, 6), n_params=10**9).precision == "bf16"
 
 
-@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 0), (6, 2), (5, 3)])
 def test_before_sm80_fp16_with_dynamic_loss_scale(capability):
     rec = recommend_policy("cuda", capability=capability)
     assert rec.precision == "fp16" and rec.policy.compute_dtype == torch.float16
@@ -74,14 +74,16 @@ def test_before_sm80_fp16_with_dynamic_loss_scale(capability):
     assert stable.loss_scale.hysteresis == 2
 
 
-@pytest.mark.parametrize("capability", [(5, 2), (5, 0), (3, 5), (1, 0)])
-def test_before_sm60_fp32_since_there_is_no_fast_fp16(capability):
+@pytest.mark.parametrize("capability", [(6, 1), (5, 2), (5, 0), (3, 5), (1, 0)])
+def test_fp32_where_fp16_is_not_fast(capability):
     rec = recommend_policy("cuda", capability=capability, n_params=10**9)
     assert rec.precision == "fp32" and rec.policy.compute_dtype == torch.float32
     assert isinstance(rec.loss_scale, af.NoOpLossScale) and rec.capability == capability
     sm = f"sm{capability[0]}{capability[1]}"
     assert f"{sm} has neither bf16 nor fast fp16" in rec.reason
-    assert any(">= 6.0 for fast fp16" in r for r in rec.requirements)
+    assert any("fast fp16 (sm53, sm60, sm62, or >= sm70)" in r for r in rec.requirements)
+    if capability == (6, 1):
+        assert "1/64" in rec.reason
     # the first capability with fast fp16 gets it
     assert recommend_policy("cuda", capability=(6, 0)).precision == "fp16"
 

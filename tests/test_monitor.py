@@ -413,6 +413,24 @@ def test_health_skip_rate_at_its_threshold_is_quiet():
     assert len(warnings) == 1 and "above 30%" in warnings[0]
     # 7 of 100 against 0.07 (100 * 0.07 is 7.000000000000001, 7 / 100 is not 0.07 in binary)
     assert health(run([T] * 93 + [F] * 7), max_skip_rate=0.07, max_consecutive_skips=10) == []
+    # thresholds with no short decimal: 1 of 3 at 1/3, 2 of 3 at 2/3, 1 of 7 at 1/7
+    for skipped, steps, rate in ((1, 3, 1 / 3), (2, 3, 2 / 3), (1, 7, 1 / 7)):
+        flags = [T] * (steps - skipped) + [F] * skipped
+        assert health(run(flags), max_skip_rate=rate, max_consecutive_skips=10) == [], (skipped, steps)
+
+
+def test_a_window_at_a_threshold_of_one_third_is_quiet():
+    mon = TrainingMonitor(window=9, min_steps=3, max_skip_rate=1 / 3)
+    for finite in [T, T, F, T, T, F, T, T, F]:
+        mon = mon.record(torch.tensor(finite), 1.0, loss=1.0)
+    assert not mon.check_health()["checks"]["skip_rate_high"]
+
+
+@pytest.mark.parametrize("kw", [dict(max_skip_rate=float("nan")), dict(max_skip_rate=5), dict(max_skip_rate=-1),
+                                dict(max_consecutive_skips=0), dict(min_scale=-1.0)])
+def test_health_refuses_thresholds_that_cannot_mean_anything(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        health(run([T, T]), **kw)
 
 
 def test_the_loss_alert_does_not_fire_at_exactly_explode_factor_times_the_median():
