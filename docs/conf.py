@@ -50,6 +50,10 @@ napoleon_numpy_docstring = False
 napoleon_use_ivar = True
 napoleon_custom_sections = [("Cost", "notes_style")]
 
+# The top-level names are documented twice by design: at the top level (ampfunc.adamw) and in the
+# module that defines them (ampfunc.optim.adamw); a type hint naming one of them is then ambiguous.
+suppress_warnings = ["ref.python"]
+
 html_theme = "furo"
 html_title = f"ampfunc {release}"
 templates_path = ["_templates"]
