@@ -246,7 +246,7 @@ def _cuda_target() -> dict:
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if not archs and torch.cuda.is_available():
-        archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+        archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
                                  for i in range(torch.cuda.device_count())}))
     return {"cuda": torch.version.cuda, "cuda_home": str(CUDA_HOME), "archs": archs}
 
@@ -404,7 +404,7 @@ def _lock_is_free(lock_path: Path) -> bool:
     except ImportError:
         return False  # cannot tell: age decides
     try:
-        with open(lock_path, "r") as f:
+        with open(lock_path) as f:
             if not _try_flock(f):
                 return False
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -515,7 +515,8 @@ def _failure_message(exc: BaseException, kind: str, entry: Path) -> str:
         where = f"full output in {log}"
     except OSError:
         where = "full output with AMPFUNC_REQUIRE_EXT=1"
-    msg = f"building the {kind} kernels failed: {_failure_cause(text)} ({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output"
+    msg = (f"building the {kind} kernels failed: {_failure_cause(text)} "
+           f"({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output")
     raw_march = os.environ.get("AMPFUNC_EXT_MARCH", "").strip()
     if raw_march:
         msg += f"; AMPFUNC_EXT_MARCH={raw_march!r} is set"

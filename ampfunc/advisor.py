@@ -23,14 +23,14 @@ import numbers
 import platform
 import re
 from collections import abc
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.policy import Policy, get_policy
 
-__all__ = ["Recommendation", "recommend_policy", "cpu_bf16_flags"]
+__all__ = ["Recommendation", "recommend_policy"]
 
 # Instruction-set flags (Linux /proc/cpuinfo names) that execute bf16 arithmetic natively.
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX, Arm FEAT_BF16
@@ -212,15 +212,15 @@ def _recommend_cpu(flag_set, requirements) -> Recommendation:
     if flags:
         return Recommendation(
             get_policy("p=f32,c=bf16,o=f32"), NoOpLossScale(),
-            f"{cpu[0].upper()}{cpu[1:]} executes bf16 natively ({', '.join(flags)}): bf16 compute halves activation memory "
-            "and bandwidth, and bf16 keeps fp32's exponent range, so no loss scaling is needed.",
+            f"{cpu[0].upper()}{cpu[1:]} executes bf16 natively ({', '.join(flags)}): bf16 compute halves "
+            "activation memory and bandwidth, and bf16 keeps fp32's exponent range, so no loss scaling is needed.",
             requirements + ["norm layers' params in fp32 (cast_params(..., keep=af.norm_layers(model)))",
                             "torch CPU build with oneDNN (torch.backends.mkldnn.is_available())"],
             "bf16", "cpu")
     return Recommendation(
         get_policy("full"), NoOpLossScale(),
-        f"{cpu[0].upper()}{cpu[1:]} has no native bf16 instructions (avx512_bf16, amx_bf16 or Arm bf16): bf16 and fp16 would "
-        "be emulated and slower than fp32, so train in fp32.",
+        f"{cpu[0].upper()}{cpu[1:]} has no native bf16 instructions (avx512_bf16, amx_bf16 or Arm bf16): "
+        "bf16 and fp16 would be emulated and slower than fp32, so train in fp32.",
         requirements + ["for bf16 on CPU: a CPU with AVX512-BF16 (Cooper Lake, Zen 4+), AMX (Sapphire Rapids+) "
                         "or Arm BF16 (Neoverse V1+, Apple M2+)"],
         "fp32", "cpu")
@@ -242,7 +242,8 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
             "no loss scaling is needed.",
             requirements + [f"CUDA capability >= 8.9 (this plan: {sm})",
                             "fp8 = af.fp8.fp8_policy(model, exclude=(<output head>,)); state8 = fp8.init('cuda'); "
-                            "differentiate the state too (grad(loss_fn, argnums=(0, 1))) or make_train_step(..., fp8=fp8)",
+                            "differentiate the state too (grad(loss_fn, argnums=(0, 1))) or "
+                            "make_train_step(..., fp8=fp8)",
                             "Linear in/out features multiples of 16 (other shapes are padded)",
                             "compile the step (torch.compile): eager fp8 adds quantisation passes"],
             "fp8", "cuda", capability)

@@ -72,7 +72,7 @@ class MixedPrecisionState(NamedTuple):
     """The state of a mixed-precision step (a pytree of tensors; ``torch.save``-able).
 
     Made by ``mixed_precision(...).init(params)``. Read ``finite`` and ``skipped`` without a
-    host sync as tensors (``af.record``), or with ``bool(state.finite)`` /
+    host sync as tensors (``af.monitor.record``), or with ``bool(state.finite)`` /
     ``int(state.skipped)`` when a sync is fine (logging every N steps).
 
     Attributes:
@@ -189,8 +189,9 @@ def check_no_overlap(where: str, named: list) -> None:
     A leaf that overlaps itself (``expand()``, stride 0) or two leaves whose memory overlaps
     (the same tensor twice, overlapping views) raise ``ValueError`` naming the leaf path(s):
     the kernels would write that memory twice. So does an inference tensor outside inference
-    mode (torch refuses to update one in place, after the leaves before it were written). Cost: a few attribute reads per leaf and one
-    sort; the engine runs it once per set of tensors (cached by identity), not per step.
+    mode (torch refuses to update one in place, after the leaves before it were written).
+    Cost: a few attribute reads per leaf and one sort; the engine runs it once per set of
+    tensors (cached by identity), not per step.
     """
     written = []
     inference_ok = torch.is_inference_mode_enabled()
@@ -609,7 +610,7 @@ class Engine:
         new_opt = opt._replace(**{f: written[f] if f in written else _cloned(getattr(opt, f)) for f in opt._fields})
         new_inner = self.plan.replace_opt_state(state.inner, new_opt, _cloned)
         ls = state.loss_scale
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         if new_ls is ls:  # static and no-op scales return themselves; the result owns its tensors
             new_ls = _cloned(ls)
         dev = opt.step.device
@@ -625,7 +626,7 @@ class Engine:
         updates, new_inner = self.inner.update(grads32, state.inner, ref)
         new_ref = apply_updates(ref, updates)
         new_ref, new_inner = select_tree(finite, (new_ref, new_inner), (ref, state.inner))
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         device = state.finite.device if state.finite is not None else finite.device
         f, skipped = _next_stats(finite, state.finite, state.skipped, device)
         if state.master is None:
@@ -679,7 +680,7 @@ class Engine:
                 ls = state.loss_scale
                 with torch.no_grad():
                     if isinstance(ls, DynamicLossScale):
-                        ls.adjust_(finite.to(ls.loss_scale.device))
+                        ls._adjust_(finite.to(ls.loss_scale.device))
                 return params, self._commit_stats(state, finite)
         if opt is None:
             self._generic_hook(params, grads, lined)
@@ -832,7 +833,7 @@ def torch_step_(optimizer, lists: list, *, instead_of=None) -> bool:
     dtypes or devices; a param listed twice): the caller runs ``optimizer.step()`` instead.
 
     Example:
-      >>> ok = torch_step_(opt, [[(masters, fp16_grads, fp16_params, lambda dev: inv_scale)]])
+      >>> ok = torch_step_(opt, [[(masters, fp16_grads, fp16_params, lambda dev: inv_scale)]])  # doctest: +SKIP
 
     Cost: the kernel passes plus one stack of the step counts per segment (a CPU read; no
     device sync), Python work per param.

@@ -13,7 +13,7 @@ that goes in and out of the step like the loss scale does. The new state comes b
 returns the advanced input, weight and output-gradient metadata as the gradient of the state it
 was given. So the loop differentiates one more argument and keeps what comes back::
 
-    fp8 = af.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
+    fp8 = af.fp8.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
     state8 = fp8.init()
 
     def loss_fn(params, state8, x, y):
@@ -256,7 +256,8 @@ def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Reci
       The 0-d fp32 scale for this use and the advanced :class:`Fp8Meta`.
 
     Example:
-      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, af.fp8.DelayedScaling())
+      >>> recipe = af.fp8.DelayedScaling()
+      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, recipe)  # doctest: +SKIP
     """
     return _used_scale(meta, amax, fp8_max, recipe), _next_meta(meta, amax, fp8_max, recipe)
 
@@ -353,7 +354,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: 
       The ``(M, N)`` product in ``out_dtype``.
 
     Example:
-      >>> y = af.fp8.scaled_matmul(xq, wq.t(), 1 / sx, 1 / sw, torch.bfloat16)
+      >>> y = af.fp8.scaled_matmul(xq, wq.t(), 1 / sx, 1 / sw, torch.bfloat16)  # doctest: +SKIP
     """
     if backend == "emulate":
         return ((a.to(torch.float32) * a_inv) @ (b.to(torch.float32) * b_inv)).to(out_dtype)
@@ -506,13 +507,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
       ``(..., out_features)`` in ``x.dtype``.
 
     Example:
-      >>> y = af.fp8.fp8_linear(x, w, b, state8["fc1"])
+      >>> y = af.fp8.fp8_linear(x, w, b, state8["fc1"])  # doctest: +SKIP
     """
     recipe = DelayedScaling() if recipe is None else recipe
     if not isinstance(state, Fp8LinearState):
         raise TypeError(f"fp8_linear: state must be an Fp8LinearState, got {type(state).__name__}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
+        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape "
+                         f"{tuple(weight.shape)}")
     return _fp8_linear(x, weight, bias, state, recipe, _resolve_backend(backend, x.device), group, None)[0]
 
 
@@ -521,9 +523,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"fp8: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         # On CPU the emulation, even where torch._scaled_mm takes fp8: torch 2.13's CPU kernel
-        # (oneDNN on this AMX Xeon) took 15-66 ms for a 64x64x256 .. 64x256x256 product that the
-        # emulation's fp32 GEMM does in 0.1-0.3 ms (2026-12-01), and the products of fp8 values
-        # are exact in fp32 either way (only the order of the fp32 sums may differ).
+        # (oneDNN, AMX) takes 15-66 ms for a 64x64x256 .. 64x256x256 product that the
+        # emulation's fp32 GEMM does in 0.1-0.3 ms, and the products of fp8 values are exact in
+        # fp32 either way (only the order of the fp32 sums may differ).
         return "scaled_mm" if device.type != "cpu" and fp8_available(device) else "emulate"
     return backend
 
@@ -670,7 +672,8 @@ class Fp8Policy:
             raise ValueError(f"Fp8Policy: state must hold one Fp8LinearState per layer {list(self.layers)}, got {got}")
         for name in self.layers:
             if not isinstance(state[name], Fp8LinearState):
-                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
+                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, "
+                                f"got {type(state[name]).__name__}")
         weights, collectors = [], []
         for name in self.layers:
             weights.append(_weight_in(model, name, params))
@@ -778,7 +781,7 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
       The :class:`Fp8Policy`.
 
     Example:
-      >>> fp8 = af.fp8_policy(model, exclude=("head",))
+      >>> fp8 = af.fp8.fp8_policy(model, exclude=("head",))  # doctest: +SKIP
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8_policy: model must be a torch.nn.Module, got {type(model).__name__}")

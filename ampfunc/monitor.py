@@ -4,17 +4,17 @@ The hot path is :func:`record`: a pure function of tensors (a few 0-d kernels, n
 so it can run every step, inside ``torch.compile`` or a CUDA graph, next to
 ``skip_or_apply``::
 
-    stats = af.init_stats()
+    stats = af.monitor.init_stats()
     for x, y in loader:
         ...
         grads, finite = af.unscale_and_check(grads, ls)
         ...
         ls = af.update_scale(ls, finite)
-        stats = af.record(stats, finite, ls)
-    for warning in af.health(stats):          # reads the stats back: once, when you log
+        stats = af.monitor.record(stats, finite, ls)
+    for warning in af.monitor.health(stats):          # reads the stats back: once, when you log
         print(warning)
 
-:func:`summary`, :func:`health` and :func:`nonfinite_leaves` read values back to the host. They
+:func:`summary`, :func:`health` and :func:`nonfinite_paths` read values back to the host. They
 are diagnostics, meant for logging intervals and for the step that overflowed, not for every
 step.
 
@@ -24,7 +24,7 @@ parameters produce the infs), the scaler statistics, and health alerts returned 
 
     mon = af.TrainingMonitor(params, window=100)
     ...
-    mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.leaf_nonfinite(grads))
+    mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.monitor.leaf_nonfinite(grads))
     if step % 100 == 0:
         print(mon.check_health())   # {"status": "healthy", "alerts": [], ...}; one sync
 """
@@ -41,7 +41,7 @@ import torch.utils._pytree as torch_pytree
 from ampfunc import ops
 from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths
 
-__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_leaves",
+__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
            "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
 
 
@@ -57,7 +57,7 @@ class StepStats(NamedTuple):
       last_scale: fp32, the loss scale recorded with the latest step (NaN before any).
 
     Example:
-      >>> stats = af.record(af.init_stats(), torch.tensor(False), 1024.0)
+      >>> stats = af.monitor.record(af.monitor.init_stats(), torch.tensor(False), 1024.0)
       >>> int(stats.steps), int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
       (1, 1, 1, 1024.0)
     """
@@ -80,7 +80,7 @@ def init_stats(device: Union[torch.device, str, None] = None) -> StepStats:
       ``last_scale`` NaN.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> int(stats.steps), float(stats.last_scale)
       (0, nan)
 
@@ -98,7 +98,8 @@ def _scale_tensor(loss_scale: Any, device: torch.device) -> torch.Tensor:
         return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return torch.tensor(float(scale), dtype=torch.float32, device=device)
-    raise TypeError(f"record: loss_scale must be a loss scale, a 0-d tensor or a number, got {type(loss_scale).__name__}")
+    raise TypeError("record: loss_scale must be a loss scale, a 0-d tensor or a number, "
+                    f"got {type(loss_scale).__name__}")
 
 
 def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any = 1.0) -> StepStats:
@@ -118,10 +119,10 @@ def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any 
       New :class:`StepStats`.
 
     Example:
-      >>> ls, stats = af.DynamicLossScale(), af.init_stats()
+      >>> ls, stats = af.DynamicLossScale(), af.monitor.init_stats()
       >>> for ok in (True, False, False):
       ...     ls = af.update_scale(ls, torch.tensor(ok))
-      ...     stats = af.record(stats, torch.tensor(ok), ls)
+      ...     stats = af.monitor.record(stats, torch.tensor(ok), ls)
       >>> int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
       (2, 2, 16384.0)
 
@@ -158,10 +159,10 @@ def skip_rate(stats: StepStats) -> torch.Tensor:
       0-d fp32 tensor, ``skipped / steps`` (0 before any step), on the stats' device.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> for ok in (True, True, True, False):
-      ...     stats = af.record(stats, torch.tensor(ok))
-      >>> float(af.skip_rate(stats))
+      ...     stats = af.monitor.record(stats, torch.tensor(ok))
+      >>> float(af.monitor.skip_rate(stats))
       0.25
 
     Cost: four 0-d kernels; no host sync.
@@ -211,8 +212,21 @@ def _from_words(words: torch.Tensor, like) -> list:
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
-    Reads the stats back to the host in one copy (one sync): call it when you log, not every
-    step.
+    Args:
+      stats: the :class:`StepStats` that :func:`record` returned.
+
+    Returns:
+      A dict of Python ints and floats.
+
+    Example:
+      >>> stats = af.monitor.init_stats()
+      >>> for ok in (True, False, True, True):
+      ...     stats = af.monitor.record(stats, torch.tensor(ok), 512.0)
+      >>> af.monitor.summary(stats)
+      {'steps': 4, 'skipped': 1, 'skip_rate': 0.25, 'consecutive_skips': 0, 'last_scale': 512.0}
+
+    Cost: reads the stats back to the host in one copy (one sync): call it when you log, not
+    every step.
     """
     steps, skipped, consecutive, scale = (t.item() for t in _to_host(stats))
     return {
@@ -246,12 +260,12 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
       A list of warning strings.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> for _ in range(6):
-      ...     stats = af.record(stats, torch.tensor(False), 0.5)
-      >>> len(af.health(stats))  # collapsed scale, skip rate, consecutive skips
+      ...     stats = af.monitor.record(stats, torch.tensor(False), 0.5)
+      >>> len(af.monitor.health(stats))  # collapsed scale, skip rate, consecutive skips
       3
-      >>> af.health(af.record(af.init_stats(), torch.tensor(True), 1024.0))
+      >>> af.monitor.health(af.monitor.record(af.monitor.init_stats(), torch.tensor(True), 1024.0))
       []
 
     Cost: copies the four counters to the host: a host sync (call it when you log).
@@ -267,7 +281,7 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
         warnings.append(
             f"loss scale collapsed to {scale:g} ({where} {min_scale:g}): gradients overflow even "
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
-            "overflowing layers; see nonfinite_leaves)"
+            "overflowing layers; see nonfinite_paths)"
         )
     if s["skip_rate"] > max_skip_rate:
         warnings.append(
@@ -277,12 +291,12 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
     if s["consecutive_skips"] >= max_consecutive_skips:
         warnings.append(
             f"{s['consecutive_skips']} consecutive skipped steps: no update since; "
-            "check the loss and the gradients for inf/nan (nonfinite_leaves)"
+            "check the loss and the gradients for inf/nan (nonfinite_paths)"
         )
     return warnings
 
 
-def nonfinite_leaves(grads: PyTree) -> list[str]:
+def nonfinite_paths(grads: PyTree) -> list[str]:
     """Paths of the floating tensor leaves of ``grads`` that hold an inf or a NaN.
 
     A diagnostic for a step that overflowed. Non-floating leaves cannot overflow and are not
@@ -295,7 +309,7 @@ def nonfinite_leaves(grads: PyTree) -> list[str]:
       A list of leaf paths (strings), in flattening order.
 
     Example:
-      >>> af.nonfinite_leaves({"b": torch.zeros(2), "w": torch.tensor([1.0, float("inf")])})
+      >>> af.monitor.nonfinite_paths({"b": torch.zeros(2), "w": torch.tensor([1.0, float("inf")])})
       ['w']
 
     Cost: one read pass over the floating leaves (``ops.check(..., per_leaf=True)``), then the
@@ -377,7 +391,7 @@ def leaf_nonfinite(grads: PyTree) -> torch.Tensor:
       device (empty, on the CPU, when there is none).
 
     Example:
-      >>> af.leaf_nonfinite({"a": torch.ones(2), "b": torch.tensor([float("nan")])})
+      >>> af.monitor.leaf_nonfinite({"a": torch.ones(2), "b": torch.tensor([float("nan")])})
       tensor([False,  True])
 
     Cost: one read pass over the gradients (``ops.check(..., per_leaf=True)``); no host sync.
@@ -398,11 +412,19 @@ class LeafFlagsHook:
     called and :meth:`take` returns ``None`` (record without per-leaf counts, or call
     :func:`leaf_nonfinite` on the gradients).
 
+    Args:
+      monitor: the :class:`TrainingMonitor` whose leaf order the flags take.
+
     Example:
-      >>> hook = LeafFlagsHook(mon)
+      >>> params = {"a": torch.ones(2), "b": torch.ones(2)}
+      >>> tx = af.mixed_precision(af.sgd(0.1), af.DynamicLossScale(8.0))
+      >>> state, mon = tx.init(params), af.TrainingMonitor(params)
+      >>> hook = af.monitor.LeafFlagsHook(mon)
       >>> tx.engine.on_check = hook
+      >>> grads = {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}
       >>> params, state = tx.step(params, grads, state)
-      >>> mon = mon.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+      >>> hook.take()
+      tensor([False,  True])
     """
 
     def __init__(self, monitor: "TrainingMonitor"):
@@ -452,7 +474,7 @@ class TrainingMonitor:
 
     Args:
       params: a pytree whose floating leaves name the counted leaves (paths as in
-        ``af.leaves_with_paths``), or ``None`` to count none.
+        ``af.tree.leaves_with_paths``), or ``None`` to count none.
       window: steps of history kept (>= 2).
       device: where the tensors live (default: the first floating leaf's device, else CPU).
       **thresholds: the other fields of :class:`MonitorConfig` (``explode_factor``, ...).
@@ -472,7 +494,7 @@ class TrainingMonitor:
       >>> params = {"enc.w": torch.ones(3), "head.w": torch.ones(2)}
       >>> mon, ls = af.TrainingMonitor(params, window=50), af.DynamicLossScale()
       >>> grads = {"enc.w": torch.ones(3), "head.w": torch.tensor([1.0, float("inf")])}
-      >>> flags = af.leaf_nonfinite(grads)
+      >>> flags = af.monitor.leaf_nonfinite(grads)
       >>> finite = ~flags.any()
       >>> ls = af.update_scale(ls, finite)
       >>> mon = mon.record(finite, ls, loss=0.7, leaf_nonfinite=flags)
@@ -553,8 +575,8 @@ class TrainingMonitor:
         finite = finite.detach().reshape(()).to(device=device, dtype=torch.bool)
         scale = _scale_tensor(loss_scale, device)
         tracker = getattr(loss_scale, "growth_tracker", None)
-        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64) if isinstance(tracker, torch.Tensor)
-                   else torch.zeros((), dtype=torch.int64, device=device))
+        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64)
+                   if isinstance(tracker, torch.Tensor) else torch.zeros((), dtype=torch.int64, device=device))
         given = torch.full((), loss is not None, dtype=torch.bool, device=device)  # a fill, not a copy
         if loss is None:
             loss_t = torch.full((), math.nan, dtype=torch.float32, device=device)

@@ -13,7 +13,7 @@ into the module's parameters -- one call per step::
 Works with DDP (gradients already averaged; pass ``group`` so ranks agree on skipping even if
 their gradients differ) and FSDP2 (``fully_shard``: DTensor params and grads; the trainer works
 on the local shards, so its optimizer state is sharded too; clip with
-``af.dist.clip_by_global_norm(max_norm, group)``).
+``af.clip_by_global_norm(max_norm, group=group)``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import check_same_structure, leaves_with_paths, tree_leaves, tree_structure, tree_unflatten
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
@@ -50,7 +49,7 @@ class TrainerState(NamedTuple):
         fp32), a copy of every (local shard of a) param in ``master_dtype`` (wider params keep
         their dtype); else ``None``.
       opt_state: the optimizer transform's state.
-      loss_scale: the :class:`~ampfunc.LossScale` for the next loss.
+      loss_scale: the :class:`~ampfunc.loss_scale.LossScale` for the next loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
 

@@ -21,26 +21,10 @@ NAMESPACE = "ampfunc"
 
 PyTree = Any
 
-__all__ = [
-    "NAMESPACE",
-    "tree_map",
-    "tree_leaves",
-    "tree_flatten",
-    "tree_unflatten",
-    "tree_structure",
-    "leaves_with_paths",
-    "path_to_str",
-    "check_same_structure",
-    "select_tree",
-    "all_finite",
-    "tree_cast",
-    "is_float_tensor",
-    "arithmetic_dtype",
-    "tree_zeros_like",
-    "tree_clone",
-    "check_flag",
-    "check_tensor_leaves",
-]
+# The public helpers. The rest of this module (check_flag, select_tree, arithmetic_dtype, ...)
+# serves the other modules and is not part of the API.
+__all__ = ["tree_map", "tree_leaves", "tree_flatten", "tree_unflatten", "tree_structure", "leaves_with_paths",
+           "all_finite", "tree_cast"]
 
 
 def register_state_classes(*classes: type) -> None:
@@ -65,7 +49,7 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
       A new pytree of ``tree``'s structure holding ``fn``'s results.
 
     Example:
-      >>> af.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
+      >>> af.tree.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
       {'w': tensor([2., 2.]), 'b': None}
 
     Cost: one flatten of each tree and one unflatten, plus whatever ``fn`` costs per leaf;
@@ -75,18 +59,78 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
 
 
 def tree_leaves(tree: PyTree) -> list:
+    """The leaves of ``tree`` in flattening order (dict keys sorted; ``None`` is an empty node).
+
+    Args:
+      tree: a pytree (ampfunc's containers, such as loss scales and states, are traversed).
+
+    Returns:
+      A list of the leaves.
+
+    Example:
+      >>> af.tree.tree_leaves({"w": torch.ones(2), "b": None, "n": 3})
+      [3, tensor([1., 1.])]
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
 def tree_flatten(tree: PyTree):
+    """The leaves of ``tree`` and its structure, ``(leaves, treespec)``.
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      ``(leaves, treespec)``; :func:`tree_unflatten` rebuilds the tree from them.
+
+    Example:
+      >>> leaves, spec = af.tree.tree_flatten({"w": torch.ones(2), "b": torch.zeros(1)})
+      >>> len(leaves), spec.num_leaves
+      (2, 2)
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def tree_unflatten(treespec, leaves):
+    """The pytree of structure ``treespec`` holding ``leaves`` (the inverse of :func:`tree_flatten`).
+
+    Args:
+      treespec: a structure from :func:`tree_flatten` or :func:`tree_structure`.
+      leaves: as many leaves as ``treespec`` has, in flattening order.
+
+    Returns:
+      The rebuilt pytree.
+
+    Example:
+      >>> leaves, spec = af.tree.tree_flatten({"w": torch.ones(2), "b": torch.zeros(1)})
+      >>> af.tree.tree_unflatten(spec, [x * 2 for x in leaves])
+      {'w': tensor([2., 2.]), 'b': tensor([0.])}
+
+    Cost: one ``optree`` unflatten; no tensor work, no host sync.
+    """
     return optree.tree_unflatten(treespec, leaves)
 
 
 def tree_structure(tree: PyTree):
+    """The structure of ``tree`` without its leaves (an ``optree`` treespec).
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      The treespec; two trees are compatible when their structures compare equal.
+
+    Example:
+      >>> a = af.tree.tree_structure({"w": torch.ones(2)})
+      >>> a == af.tree.tree_structure({"w": torch.zeros(5)}), a.num_leaves
+      (True, 1)
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_structure(tree, namespace=NAMESPACE)
 
 
@@ -119,7 +163,7 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
 
     Example:
       >>> tree = {"enc": [torch.zeros(1), torch.ones(1)], "b": torch.zeros(2)}
-      >>> [path for path, _ in af.leaves_with_paths(tree)]
+      >>> [path for path, _ in af.tree.leaves_with_paths(tree)]
       ['b', 'enc.0', 'enc.1']
 
     Cost: one flatten with accessors; reads no tensor data, no host sync.
@@ -268,7 +312,7 @@ def all_finite(tree: PyTree) -> torch.Tensor:
       A 0-d bool tensor, ``True`` when no floating leaf holds an inf or a NaN.
 
     Example:
-      >>> af.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
+      >>> af.tree.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
       tensor(False)
 
     Cost: one read-only pass over the floating leaves (:func:`ampfunc.ops.all_finite`, the
@@ -285,7 +329,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
 
     Each selected leaf becomes ``leaf.to(dtype)``: a leaf already in ``dtype`` is returned as
     is (no copy). Other leaves and ``None`` pass through. ``dtype=None`` returns ``tree`` itself.
-    Unlike :func:`ampfunc.cast_floating`, no dtype names and no special case for loss scales.
+    Unlike :func:`ampfunc.policy.cast_floating`, no dtype names and no special case for loss scales.
 
     Args:
       tree: a pytree.
@@ -296,7 +340,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
       A new pytree of ``tree``'s structure (``tree`` itself when ``dtype`` is ``None``).
 
     Example:
-      >>> t = af.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
+      >>> t = af.tree.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
       >>> t["w"].dtype, t["step"].dtype
       (torch.bfloat16, torch.int64)
 

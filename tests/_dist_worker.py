@@ -140,7 +140,7 @@ def shard(model):
 
 
 def fsdp_tx(group):
-    return af.chain(af.dist.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
+    return af.chain(af.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
 
 
 def full_params(model):
@@ -156,14 +156,14 @@ def scenario_fsdp2(env, out):
         trainer.scale(F.cross_entropy(model(x), y)).backward()  # reduce-scatter: each rank its shards
         if step == 0:
             grads = {k: p.grad for k, p in model.named_parameters()}
-            out["dtensor_grad_norm"] = af.dist.global_norm(grads)
-            out["local_shard_grad_norm"] = af.dist.global_norm(af.dist.local_shards(grads), group=env.group)
+            out["dtensor_grad_norm"] = af.optim.global_norm(grads)
+            out["local_shard_grad_norm"] = af.optim.global_norm(af.dist.local_shards(grads), group=env.group)
             out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
         if step == INJECT_STEP:
             if env.rank == 1:
                 poison(model[0].weight.grad.to_local())
             local = [p.grad.to_local() for p in model.parameters()]
-            local_finite_at_inject = bool(af.all_finite(local))
+            local_finite_at_inject = bool(af.tree.all_finite(local))
         finite.append(bool(trainer.step()))
         scales.append(float(trainer.loss_scale.loss_scale))
     out.update(finite=finite, scales=scales, params=full_params(model),
@@ -181,10 +181,10 @@ def scenario_fsdp2(env, out):
     torch.manual_seed(11)
     a, b = torch.randn(5, 3), torch.randn(4)
     tree = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Replicate()])}
-    out["manual_dtensor_norm"] = af.dist.global_norm(tree)
+    out["manual_dtensor_norm"] = af.optim.global_norm(tree)
     out["manual_full_norm"] = torch.cat([a.reshape(-1), b]).norm()
     try:
-        af.dist.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
+        af.optim.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
         out["partial_error"] = None
     except ValueError as e:
         out["partial_error"] = str(e)
@@ -209,7 +209,7 @@ def scenario_checkpoint(env, out):
     resumed = shard(net())
     resumed_trainer = af.ModuleTrainer(resumed, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
     loaded = af.dist.load_sharded(directory, like={"params": af.params_of(resumed), "trainer": resumed_trainer.state})
-    af.copy_to_module(resumed, loaded["params"])
+    af.functional.copy_to_module(resumed, loaded["params"])
     resumed_trainer.state = loaded["trainer"]
     train(resumed, resumed_trainer, batches[3:])
     out.update(uninterrupted=full_params(model), resumed=full_params(resumed),
@@ -237,7 +237,7 @@ def scenario_misuse(env, out):
     # rank 1 is outside a group of rank 0 alone: refused there, a no-op average on rank 0
     solo = dist.new_group([0])
     out["nonmember_error"] = error_of(lambda: af.dist.all_reduce_mean(same, solo))
-    out["nonmember_flag_error"] = error_of(lambda: af.agree_finite(torch.tensor(True), solo))
+    out["nonmember_flag_error"] = error_of(lambda: af.dist.agree_finite(torch.tensor(True), solo))
     # fp8: a NaN amax on the higher rank reaches every rank (gloo's MAX drops it there)
     from ampfunc import fp8 as af_fp8
     x = torch.tensor([1.0, 2.0]) if env.rank == 0 else torch.tensor([float("nan"), 3.0])

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_same, assert_states_same, exact
-
+from _helpers import assert_same, assert_states_same, exact
 from ampfunc import engine
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
@@ -32,11 +31,8 @@ from ampfunc.compat.apex.amp import _amp_state
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_amp_state():
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
+# apex amp keeps process-wide state: every test here starts from a fresh one.
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
 
 @pytest.fixture

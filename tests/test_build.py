@@ -1,6 +1,6 @@
 """The build cache (ampfunc/_build.py): keyed by content, shared across paths, one build at a time.
 
-Only the subprocess test loads the real extension (from the cache this session already built);
+Only the subprocess test loads the real extension (from the cache this test run already built);
 the others replace the compiler with a stand-in, so nothing here compiles.
 """
 
@@ -285,7 +285,8 @@ def test_a_damaged_cache_entry_is_rebuilt_and_replaced_not_loaded(tmp_path, monk
 # The shape of torch's exception when ninja fails: the compiler commands first, the cause later.
 _TORCH_ERROR = (
     "Error building extension 'ampfunc_ext': [1/3] c++ -MMD -MF bindings.o.d -DTORCH_EXTENSION_NAME=ampfunc_ext "
-    "-isystem /site-packages/torch/include -fPIC -std=c++20 -O3 -fopenmp -march=foo -c /ext/bindings.cpp -o bindings.o \n"
+    "-isystem /site-packages/torch/include -fPIC -std=c++20 -O3 -fopenmp -march=foo "
+    "-c /ext/bindings.cpp -o bindings.o \n"
     "FAILED: bindings.o \n"
     "c++ -MMD -MF bindings.o.d -fPIC -std=c++20 -O3 -fopenmp -march=foo -c /ext/bindings.cpp -o bindings.o \n"
     "cc1plus: error: bad value 'foo' for '-march=' switch\n"

@@ -135,7 +135,8 @@ def test_the_api_reference_documents_every_public_submodule():
     partial = [m for m in public if m in pages and not {":members:", ":undoc-members:"} <= set(pages[m].split())]
     stale = [m for m in pages if m not in public]
     assert not missing and not partial and not stale, (
-        f"no page: {missing}; a page without :members: and :undoc-members: {partial}; pages of no public module: {stale}")
+        f"no page: {missing}; a page without :members: and :undoc-members: {partial}; "
+        f"pages of no public module: {stale}")
     for m in public:  # the page documents __all__, so every name in it must exist
         module = importlib.import_module(m)
         absent = [n for n in getattr(module, "__all__", []) if not hasattr(module, n)]

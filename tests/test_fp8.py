@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call, grad, grad_and_value
+from torch.func import functional_call, grad
 
 import ampfunc as af
 from ampfunc import fp8 as f8
@@ -390,7 +389,7 @@ def _dist_worker(outdir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     group = dist.group.WORLD
     model = mlp()
     pol = f8.fp8_policy(model, exclude=("5",), group=group)

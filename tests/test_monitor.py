@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampfunc as af
-from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate, summary
+from ampfunc.monitor import StepStats, health, init_stats, nonfinite_paths, record, skip_rate, summary
 
 T, F = True, False
 
@@ -136,18 +136,18 @@ def test_nonfinite_leaves_names_the_paths_holding_inf_or_nan():
         "step": torch.tensor(7),
         "unused": None,
     }
-    assert nonfinite_leaves(grads) == ["encoder.layers.1.weight", "head.weight"]
+    assert nonfinite_paths(grads) == ["encoder.layers.1.weight", "head.weight"]
 
 
 def test_nonfinite_leaves_of_finite_or_empty_trees_is_empty():
-    assert nonfinite_leaves({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
-    assert nonfinite_leaves({}) == []
-    assert nonfinite_leaves({"n": torch.arange(3)}) == []
+    assert nonfinite_paths({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
+    assert nonfinite_paths({}) == []
+    assert nonfinite_paths({"n": torch.arange(3)}) == []
 
 
 # -- TrainingMonitor: history, health alerts, scaler statistics, per-leaf overflow counts ------
 
-from ampfunc.monitor import MonitorConfig, TrainingMonitor, leaf_nonfinite  # noqa: E402
+from ampfunc.monitor import TrainingMonitor, leaf_nonfinite  # noqa: E402
 
 
 def healthy_run(steps=60, window=20):

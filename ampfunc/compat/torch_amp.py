@@ -551,7 +551,8 @@ class GradScaler:
         return self._scale_t
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads, leaving them as they are.
+        """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads,
+        leaving them as they are.
 
         A read-only pass per device (:func:`ampfunc.ops.all_finite`; torch multiplies by 1
         instead); fp16 grads are allowed. A scale outside ``SCALE_RANGE`` (set by hand) is

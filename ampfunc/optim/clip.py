@@ -34,9 +34,9 @@ def global_norm(tree, group=None) -> torch.Tensor:
 
     Example:
       >>> grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
-      >>> af.global_norm(grads).item()
+      >>> af.optim.global_norm(grads).item()
       5.0
-      >>> af.global_norm({"x": torch.full((4,), 300.0, dtype=torch.float16)}).item()  # fp32 sum
+      >>> af.optim.global_norm({"x": torch.full((4,), 300.0, dtype=torch.float16)}).item()  # fp32 sum
       600.0
 
     Cost: one read pass, no writes (plus one all-reduce of one float with ``group`` or
@@ -64,7 +64,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         ``group`` runs on the generic path (a collective sits between the norm and the update).
 
     Returns:
-      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; without ``group``
+      A stateless (:class:`~ampfunc.transform.EmptyState`) ``GradientTransformation``; without ``group``
       it is registered with the fused kernels, which fold the scaling into the optimizer pass
       when it precedes ``sgd``/``adam``/``adamw`` in a ``chain``.
 
@@ -73,7 +73,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
       >>> tx = af.clip_by_global_norm(1.0)
       >>> state = tx.init(grads)
       >>> clipped, state = tx.update(grads, state)
-      >>> round(af.global_norm(clipped).item(), 4)
+      >>> round(af.optim.global_norm(clipped).item(), 4)
       1.0
       >>> opt = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))  # fused under mixed_precision
 

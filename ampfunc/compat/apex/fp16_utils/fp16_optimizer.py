@@ -63,12 +63,13 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     whose gradients overflowed. ``verbose`` prints the params
     found at construction. Unlike apex, CPU tensors work. Scales (``static_loss_scale``,
     ``dynamic_loss_args["init_scale"]``, and any value assigned to :attr:`loss_scale`) must
-    lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
+    lie in :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
     raise ``ValueError`` naming the setting, before anything changes (apex accepts them and the
     next step writes NaN into model and masters).
 
     Example:
-      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+      >>> model = nn.Linear(4, 2).half()
+      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
       >>> opt.loss_scale
       65536.0
 
@@ -211,7 +212,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         return [[None if p.grad is None else p.grad.data for p in g["params"]] for g in self.optimizer.param_groups]
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
-        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total norm, or -1 after an overflow."""
+        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total
+        norm, or -1 after an overflow."""
         if self.overflow:
             return -1
         self._materialize_master_grads()
@@ -351,7 +353,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
           None.
 
         Example:
-          >>> opt.load_state_dict(checkpoint["optimizer"])
+          >>> opt.load_state_dict(checkpoint["optimizer"])  # doctest: +SKIP
 
         Cost: one pass over the saved state's shapes (no tensor data read), then the load.
         """
@@ -430,7 +432,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.SCALE_RANGE once
+        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.loss_scale.SCALE_RANGE once
         # stored in fp32: a 0, negative, NaN or inf scale would write NaN into model and masters.
         self.loss_scaler.set_loss_scale(value, "FP16_Optimizer.loss_scale")
 
