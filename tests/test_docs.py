@@ -3,7 +3,7 @@ reference covers the public API.
 
 Each ```python block runs alone in a fresh namespace; a block fenced ```python continued runs
 after the blocks before it on its page, and only on a page that says so (fence markers:
-tests/_codeblocks.py). The API reference: every name of ``ampfunc.__all__`` is in an autosummary
+tests/_helpers.py). The API reference: every name of ``ampfunc.__all__`` is in an autosummary
 of docs/api/index.md or, for a submodule, has its own page; every public submodule (each
 ``ampfunc.<name>`` without a leading underscore, and the modules their ``__all__`` lists) has a
 page that documents its whole ``__all__``.
@@ -20,7 +20,7 @@ import types
 import pytest
 
 import ampfunc
-from _codeblocks import CONTINUED_PHRASE, ROOT, blocks, fence_problem, groups, run
+from _helpers import CONTINUED_PHRASE, ROOT, block_groups, doc_blocks, fence_problem, run_blocks
 
 DOCS = ROOT / "docs"
 API = DOCS / "api"
@@ -33,8 +33,8 @@ def _pages():
 
 
 PAGES = _pages()
-BLOCKS = {p: blocks(p) for p in PAGES}
-GROUPS = [g for p in PAGES for g in groups(BLOCKS[p])]
+BLOCKS = {p: doc_blocks(p) for p in PAGES}
+GROUPS = [g for p in PAGES for g in block_groups(BLOCKS[p])]
 
 
 def test_the_site_has_its_pages():
@@ -66,7 +66,7 @@ def test_recipes_live_on_the_recipes_page():
 @pytest.mark.parametrize("chain", GROUPS, ids=[f"{g[-1].page[5:]}:{g[-1].line}" for g in GROUPS])
 def test_docs_block_runs(chain, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run(chain, "ampfunc_docs_block")
+    run_blocks(chain, "ampfunc_docs_block")
 
 
 # -- the API reference ---------------------------------------------------------------------------

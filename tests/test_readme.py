@@ -1,18 +1,18 @@
 """README.md: short, its two commands in CI's place, and every Python block runs as written.
 
-Each ```python block runs alone in a fresh namespace (fence markers: tests/_codeblocks.py).
+Each ```python block runs alone in a fresh namespace (fence markers: tests/_helpers.py).
 """
 
 import re
 
 import pytest
 
-from _codeblocks import ROOT, blocks, fence_problem, groups, run
+from _helpers import ROOT, block_groups, doc_blocks, fence_problem, run_blocks
 
 README = ROOT / "README.md"
 TEXT = README.read_text()
-BLOCKS = blocks(README)
-GROUPS = groups(BLOCKS)
+BLOCKS = doc_blocks(README)
+GROUPS = block_groups(BLOCKS)
 
 
 def test_readme_is_short():
@@ -57,4 +57,4 @@ def test_readme_links_to_files_that_exist():
 @pytest.mark.parametrize("chain", GROUPS, ids=[f"line{g[-1].line}" for g in GROUPS])
 def test_readme_block_runs(chain, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run(chain, "ampfunc_readme_block")
+    run_blocks(chain, "ampfunc_readme_block")
