@@ -41,6 +41,7 @@ from ampfunc.fp8 import Fp8Policy
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
+from ampfunc.shards import fully_sharded_module, local_view
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import (
     PyTree,
@@ -445,7 +446,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         predicate or :func:`ampfunc.norm_layers`'s result, as :func:`ampfunc.cast_params`
         takes; default ``norm_layers(model)``.
       group: a ``torch.distributed`` process group: gradients are averaged over it (data
-        parallelism without DDP) and every rank takes the same skip decision.
+        parallelism without DDP) and every rank takes the same skip decision. A module whose
+        params are DTensors (``distribute_tensor``; a batch sharded on its rows) needs none:
+        the step runs on their local shards, reduced over their mesh (:mod:`ampfunc.shards`);
+        a module under FSDP2's ``fully_shard`` is refused (its hooks bypass functional_call).
       overwrite_with_gradient: a predicate on param paths (flax's "overwrite with gradient"):
         those params are not given to ``tx``; their "gradient" (what a custom autograd
         function's backward returned for them, e.g. new FP8 scaling state) becomes their new
@@ -482,6 +486,14 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
     check_optimizer_transform(tx, "make_train_step")
+    fsdp = fully_sharded_module(model)
+    if fsdp is not None:
+        which = "the model" if fsdp == "" else f"submodule {fsdp!r}"
+        raise TypeError(f"make_train_step: {which} is managed by FSDP2's fully_shard, whose hooks gather "
+                        "its own parameters and bypass the functional ones (the gradients would be zero): step the "
+                        "module with ampfunc.ModuleTrainer or mixed_precision(...).step_ on "
+                        "dict(model.named_parameters()), or give make_train_step a module whose parameters are "
+                        "DTensors (distribute_tensor) and a batch sharded on its rows")
     policy = Policy() if policy is None else policy
     if isinstance(policy, str):
         policy = get_policy(policy)
@@ -520,7 +532,11 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # Each state leaf in its own storage (the optimizers pack their moments): the state is
         # donated to step_, and a compiled step_ over packed moments would copy the packed
         # buffer once per leaf every step (see ampfunc.flat.unpacked).
-        return TrainState(params, buffers, unpacked(tx.init(optimized(params))), ls, *skip_stats(device),
+        # DTensor params: the optimizer state is made per rank on the local shards, as the engine
+        # steps them (ampfunc.shards); the params stay DTensors.
+        view = local_view(optimized(params), where="make_train_step.init")
+        opt_state = tx.init(view.params if view is not None else optimized(params))
+        return TrainState(params, buffers, unpacked(opt_state), ls, *skip_stats(device),
                           fp8=fp8.init(device) if fp8 is not None else None)
 
     def scaled_loss(compute_params, state8, buffers, ls, *batch):

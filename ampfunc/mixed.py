@@ -434,7 +434,11 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
         release makes it ``NoOpLossScale()``, as ``ModuleTrainer``'s and ``make_train_step``'s.
       master_dtype: the master dtype for params narrower than it (never narrows a param: fp64
         params keep fp64).
-      group: a ``torch.distributed`` process group whose ranks agree on skipping.
+      group: a ``torch.distributed`` process group whose ranks agree on skipping. DTensor
+        params (FSDP2's ``dict(model.named_parameters())``) need none: every entry point runs
+        the kernels on their local shards, completes the skip flag and the clipping norm over
+        their mesh, and hands back DTensors laid out as the given ones; ``init`` makes the state
+        per rank on the local shards (:mod:`ampfunc.shards`).
 
     Returns:
       A :class:`MixedPrecision`: ``init(params)``, ``update(grads, state, params)``,

@@ -32,6 +32,7 @@ parameters produce the infs), the scaler statistics, and health alerts returned 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, NamedTuple, Optional, Union
 
 import optree
@@ -39,10 +40,10 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths
+from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths, path_to_str
 
 __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
-           "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
+           "moment_overflows", "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
 
 
 class StepStats(NamedTuple):
@@ -209,6 +210,27 @@ def _from_words(words: torch.Tensor, like) -> list:
     return out
 
 
+def _as_written(x: float) -> Fraction | float:
+    """A threshold as the user wrote it, exactly: the rational of its shortest decimal form.
+
+    ``0.3`` is 3/10, not the binary double just below it, so 3 skips in 10 steps is *at* a 30%
+    threshold (the float ``1 - 7/10`` is ``0.30000000000000004``, above it). An infinite
+    threshold stays a float (it compares exactly)."""
+    x = float(x)
+    return Fraction(repr(x)) if math.isfinite(x) else x
+
+
+def _exact(x: float) -> Fraction | float:
+    """A measured value (a count, a loss, a scale read back) as the exact rational it holds."""
+    return Fraction(x) if math.isfinite(x) else x
+
+
+def _percent(x: float) -> str:
+    """A threshold fraction as a percentage that shows every digit given (0.055: ``5.5%``)."""
+    written = _as_written(x)
+    return f"{float(written * 100):g}%"
+
+
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
@@ -239,7 +261,7 @@ def summary(stats: StepStats) -> dict:
 
 
 def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_skips: int = 5,
-           min_scale: float = 1.0) -> list[str]:
+           min_scale: float = 1.0, state: Any = None) -> list[str]:
     """Human-readable warnings about a run; an empty list when nothing looks wrong.
 
     Warns when the loss scale has collapsed (the gradients overflow even unscaled): the last
@@ -255,6 +277,8 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
       max_consecutive_skips: the run of skipped steps that warns.
       min_scale: the floor of the loss scale: below it, or at it with the last step
         skipped, the scale counts as collapsed.
+      state: the optimizer (or mixed-precision, train-step, trainer) state, to report the
+        params whose second moment overflowed (:func:`moment_overflows`); ``None`` skips it.
 
     Returns:
       A list of warning strings.
@@ -268,10 +292,14 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
       >>> af.monitor.health(af.monitor.record(af.monitor.init_stats(), torch.tensor(True), 1024.0))
       []
 
-    Cost: copies the four counters to the host: a host sync (call it when you log).
+    Cost: copies the four counters to the host: a host sync (call it when you log); with
+    ``state``, one read pass over its second moments and a second sync.
     """
     s = summary(stats)
     warnings = []
+    overflowed = moment_overflows(state) if state is not None else []
+    if overflowed:
+        warnings.append(_moment_alert(overflowed))
     if s["steps"] == 0:
         return warnings
     scale = s["last_scale"]
@@ -283,10 +311,11 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
             "overflowing layers; see nonfinite_paths)"
         )
-    if s["skip_rate"] > max_skip_rate:
+    # counts against the threshold as written, exactly: 3 of 10 is not above 30%
+    if Fraction(s["skipped"], s["steps"]) > _as_written(max_skip_rate):
         warnings.append(
             f"{s['skip_rate']:.1%} of steps skipped ({s['skipped']} of {s['steps']}), above "
-            f"{max_skip_rate:.0%}: the effective number of updates is lower than the step count"
+            f"{_percent(max_skip_rate)}: the effective number of updates is lower than the step count"
         )
     if s["consecutive_skips"] >= max_consecutive_skips:
         warnings.append(
@@ -294,6 +323,83 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
             "check the loss and the gradients for inf/nan (nonfinite_paths)"
         )
     return warnings
+
+
+# Optimizer-state fields that hold a running average of squared gradients (Adam's and AdamW's
+# exp_avg_sq and AMSGrad's max, RMSprop's and Adadelta's square_avg). A finite gradient squared
+# past fp32's max (|g| above ~1.8e19 / sqrt(1 - beta2): 5.8e20 at Adam's 0.999) makes such a
+# moment inf in a step that is applied, and an inf moment stays inf (beta2 * inf + g**2 is inf):
+# the param's update m / (sqrt(v) + eps) is 0 from then on. So the moment is its own sticky flag,
+# read when the user logs: nothing is written per step and nothing is added to the state.
+_SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg"})
+
+
+def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
+    """``[(param path, moment), ...]``: the floating second-moment leaves of ``state``, each with
+    the path below its field (the param's path in the state's tree of moments)."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(state, namespace=NAMESPACE)
+    out = []
+    for acc, leaf in zip(accessors, leaves):
+        if not isinstance(leaf, torch.Tensor) or not torch.is_floating_point(leaf):
+            continue
+        names = [path_to_str((entry,)) for entry in acc]
+        at = next((k for k, name in enumerate(names) if name in _SECOND_MOMENTS), None)
+        if at is not None:
+            out.append((path_to_str(acc[at + 1:]), leaf))
+    return out
+
+
+def _moment_flags(state: Any) -> tuple[list[str], torch.Tensor | None]:
+    """The second moments' param paths and, on the device, whether each holds an inf or a NaN."""
+    moments = _second_moments(state)
+    if not moments:
+        return [], None
+    return [p for p, _ in moments], ops.check([t.detach() for _, t in moments], per_leaf=True)[2]
+
+
+def _overflowed(paths: list[str], flags: list) -> list[str]:
+    return list(dict.fromkeys(p for p, bad in zip(paths, flags) if bad))  # a param's two moments: once
+
+
+def _moment_alert(paths: list[str]) -> str:
+    shown = ", ".join(repr(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return (f"the optimizer's second moment (exp_avg_sq) overflowed to inf for {shown}: a finite gradient above "
+            "~5.8e20 (Adam's beta2=0.999; ~1.8e19 / sqrt(1 - beta2)) squared past fp32's max in an applied step, "
+            "and those params have not moved since (their updates are 0 while the moment stays inf). Clip the "
+            "gradients (af.clip_by_global_norm) or fix the layer that produced them, then reset those leaves' "
+            "moments to 0 (or resume from a checkpoint taken before)")
+
+
+def moment_overflows(state: Any) -> list[str]:
+    """Paths of the params whose optimizer second moment is no longer finite.
+
+    Adam's ``exp_avg_sq`` (and AMSGrad's ``max_exp_avg_sq``, RMSprop's ``square_avg``) overflows
+    to inf when a finite gradient squared passes fp32's max (about ``|g| > 5.8e20`` at
+    ``beta2=0.999``): the step is applied (the gradient was finite), and from then on that
+    param's update is 0, silently, since an inf moment stays inf. The moment is its own flag: a
+    state of any step (plain ``adam``/``adamw``, ``mixed_precision`` ``update``/``step``/
+    ``step_``, ``make_train_step``'s ``TrainState``, ``ModuleTrainer.state``, ``from_torch``)
+    is checked when you log; nothing is written or read per step. Param paths are the paths
+    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``).
+
+    Args:
+      state: an optimizer state, or any pytree holding one.
+
+    Returns:
+      The param paths (strings), in flattening order, each once.
+
+    Example:
+      >>> tx = af.adamw(1e-3)
+      >>> params = {"w": torch.ones(2)}
+      >>> _, state = tx.update({"w": torch.tensor([1e21, 1.0])}, tx.init(params), params)
+      >>> af.monitor.moment_overflows(state)
+      ['w']
+
+    Cost: one read pass over the second moments (``ops.check(..., per_leaf=True)``), then the
+    per-leaf flags are read back to the host: a host sync (call it when you log).
+    """
+    paths, flags = _moment_flags(state)
+    return _overflowed(paths, flags.tolist()) if flags is not None else []
 
 
 def nonfinite_paths(grads: PyTree) -> list[str]:
@@ -622,8 +728,10 @@ class TrainingMonitor:
 
     # -- readers (one host sync each) ------------------------------------------------------
 
-    def _host(self) -> dict:
-        t = _to_host(self._tensors)
+    def _host(self, state: Any = None) -> dict:
+        paths, flags = _moment_flags(state) if state is not None else ([], None)
+        t = _to_host(self._tensors + ((flags,) if flags is not None else ()))  # one transfer
+        moments = _overflowed(paths, t[len(self._tensors)].tolist()) if flags is not None else []
         steps, window = int(t[0]), self._config.window
         n = min(steps, window)
         order = [(steps - n + i) % window for i in range(n)]  # oldest first
@@ -631,7 +739,7 @@ class TrainingMonitor:
             "steps": steps, "skipped": int(t[1]), "consecutive_skips": int(t[2]), "scale": float(t[3]),
             "growth_tracker": int(t[4]), "loss": t[5][order].tolist(), "scale_hist": t[6][order].tolist(),
             "finite": t[7][order].tolist(), "first_step": steps - n, "leaf_counts": t[8].tolist(),
-            "loss_given": t[9][order].tolist(),
+            "loss_given": t[9][order].tolist(), "moment_overflows": moments,
         }
 
     def history(self) -> dict:
@@ -667,7 +775,7 @@ class TrainingMonitor:
         pairs = [(p, c) for p, c in zip(self._config.leaf_paths, h["leaf_counts"]) if c]
         return dict(sorted(pairs, key=lambda pc: -pc[1]))
 
-    def check_health(self) -> dict:
+    def check_health(self, state: Any = None) -> dict:
         """The run's health over the window, in the practice guide's shape.
 
         Returns ``{"status": "healthy" | "unhealthy" | "no_data", "current_loss",
@@ -680,20 +788,31 @@ class TrainingMonitor:
         * skip rate high: more than ``max_skip_rate`` of the window's steps skipped (once it
           holds ``min_steps``);
         * scale falling: the scale now is ``scale_drop_factor`` (10x) below its highest value of
-          the last ``scale_drop_steps`` steps.
+          the last ``scale_drop_steps`` steps;
+        * moment overflow (with ``state``, the step's optimizer/mixed-precision/train state): a
+          param's optimizer second moment is inf, so it no longer moves (:func:`moment_overflows`;
+          ``checks["moment_overflow"]``, ``"moment_overflows": [paths]``).
 
-        One sync.
+        One sync (with ``state``, also one read pass over its second moments).
         """
-        return self._health(self._host())
+        return self._health(self._host(state))
 
     def _health(self, h) -> dict:
         c = self._config
         if h["steps"] == 0:
-            return {"status": "no_data", "alerts": [], "checks": {}}
+            moments = h["moment_overflows"]  # a state can tell before any step is recorded
+            alerts = [_moment_alert(moments)] if moments else []
+            return {"status": "unhealthy" if moments else "no_data", "alerts": alerts,
+                    "checks": {"moment_overflow": True} if moments else {}, "moment_overflows": moments}
         losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
-        window_skip_rate = 1.0 - sum(h["finite"]) / len(h["finite"])
-        checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False}
-        alerts = []
+        # Every threshold is compared exactly (counts and the values read back as rationals, the
+        # thresholds as written): a value exactly at a threshold never trips it by a rounding.
+        window_steps = len(h["finite"])
+        window_skipped = window_steps - sum(h["finite"])
+        window_skip_rate = window_skipped / window_steps
+        checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False,
+                  "moment_overflow": bool(h["moment_overflows"])}
+        alerts = [_moment_alert(h["moment_overflows"])] if h["moment_overflows"] else []
         if not all(math.isfinite(x) for x in losses):
             checks["loss_exploding"] = True
             alerts.append("loss is not finite: the run diverged (learning rate too high, or a layer "
@@ -702,19 +821,21 @@ class TrainingMonitor:
             k = max(1, min(5, len(losses) // 4))
             recent, earlier = sum(losses[-k:]) / k, sorted(losses[:-k])
             median = earlier[len(earlier) // 2]
-            if median > 0 and recent > c.explode_factor * median:
+            exact_recent = sum(_exact(x) for x in losses[-k:]) / k
+            if median > 0 and exact_recent > _as_written(c.explode_factor) * _exact(median):
                 checks["loss_exploding"] = True
                 alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
         # a window smaller than min_steps never holds that many steps: a full window is enough
-        if len(h["finite"]) >= min(c.min_steps, c.window) and window_skip_rate > c.max_skip_rate:
+        if window_steps >= min(c.min_steps, c.window) \
+                and Fraction(window_skipped, window_steps) > _as_written(c.max_skip_rate):
             checks["skip_rate_high"] = True
-            alerts.append(f"{window_skip_rate:.1%} of the last {len(h['finite'])} steps skipped (above "
-                          f"{c.max_skip_rate:.0%}): gradients overflow often; see overflowing_leaves")
+            alerts.append(f"{window_skip_rate:.1%} of the last {window_steps} steps skipped (above "
+                          f"{_percent(c.max_skip_rate)}): gradients overflow often; see overflowing_leaves")
         scales = [s for s in h["scale_hist"][-c.scale_drop_steps:] if not math.isnan(s)]
-        if scales and scales[-1] > 0 and max(scales) >= c.scale_drop_factor * scales[-1]:
+        if scales and scales[-1] > 0 and _exact(max(scales)) >= _as_written(c.scale_drop_factor) * _exact(scales[-1]):
             checks["scale_falling"] = True
-            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.0f}x within {len(scales)} steps "
+            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.3g}x within {len(scales)} steps "
                           f"(to {scales[-1]:g}): inf/NaN gradients step after step")
         return {
             "status": "unhealthy" if alerts else "healthy",
@@ -724,15 +845,17 @@ class TrainingMonitor:
             "alerts": alerts,
             "checks": checks,
             "overflowing_leaves": self._overflows(h),
+            "moment_overflows": h["moment_overflows"],
         }
 
-    def as_dict(self) -> dict:
+    def as_dict(self, state: Any = None) -> dict:
         """One flat dict of Python values for a logger (one sync).
 
         Keys: ``steps``, ``skipped``, ``skip_rate``, ``consecutive_skips``, ``loss``,
-        ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``.
+        ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``. With
+        ``state``, the alerts include a param whose second moment overflowed (:meth:`check_health`).
         """
-        h = self._host()
+        h = self._host(state)
         health_ = self._health(h)
         stats = self._stats(h)
         return {

@@ -197,6 +197,9 @@ def check_same_structure(a: PyTree, b: PyTree, a_name: str = "a", b_name: str = 
 def _select_leaf(pred: torch.Tensor, path: str):
     def select(x, y):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            for tree_name, t in (("new", x), ("old", y)):
+                if t.layout != torch.strided:  # torch.where takes no sparse tensor
+                    raise _sparse_error(f"select_tree: the {tree_name} tree's", path, t.layout)
             if x.shape != y.shape:
                 raise ValueError(
                     f"select_tree: leaf {path!r} has shape {tuple(x.shape)} in the new tree "
@@ -261,14 +264,32 @@ def check_tensor_leaves(tree: PyTree, what: str, *, floating: bool = True, allow
                             "expected a torch.Tensor" + (" (convert it with torch.as_tensor)"
                                                          if hasattr(leaf, "__array__") else ""))
         if leaf.layout != torch.strided and not allow_sparse:
-            raise TypeError(f"{what} leaf {path!r} has layout {leaf.layout}; only dense (strided) tensors are "
-                            "supported (densify it with .to_dense())")
+            raise _sparse_error(what, path, leaf.layout)
         if floating and not torch.is_floating_point(leaf):
             raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
         if leaf.device.type == "meta" and not allow_meta:
             raise ValueError(f"{what} leaf {path!r} is on the meta device (it has no values)")
         out.append((path, leaf))
     return out
+
+
+def _sparse_error(what: str, path: str, layout: torch.layout) -> TypeError:
+    return TypeError(f"{what} leaf {path!r} has layout {layout}; only dense (strided) tensors are supported "
+                     "(densify it with .to_dense())")
+
+
+def check_dense(tree: PyTree, what: str) -> None:
+    """Refuses a sparse tensor leaf of ``tree`` (COO, CSR, CSC, BSR or BSC), naming its path.
+
+    The kernels, their flat buffers and ``torch.where`` take dense (strided) tensors; the
+    compressed layouts otherwise fail inside torch with a message that names no leaf ("Sparse CSR
+    tensors do not have is_contiguous"). The fused steps call it on their error path only (a
+    layout read per leaf would cost a step ~1 ms per 10,000 leaves), which comes before anything
+    is written. One flatten; no tensor data is read; raises ``TypeError``.
+    """
+    for path, leaf in leaves_with_paths(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise _sparse_error(what, path, leaf.layout)
 
 
 def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
@@ -321,7 +342,11 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     from ampfunc import ops
 
     floats = [x for x in tree_leaves(tree) if is_float_tensor(x)]
-    return ops.all_finite(floats)
+    try:
+        return ops.all_finite(floats)
+    except (RuntimeError, TypeError):
+        check_dense(tree, "all_finite: tree")  # a sparse leaf is named (the kernel's message names none)
+        raise
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any], bool] = is_float_tensor) -> PyTree:

@@ -57,7 +57,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
-from ampfunc import engine, ops  # noqa: E402
+from ampfunc import ops  # noqa: E402
+from ampfunc.compat import _torch_step  # noqa: E402
 from ampfunc.compat.apex import amp  # noqa: E402
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer  # noqa: E402
 from ampfunc.flat import flatten  # noqa: E402
@@ -250,12 +251,12 @@ def amp_o2_step(params16, grads16, fused: bool = True):
         opt.step()
 
     def run_forced():
-        supported = engine.torch_step_supported
-        engine.torch_step_supported = lambda *a, **k: False  # the path before the fused step
+        supported = _torch_step.torch_step_supported
+        _torch_step.torch_step_supported = lambda *a, **k: False  # the path before the fused step
         try:
             run()
         finally:
-            engine.torch_step_supported = supported
+            _torch_step.torch_step_supported = supported
     return run if fused else run_forced
 
 

@@ -15,7 +15,7 @@ The fused step: when the wrapped optimizer is a ``torch.optim.SGD``, ``Adam`` or
 settings the kernels follow (:func:`ampfunc.fused.plan_for_torch_group`), ``backward`` checks
 the fp16 grads read-only (:meth:`MasterWeights.check_model_grads`: same overflow flag, same
 scale update; no pass at all with a static scale) and leaves the master grads unwritten, and
-``step`` hands the engine (:func:`ampfunc.engine.torch_step_`) one pass per param group and
+``step`` hands :func:`ampfunc.compat._torch_step.torch_step_` one pass per param group and
 device that reads the scaled fp16 grads and writes the masters, the optimizer's own state and
 the fp16 params. Asking for the master grads (``update_master_grads``, ``clip_master_grads``,
 ``inspect_master_grad_data``, a closure, another ``backward(..., update_master_grads=False)``)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfunc import engine
+from ampfunc.compat import _torch_step
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler as AmpLossScaler
 from ampfunc.compat.apex._scaler import checked_scale
@@ -159,7 +159,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             self._materialize_master_grads()
         self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
         if update_master_grads:
-            if engine.torch_step_supported(self.optimizer):
+            if _torch_step.torch_step_supported(self.optimizer):
                 self._check_grads()
             else:
                 self.update_master_grads()
@@ -260,7 +260,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             return None
         if closure is None and self._deferred is not None:
             lists = self.masters.step_lists(self._deferred)
-            if lists is not None and engine.torch_step_(self.optimizer, lists):
+            if lists is not None and _torch_step.torch_step_(self.optimizer, lists):
                 # One pass per group and device wrote the masters, the optimizer state and the
                 # model params. The model grads stay the unmaterialized master grads.
                 return None
