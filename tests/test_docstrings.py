@@ -19,17 +19,13 @@ globals, ``torch``, ``F`` (``torch.nn.functional``), ``nn`` and ``af``. A fragme
 what a docstring cannot build (a file, a CUDA device, a trained model) is marked
 ``# doctest: +SKIP``.
 
-README.md's API table lists every name in ``ampfunc.__all__``, once, with its kind and the first
-paragraph of its docstring (no stale name, no missing one).
+The API reference of the documentation covers the same names (tests/test_docs.py).
 """
 
 import doctest
 import importlib
 import inspect
-import pathlib
 import pkgutil
-import re
-import types
 
 import pytest
 import torch
@@ -142,57 +138,3 @@ def test_docstring_examples(label, obj, module, full):
         runner.run(test, out=report.append)
     assert runner.failures == 0, "".join(report)
 
-
-_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-
-
-def _api_table() -> list[tuple[str, str, str]]:
-    """``(name, kind, what it is)`` per row of the table under README.md's ``## API``."""
-    text = _README.read_text()
-    start = text.index("\n## API\n")
-    end = text.find("\n## ", start + 1)
-    section = text[start:end if end >= 0 else None]
-    return re.findall(r"^\| `([^`]+)` \| (\w+) \| (.*?) \|$", section, re.M)
-
-
-def _kind(obj) -> str:
-    if isinstance(obj, types.ModuleType):
-        return "module"
-    if inspect.isclass(obj):
-        return "class"
-    return "function" if callable(obj) else "constant"
-
-
-def _plain(text: str) -> str:
-    """Docstring or markdown text as one line: reST roles and double backticks as markdown's
-    single ones, whitespace collapsed, the final period dropped, the first letter lowered."""
-    text = re.sub(r":\w+:`~?([^`]*)`", r"`\1`", text).replace("``", "`")
-    text = " ".join(text.split()).rstrip(".")
-    return text[:1].lower() + text[1:]
-
-
-def test_the_readme_api_table_lists_every_public_name_once_and_no_other():
-    rows = _api_table()
-    names = [name for name, _, _ in rows]
-    assert len(rows) > 50, "README.md: no API table found under '## API'"
-    missing = sorted(set(af.__all__) - set(names), key=str.lower)
-    stale = sorted(set(names) - set(af.__all__), key=str.lower)
-    twice = sorted({n for n in names if names.count(n) > 1})
-    assert not missing and not stale and not twice, (
-        f"README.md's API table: missing {missing}, not in ampfunc.__all__ {stale}, listed twice {twice}")
-
-
-def test_the_readme_api_table_gives_each_name_its_kind_and_docstring_summary():
-    wrong = []
-    for name, kind, what in _api_table():
-        if name not in af.__all__:
-            continue  # the test above names it
-        obj = getattr(af, name)
-        if _kind(obj) != kind:
-            wrong.append(f"{name}: kind {kind!r}, is a {_kind(obj)}")
-        elif kind != "constant":
-            doc = inspect.getdoc(obj) or ""
-            summary = doc.split("\n\n")[0]
-            if _plain(what) not in (_plain(summary), _plain(doc.splitlines()[0] if doc else "")):
-                wrong.append(f"{name}: README says {what!r}, the docstring {' '.join(summary.split())!r}")
-    assert not wrong, "README.md's API table is out of date:\n" + "\n".join(wrong)

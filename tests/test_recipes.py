@@ -1,6 +1,6 @@
-"""The README's recipes (Lightning, timm, HuggingFace) run as written.
+"""The recipes of docs/recipes.md (Lightning, timm, HuggingFace) run as written.
 
-Recipe blocks are fenced ```python recipe=<package>: tests/test_readme.py skips them (they need
+Recipe blocks are fenced ```python recipe=<package>: tests/test_docs.py skips them (they need
 optional packages); each test here runs one when its package imports (``ampfunc[recipes]``).
 
 timm imports torchvision, and PyPI's torchvision wheels do not load beside every torch build
@@ -23,18 +23,18 @@ import torch
 
 from ampfunc.compat.torch_amp import GradScaler
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
-RECIPES = dict(re.findall(r"^```python recipe=(\w+)\n(.*?)^```", README.read_text(), re.S | re.M))
+RECIPES_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "recipes.md"
+RECIPES = dict(re.findall(r"^```python recipe=(\w+)\n(.*?)^```", RECIPES_PAGE.read_text(), re.S | re.M))
 
 
 def _run(name, monkeypatch):
     module = types.ModuleType(f"ampfunc_recipe_{name}")  # torch.compile looks the module up
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(RECIPES[name], f"README.md recipe {name}", "exec"), module.__dict__)
+    exec(compile(RECIPES[name], f"docs/recipes.md recipe {name}", "exec"), module.__dict__)
     return module.__dict__
 
 
-def test_readme_has_the_three_recipes():
+def test_the_recipes_page_has_the_three_recipes():
     assert set(RECIPES) == {"lightning", "timm", "transformers"}
 
 
