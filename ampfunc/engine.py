@@ -34,7 +34,8 @@ from ampfunc.dist import agree_finite, any_dtensor
 from ampfunc.flat import copy_packed
 from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for
 from ampfunc.loss_scale import DynamicLossScale, LossScale
-from ampfunc.shards import active as active_sharding, local_view
+from ampfunc.shards import active as active_sharding
+from ampfunc.shards import local_view
 from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from _helpers import assert_same, assert_states_same, exact
-
 from ampfunc.compat import _torch_step
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfunc.ops import _spec
-from ampfunc.ops import _loading
+from ampfunc.ops import _loading, _spec
 from ampfunc.ops._loading import _is_compiling, load
 from ampfunc.ops._reference import (
     _flag_device,
@@ -234,7 +233,7 @@ def _loading_first(name: str, reference):
 def register(reference: dict) -> None:
     """Defines every op of the table in the ``ampfunc`` namespace (once per process)."""
     try:
-        torch.ops.ampfunc.check
+        torch.ops.ampfunc.check  # noqa: B018 - the lookup raises when the ops are not defined yet
         return
     except (AttributeError, RuntimeError):
         pass
