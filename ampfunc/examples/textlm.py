@@ -1,4 +1,4 @@
-"""A main job on text: a small GPT-style byte-level language model trained on Python's own sources.
+"""ampfunc textlm: a small GPT-style byte-level language model trained on Python's own sources.
 
 The training text ships with every Python installation: the standard library's ``.py`` files
 (top-level modules, sorted by name; the last tenth of the files is held out). The model is a
@@ -7,14 +7,14 @@ in fp32), trained through ``torch.func`` and ``mixed_precision(chain(clip_by_glo
 adamw(...)))`` in each configuration of ``ampfunc.examples.common.CONFIGS``.
 
 Matmuls take their inputs in the compute dtype, accumulate in fp32 and round their outputs back
-to the compute dtype, as GPU tensor cores do (and as fp16 on a CPU must be done to be fast);
-everything stored between layers -- activations, their gradients, the params' gradients -- is
-in the compute dtype. That is where fp16 flushes: the loss is a mean over ``batch x context``
-tokens, so the gradient reaching each logit is of order ``1 / tokens`` times a probability, and
-in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 loses precision) unless the loss is
-scaled up first.
+to the compute dtype, as GPU tensor cores do; everything stored between layers -- activations,
+their gradients, the params' gradients -- is in the compute dtype. That is where fp16 flushes:
+the loss is a mean over ``batch x context`` tokens, so the gradient reaching each activation is
+of order ``1 / tokens``, and in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 keeps
+only a few bits) unless the loss is scaled up first. The table counts, every ``--log-every``
+steps, the gradient elements that are zero in a configuration's gradients but not in fp32's.
 
-    python -m ampfunc.examples.textlm [--steps 200] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+    python -m ampfunc.examples.textlm [--steps 200] [--seed 0] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
 """
 
 from __future__ import annotations
@@ -32,8 +32,21 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-from ampfunc.examples.common import CONFIGS, LiveLog, add_run_args, configs_from_args, count_zeros, format_table, plot_runs, state_bytes
+from ampfunc.examples.common import (
+    CONFIGS,
+    LiveLog,
+    add_run_args,
+    configs_from_args,
+    count_flushed,
+    format_table,
+    make_transform,
+    plot_runs,
+    state_bytes,
+    summary_record,
+)
 from ampfunc.monitor import LeafFlagsHook
+
+ABOUT = __doc__.split("\n\n")[0].replace("\n", " ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +157,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)  # LayerNorm params stay fp32
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)),
-                            loss_scale=cfg.loss_scale())
+    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)))
     state = tx.init(params)
     fp8 = cfg.fp8(model) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
@@ -159,14 +171,18 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         loss = loss_fn(p, x, y, state8)
         return af.scale_loss(loss, ls), loss.detach()
 
+    def reference_loss(p, x, y):  # fp32 params and compute: the gradients the maths gives
+        logits = functional_call(model, af.tree.tree_cast(p, torch.float32), (x,)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
     grad_fn = grad(scaled_loss, argnums=(0, 1), has_aux=True)
+    reference_grad = grad(reference_loss)
     log = LiveLog(name, steps, params=params, metrics=metrics, log_every=log_every, progress=progress, device=device)
     hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
     tx.engine.on_check = hook
     stream = batches(train_bytes, batch, context, torch.Generator().manual_seed(seed + 1))
-    zeros = torch.zeros((), dtype=torch.int64, device=device)  # gradient elements flushed to exactly 0
-    late_zeros = zeros.clone()  # the same over the last tenth of the run: flushing grows as the model sharpens
-    late_from = steps - max(1, steps // 10)
+    flushed = torch.zeros((), dtype=torch.int64, device=device)  # zero in this config's gradients, not in fp32's
+    counted = 0  # gradient elements compared (every log_every steps: one fp32 backward each)
     n_grad = sum(p.numel() for p in params.values())
     if str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -175,10 +191,9 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         x, y = (t.to(device, non_blocking=True) for t in next(stream))
         ls = af.loss_scale_of(state)
         (grads, state8), loss = grad_fn(params, state8, x, y, ls)
-        step_zeros = count_zeros(grads)
-        zeros = zeros + step_zeros
-        if step >= late_from:
-            late_zeros = late_zeros + step_zeros
+        if step % log_every == 0:
+            flushed = flushed + count_flushed(grads, reference_grad(params, x, y))
+            counted += n_grad
         params, state = tx.step(params, grads, state)
         log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
         log.step()
@@ -187,22 +202,26 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 2)
         held = batches(heldout_bytes, batch, context, gen)
-        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)), state8)) for _ in range(eval_batches))
-    peak = (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}" if str(device).startswith("cuda") else "n/a")
+        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)), state8))
+                      for _ in range(eval_batches)) / eval_batches
     row = {
         "config": name,
-        "held-out loss": heldout / eval_batches,
+        "held-out loss": heldout,
         "tokens/s": steps * batch * context / elapsed,
         "skipped": summary["skipped"],
         "final scale": float(af.loss_scale_of(state).loss_scale),
-        "flushed %": 100.0 * int(zeros) / (n_grad * steps),
-        "flushed late %": 100.0 * int(late_zeros) / (n_grad * (steps - late_from)),
-        "state MiB": state_bytes(params, state) / 2**20,
-        "peak MiB": peak,
+        "flushed %": 100.0 * int(flushed) / max(counted, 1),
+        "state B/param": state_bytes(params, state) / n_grad,
+        "peak MiB": (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}" if str(device).startswith("cuda")
+                     else "n/a"),
         "time s": elapsed,
         "status": summary["status"],
         "overflows": summary["overflows"],
     }
+    if metrics is not None:
+        metrics.write(summary_record(name, step=steps, seed=seed, heldout_loss=heldout, skipped=row["skipped"],
+                                     flushed_frac=row["flushed %"] / 100, loss_scale=row["final scale"],
+                                     state_bytes_per_param=row["state B/param"], time_s=round(elapsed, 3)))
     return row, log.history
 
 
@@ -223,7 +242,7 @@ peak MiB: CUDA only."""
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m ampfunc.examples.textlm", description=ABOUT,
                                  epilog="configs: " + "; ".join(f"{k}: {v.about}" for k, v in CONFIGS.items()))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
@@ -244,7 +263,7 @@ def main(argv=None):
     with (open(args.metrics, "w") if args.metrics else contextlib.nullcontext()) as metrics:
         for name in names:
             row, histories[name] = train(name, steps=args.steps, batch=args.batch, context=args.context,
-                                         d=args.width, layers=args.layers, lr=args.lr, device=args.device,
+                                         d=args.width, layers=args.layers, lr=args.lr, device=args.device, seed=args.seed,
                                          data=data, metrics=metrics, log_every=args.log_every,
                                          progress=args.progress)
             rows.append(row)
