@@ -96,20 +96,21 @@ def test_count_flushed_counts_zeros_that_fp32_does_not_have():
 
 
 def test_fp16_unscaled_flushes_gradients_that_dynamic_scaling_keeps(text):
-    unscaled, _ = tiny_lm("fp16 unscaled", text)
-    dynamic, _ = tiny_lm("fp16+dynamic", text)
-    assert unscaled["flushed %"] > 0.0
-    assert dynamic["flushed %"] < unscaled["flushed %"] / 10
+    # 2,048 tokens per step: the mean loss puts some gradient elements below fp16's smallest
+    # subnormal already at init (the first step is the one compared, log_every=2 of 2 steps)
+    settings = {"steps": 2, "batch": 32, "context": 64, "d": 32, "layers": 1}
+    unscaled, _ = tiny_lm("fp16 unscaled", text, **settings)
+    dynamic, _ = tiny_lm("fp16+dynamic", text, **settings)
+    assert unscaled["flushed %"] > 0.0 and dynamic["flushed %"] == 0.0
 
 
 def test_dynamic_scale_starts_high_skips_and_backs_off(text):
     row, history = tiny_lm("fp16+dynamic", text, steps=12)
-    # the scale recorded after each step: the first step overflows at 2^24 and halves it
-    assert history["loss_scale"][0] == 2.0**23 and not history["finite"][0]
-    skipped = [i for i, ok in enumerate(history["finite"]) if not ok]
-    assert skipped == list(range(len(skipped)))  # overflow, halve, ... until the scale fits
-    assert history["loss_scale"][len(skipped)] == 2.0 ** (24 - len(skipped)) and history["finite"][len(skipped)]
-    assert row["skipped"] == len(skipped) < 12
+    # the scale recorded after each step: the first steps overflow, each halving the scale from 2^24
+    lead = history["finite"].index(True)
+    assert lead >= 1 and history["loss_scale"][:lead] == [2.0 ** (23 - i) for i in range(lead)]
+    assert history["loss_scale"][lead] == 2.0 ** (24 - lead)  # the first scale that fits is kept
+    assert lead <= row["skipped"] < 12
 
 
 def test_unscaled_rows_never_skip_and_keep_scale_one(text):

@@ -227,18 +227,16 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
 
 COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f}"), ("tokens/s", "tokens/s", "{:.0f}"),
            ("skipped", "skipped", "{}"), ("final scale", "final scale", "{:g}"),
-           ("grad elems flushed to 0 %", "flushed %", "{:.2f}"),
-           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
+           ("grads flushed %", "flushed %", "{:.3f}"), ("state B/param", "state B/param", "{:.1f}"),
            ("peak MiB", "peak MiB", "{}"), ("time s", "time s", "{:.1f}")]
 
 EXPLAIN = """\
 held-out loss: mean cross-entropy (nats per byte) on the held-out files; tokens/s: training
-throughput; skipped: steps with inf/nan gradients (not applied); grad elems flushed to 0 %: share
-of gradient elements that came out exactly zero (with the tied embedding, only the attention key
-bias has a gradient that is zero in exact arithmetic, so the fp32 row is the baseline and anything
-above it was flushed by the compute dtype; the next column counts the last tenth of the run only,
-as the share grows while the model's predictions sharpen); state MiB: params + fp32 master + optimizer moments;
-peak MiB: CUDA only."""
+throughput; skipped: steps with inf/nan gradients (not applied, the loss scale halved);
+grads flushed %: share of gradient elements that are zero in the configuration's gradients but
+not in fp32 gradients of the same params and batch (flushed by the compute dtype's range;
+compared every --log-every steps); state B/param: params + fp32 master + optimizer moments, in
+bytes per parameter, counted from the tensors' storages; peak MiB: CUDA only."""
 
 
 def main(argv=None):
