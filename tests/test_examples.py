@@ -104,6 +104,21 @@ def test_fp16_unscaled_flushes_gradients_that_dynamic_scaling_keeps(text):
     assert unscaled["flushed %"] > 0.0 and dynamic["flushed %"] == 0.0
 
 
+def test_accumulation_shrinks_gradients_so_unscaled_fp16_flushes_more(text):
+    # the first micro-batch is the same batch for every K; its loss divided by K flushes more
+    settings = {"steps": 2, "batch": 32, "context": 64, "d": 32, "layers": 1, "log_every": 2, "eval_batches": 1}
+    one, _ = tiny_lm("fp16 unscaled", text, **settings)
+    eight, _ = tiny_lm("fp16 unscaled", text, accumulate=8, **settings)
+    dynamic, _ = tiny_lm("fp16+dynamic", text, accumulate=8, **settings)
+    assert eight["flushed %"] > one["flushed %"] > 0.0 and dynamic["flushed %"] == 0.0
+
+
+def test_accumulate_flag_rejects_zero(capsys):
+    with pytest.raises(SystemExit):
+        textlm.main(TINY_TEXT + ["--accumulate", "0"])
+    assert "--accumulate must be >= 1" in capsys.readouterr().err
+
+
 def test_dynamic_scale_starts_high_skips_and_backs_off(text):
     row, history = tiny_lm("fp16+dynamic", text, steps=12)
     # the scale recorded after each step: the first steps overflow, each halving the scale from 2^24

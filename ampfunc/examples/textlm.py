@@ -11,10 +11,12 @@ to the compute dtype, as GPU tensor cores do; everything stored between layers -
 their gradients, the params' gradients -- is in the compute dtype. That is where fp16 flushes:
 the loss is a mean over ``batch x context`` tokens, so the gradient reaching each activation is
 of order ``1 / tokens``, and in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 keeps
-only a few bits) unless the loss is scaled up first. The table counts, every ``--log-every``
+only a few bits) unless the loss is scaled up first. ``--accumulate K`` divides each of K
+micro-batches' losses by K, as a gradient-accumulation loop does: every gradient is K times
+smaller, as in a real pretraining step of many thousand tokens. The table counts, every ``--log-every``
 steps, the gradient elements that are zero in a configuration's gradients but not in fp32's.
 
-    python -m ampfunc.examples.textlm [--steps 200] [--seed 0] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+    python -m ampfunc.examples.textlm [--steps 200] [--accumulate 1] [--seed 0] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
 """
 
 from __future__ import annotations
@@ -147,8 +149,14 @@ def batches(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
 
 
 def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, device="cpu", seed=0,
-          data=None, metrics=None, log_every=25, progress=None, eval_batches=8):
-    """Trains one configuration; returns a row of the results table and its history."""
+          data=None, metrics=None, log_every=25, progress=None, eval_batches=8, accumulate=1):
+    """Trains one configuration; returns a row of the results table and its history.
+
+    ``accumulate``: micro-batches of ``batch`` sequences per optimizer step; each micro-batch's
+    loss is divided by ``accumulate`` before its backward and the gradients are summed in fp32,
+    then stored in the params' dtype (the step sees the mean over all its tokens, as one large
+    batch). Flushes are counted on the first micro-batch's gradients.
+    """
     cfg = CONFIGS[name]
     policy = af.get_policy(cfg.policy)
     train_bytes, heldout_bytes, _ = data if data is not None else stdlib_text()
@@ -168,7 +176,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def scaled_loss(p, state8, x, y, ls):
-        loss = loss_fn(p, x, y, state8)
+        loss = loss_fn(p, x, y, state8) / accumulate  # each micro-batch's share of the step's mean
         return af.scale_loss(loss, ls), loss.detach()
 
     def reference_loss(p, x, y):  # fp32 params and compute: the gradients the maths gives
@@ -194,6 +202,14 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         if step % log_every == 0:
             flushed = flushed + count_flushed(grads, reference_grad(params, x, y))
             counted += n_grad
+        if accumulate > 1:
+            total = af.tree.tree_cast(grads, torch.float32)
+            for _ in range(accumulate - 1):
+                xm, ym = (t.to(device, non_blocking=True) for t in next(stream))
+                (more, state8), more_loss = grad_fn(params, state8, xm, ym, ls)
+                total = {k: total[k] + v.float() for k, v in more.items()}
+                loss = loss + more_loss
+            grads = {k: v.to(grads[k].dtype) for k, v in total.items()}
         params, state = tx.step(params, grads, state)
         log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
         log.step()
@@ -207,7 +223,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     row = {
         "config": name,
         "held-out loss": heldout,
-        "tokens/s": steps * batch * context / elapsed,
+        "tokens/s": steps * accumulate * batch * context / elapsed,
         "skipped": summary["skipped"],
         "final scale": float(af.loss_scale_of(state).loss_scale),
         "flushed %": 100.0 * int(flushed) / max(counted, 1),
@@ -221,7 +237,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     if metrics is not None:
         metrics.write(summary_record(name, step=steps, seed=seed, heldout_loss=heldout, skipped=row["skipped"],
                                      flushed_frac=row["flushed %"] / 100, loss_scale=row["final scale"],
-                                     state_bytes_per_param=row["state B/param"], time_s=round(elapsed, 3)))
+                                     state_bytes_per_param=row["state B/param"], accumulate=accumulate,
+                                     time_s=round(elapsed, 3)))
     return row, log.history
 
 
@@ -232,7 +249,8 @@ COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f
 
 EXPLAIN = """\
 held-out loss: mean cross-entropy (nats per byte) on the held-out files; tokens/s: training
-throughput; skipped: steps with inf/nan gradients (not applied, the loss scale halved);
+throughput; a step averages --accumulate micro-batches, each loss divided by K, so its
+gradients are K times smaller (fp16 without scaling flushes more of them); skipped: steps with inf/nan gradients (not applied, the loss scale halved);
 grads flushed %: share of gradient elements that are zero in the configuration's gradients but
 not in fp32 gradients of the same params and batch (flushed by the compute dtype's range;
 compared every --log-every steps); state B/param: params + fp32 master + optimizer moments, in
@@ -248,20 +266,26 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--accumulate", type=int, default=1, metavar="K",
+                    help="micro-batches of --batch sequences per optimizer step, each loss divided by K (as torch's "
+                         "gradient-accumulation recipe does): every gradient K times smaller")
     add_run_args(ap)
     args = ap.parse_args(argv)
     names = configs_from_args(ap, args)
+    if args.accumulate < 1:
+        ap.error(f"--accumulate must be >= 1, got {args.accumulate}")
     af.ops.load()  # build the kernels (first run only) before any timing starts
     data = stdlib_text()
     print(f"ampfunc {af.__version__} on {args.device} (kernels: {af.ops.backend()}): byte-level GPT "
           f"(d={args.width}, {args.layers} layers, context {args.context}) on {len(data[0]) / 1e6:.1f} MB of "
-          f"Python {sys.version.split()[0]}'s stdlib sources, {args.steps} steps x {args.batch * args.context} tokens",
+          f"Python {sys.version.split()[0]}'s stdlib sources, {args.steps} steps x {args.accumulate} x {args.batch * args.context} tokens",
           flush=True)
     rows, histories = [], {}
     with (open(args.metrics, "w") if args.metrics else contextlib.nullcontext()) as metrics:
         for name in names:
             row, histories[name] = train(name, steps=args.steps, batch=args.batch, context=args.context,
                                          d=args.width, layers=args.layers, lr=args.lr, device=args.device, seed=args.seed,
+                                         accumulate=args.accumulate,
                                          data=data, metrics=metrics, log_every=args.log_every,
                                          progress=args.progress)
             rows.append(row)
@@ -272,7 +296,8 @@ def main(argv=None):
             worst = ", ".join(f"{p} ({c})" for p, c in list(r["overflows"].items())[:3])
             print(f"{r['config']}: monitor says {r['status']}" + (f"; overflowing leaves: {worst}" if worst else ""))
     if args.plot:
-        plot_runs(histories, args.plot, title=f"textlm: {args.steps} steps, batch {args.batch} x {args.context} tokens")
+        plot_runs(histories, args.plot, title=f"textlm: {args.steps} steps, {args.accumulate} x batch {args.batch} x "
+                                              f"{args.context} tokens")
         print(f"plot: {args.plot}")
     return rows
 
