@@ -15,33 +15,51 @@ import argparse
 import json
 import math
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 import ampfunc as af
-import ampfunc.fp8  # noqa: F401  (af.fp8)
+import ampfunc.fp8
 from ampfunc.monitor import TrainingMonitor
 
-__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs",
-           "format_table", "count_zeros", "state_bytes"]
+__all__ = [
+    "CONFIGS",
+    "ExampleConfig",
+    "LiveLog",
+    "add_run_args",
+    "configs_from_args",
+    "count_flushed",
+    "format_table",
+    "make_transform",
+    "parse_configs",
+    "plot_runs",
+    "state_bytes",
+    "summary_record",
+]
 
 
 class ExampleConfig(NamedTuple):
-    """One configuration of a main job.
+    """One configuration of a main job (one row of its table).
 
     ``policy``: jmp shorthand; ``p=`` is the dtype the params are stored and differentiated in
     (an fp32 master copy is kept by ``mixed_precision`` when it is not fp32), ``c=`` the
     compute dtype, ``o=`` the logits' dtype. ``loss_scale``: a factory of a fresh loss scale.
     ``setup``: ``model -> model`` run once before the params are taken (``None``: none).
-    ``about``: one line for ``--help``.
+    ``about``: one line for ``--help``. ``fp8``: ``(model, group=None) -> Fp8Policy`` (``None``:
+    no fp8). ``master`` / ``moments``: how ``mixed_precision`` keeps the fp32 master copy and
+    the optimizer moments; ``"fp32"`` (the default) passes nothing, any other value is passed on
+    as ``master=`` / ``moments=``.
     """
 
     policy: str
-    loss_scale: Callable[[], af.loss_scale.LossScale]
-    setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+    loss_scale: Callable[[], Any]
+    setup: Callable[[torch.nn.Module], torch.nn.Module] | None = None
     about: str = ""
-    fp8: Optional[Callable[..., Any]] = None  # (model, group=None) -> af.fp8.Fp8Policy; None: no fp8
+    fp8: Callable[..., Any] | None = None
+    master: str = "fp32"
+    moments: str = "fp32"
 
 
 def _plain_linears(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,19 +75,32 @@ def _fp8_policy(model: torch.nn.Module, group=None):
     return af.fp8.fp8_policy(model, exclude=getattr(model, "fp8_exclude", ()), group=group)
 
 
+def _overflowing_start() -> af.DynamicLossScale:
+    # Starts at the largest scale, so the first steps overflow and back off (skipped, the params
+    # untouched) until the scale fits the gradients; then it grows every 50 clean steps and backs
+    # off again when it overshoots: the plot shows what the dynamic scale does.
+    return af.DynamicLossScale(init_scale=2.0**24, growth_interval=50)
+
+
 CONFIGS = {
     "fp32": ExampleConfig("p=f32,c=f32,o=f32", af.NoOpLossScale, about="fp32 throughout"),
     "bf16": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale,
                           about="bf16 params and compute, fp32 master, no scaling"),
-    "fp16+dynamic": ExampleConfig("p=f16,c=f16,o=f32",
-                                  lambda: af.DynamicLossScale(init_scale=2.0**16, growth_interval=200),
-                                  about="fp16 params and compute, fp32 master, dynamic loss scaling"),
+    "fp16+dynamic": ExampleConfig("p=f16,c=f16,o=f32", _overflowing_start,
+                                  about="fp16 params and compute, fp32 master, dynamic loss scaling from 2^24"),
     "fp16 unscaled": ExampleConfig("p=f16,c=f16,o=f32", af.NoOpLossScale,
-                                   about="fp16 params and compute, fp32 master, no scaling"),
+                                   about="fp16 params and compute, fp32 master, no scaling: small gradients "
+                                         "flush to zero"),
     "fp8": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, setup=_plain_linears, fp8=_fp8_policy,
                          about="bf16 with every Linear but the head as FP8 matmuls (e4m3/e5m2, delayed "
                                "scaling); on CPU for correctness, not speed"),
 }
+
+
+def make_transform(cfg: ExampleConfig, inner, group=None):
+    """``af.mixed_precision(inner)`` as ``cfg`` asks: its loss scale and its master/moments layout."""
+    layout = {k: v for k, v in (("master", cfg.master), ("moments", cfg.moments)) if v != "fp32"}
+    return af.mixed_precision(inner, loss_scale=cfg.loss_scale(), group=group, **layout)
 
 
 def _key(name: str) -> str:
@@ -95,12 +126,15 @@ def parse_configs(text: str, table: dict = CONFIGS) -> list[str]:
 
 
 def add_run_args(ap) -> None:
-    """The flags both main jobs share: --configs, --device, --metrics, --plot, --log-every, --progress."""
+    """The flags both main jobs share: --configs, --seed, --device, --metrics, --plot, --log-every, --progress."""
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the model's init, the batches and the held-out sample")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--metrics", metavar="PATH", help="write one JSON line per step per configuration")
+    ap.add_argument("--metrics", metavar="PATH", help="write one JSON line per step per configuration, then one "
+                                                      "summary line (heldout_loss, state_bytes_per_param, ...)")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves and the loss scale")
-    ap.add_argument("--log-every", type=int, default=25, help="steps between reads of the device (bar, metrics)")
+    ap.add_argument("--log-every", type=int, default=25,
+                    help="steps between reads of the device (bar, metrics) and between flush counts")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bars (default: on a terminal)")
 
@@ -113,15 +147,37 @@ def configs_from_args(ap, args) -> list[str]:
         ap.error(str(e))
 
 
-def count_zeros(grads) -> torch.Tensor:
-    """0-d int64: gradient elements exactly zero (no host sync)."""
-    return sum((g == 0).sum() for g in af.tree.tree_leaves(grads))
+def count_flushed(grads, reference) -> torch.Tensor:
+    """0-d int64: elements of ``grads`` that are exactly zero where ``reference`` is not (no host sync).
+
+    ``reference`` holds the fp32 gradients of the same params and batch: an element that is
+    zero in a configuration's gradients but not in fp32's was flushed to zero by the compute
+    dtype's range (fp16 below ~6e-8), not by the maths.
+    """
+    return sum(((g == 0) & (r != 0)).sum() for g, r in zip(af.tree.tree_leaves(grads), af.tree.tree_leaves(reference)))
 
 
 def state_bytes(*trees) -> int:
-    """Bytes held by the tensors of ``trees`` (params, master copy, optimizer moments)."""
-    return sum(t.numel() * t.element_size() for tree in trees for t in af.tree.tree_leaves(tree)
-               if isinstance(t, torch.Tensor))
+    """Bytes of the storages behind the tensors of ``trees``, each storage counted once.
+
+    Counted from ``untyped_storage().nbytes()``: a leaf that is a view into a packed buffer
+    counts that buffer once, whatever its dtype. Pass the params and the optimizer state
+    (which holds the fp32 master copy, the moments and the loss scale).
+    """
+    seen: dict = {}
+    for tree in trees:
+        for t in af.tree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                s = t.untyped_storage()
+                key = (t.device, s.data_ptr())
+                seen[key] = max(seen.get(key, 0), s.nbytes())
+    return sum(seen.values())
+
+
+def summary_record(config: str, **fields) -> str:
+    """The last metrics line of a configuration: ``{"config", "summary": true, **fields}`` as JSON."""
+    return json.dumps({"config": config, "summary": True, **{k: _num(v) if isinstance(v, float) else v
+                                                            for k, v in fields.items()}}) + "\n"
 
 
 class LiveLog:
@@ -133,8 +189,9 @@ class LiveLog:
     """
 
     def __init__(self, config: str, total: int, *, params=None, metrics=None, log_every: int = 25,
-                 progress: Optional[bool] = None, device=None):
-        from tqdm.auto import tqdm  # the examples' extra; the library itself does not need it
+                 progress: bool | None = None, device=None):
+        # tqdm is the examples' extra; the library itself does not need it
+        from tqdm.auto import tqdm
 
         self.config, self.metrics, self.log_every = config, metrics, log_every
         self.monitor = TrainingMonitor(params, window=log_every, device=device)
@@ -166,7 +223,7 @@ class LiveLog:
                 self.metrics.write(json.dumps({"config": self.config, "step": step, "loss": _num(loss),
                                                "loss_scale": _num(scale), "finite": bool(finite),
                                                "skipped": self.skipped, "time_s": round(elapsed, 3)}) + "\n")
-        self.bar.set_postfix(loss=f"{h['loss'][-1]:.3f}", scale=f"{h['loss_scale'][-1]:g}", skipped=self.skipped,
+        self.bar.set_postfix(loss=f"{h['loss'][-1]:.4g}", scale=f"{h['loss_scale'][-1]:g}", skipped=self.skipped,
                              refresh=False)
         self.bar.update(n)
 
@@ -194,7 +251,7 @@ def plot_runs(histories: dict, path: str, title: str = "") -> None:
     for name, h in histories.items():
         ax_loss.plot(h["step"], h["loss"], label=name, lw=1)
         if any(s != 1.0 for s in h["loss_scale"]):
-            line, = ax_scale.plot(h["step"], h["loss_scale"], label=name, lw=1)
+            ax_scale.plot(h["step"], h["loss_scale"], label=name, lw=1)
             skipped = [(s, sc) for s, sc, ok in zip(h["step"], h["loss_scale"], h["finite"]) if not ok]
             if skipped:
                 ax_scale.scatter(*zip(*skipped), marker="x", color="red", zorder=3,

@@ -1,4 +1,4 @@
-"""The main job: a real mixed-precision training run on scikit-learn's digits.
+"""ampfunc digits: a real mixed-precision training run on scikit-learn's digits.
 
 Trains the same MLP (with LayerNorm, kept in fp32) in each configuration of
 ``ampfunc.examples.common.CONFIGS`` and prints one table:
@@ -9,14 +9,16 @@ Trains the same MLP (with LayerNorm, kept in fp32) in each configuration of
 * ``fp16 unscaled``   -- params in fp16, fp32 master, no loss scaling (small grads flush to 0).
 
 The table reports, per configuration, the test loss and accuracy, the steps skipped for
-non-finite gradients, the share of gradient elements that came out exactly zero (the fp16
-underflow that loss scaling exists to prevent), the final loss scale and the wall time.
+non-finite gradients, the share of gradient elements that came out zero where fp32's are not
+(the fp16 underflow that loss scaling exists to prevent; counted every ``--log-every`` steps),
+the final loss scale, the params and optimizer state in bytes per param, and the wall time.
 
 The loop is the functional one ampfunc is built for: ``torch.func.functional_call`` over a
 params pytree, ``scale_loss``, autograd, and ``mixed_precision(chain(clip, adamw))`` whose state
 holds the master weights, the optimizer moments and the loss scale. Run::
 
-    python -m ampfunc.examples.digits [--epochs 40] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+    python -m ampfunc.examples.digits [--epochs 40] [--seed 0] [--configs fp32,fp16+dynamic]
+        [--metrics m.jsonl] [--plot p.png]
 
 A progress bar per configuration shows the step, loss, loss scale, skipped steps and steps/s;
 it is fed every ``--log-every`` steps from a device-side ``TrainingMonitor`` (no sync per step).
@@ -41,11 +43,16 @@ from ampfunc.examples.common import (
     LiveLog,
     add_run_args,
     configs_from_args,
-    count_zeros,
+    count_flushed,
     format_table,
+    make_transform,
     plot_runs,
+    state_bytes,
+    summary_record,
 )
 from ampfunc.monitor import LeafFlagsHook
+
+ABOUT = __doc__.split("\n\n")[0].replace("\n", " ")
 
 
 class MLP(torch.nn.Module):
@@ -88,8 +95,7 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=1e-4)),
-                            loss_scale=cfg.loss_scale(), group=group)
+    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=1e-4)), group=group)
     state = tx.init(params)
     fp8 = cfg.fp8(model, group=group) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
@@ -104,15 +110,20 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
         loss = loss_fn(p, x, y, state8)
         return af.scale_loss(loss, ls), loss.detach()
 
+    def reference_loss(p, x, y):  # fp32 params and compute: the gradients the maths gives
+        return F.cross_entropy(functional_call(model, af.tree.tree_cast(p, torch.float32), (x,)).float(), y)
+
     grad_fn = grad(scaled_loss, argnums=(0, 1), has_aux=True)
+    reference_grad = grad(reference_loss)
     per_epoch = len(range(0, len(x_tr) - batch + 1, batch))
     log = LiveLog(name, epochs * per_epoch, params=params, metrics=metrics if rank == 0 else None,
                   log_every=log_every, progress=progress if rank == 0 else False, device=device)
     hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
     tx.engine.on_check = hook
     steps = 0
-    zero_grads = torch.zeros((), dtype=torch.int64, device=device)  # flushed-to-zero gradient elements
-    grad_elems = 0
+    flushed = torch.zeros((), dtype=torch.int64, device=device)  # zero in this config's gradients, not in fp32's
+    counted = 0  # gradient elements compared (every log_every steps: one fp32 backward each)
+    n_grad = sum(p.numel() for p in params.values())
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(epochs):
@@ -121,10 +132,11 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
             idx = order[i:i + batch][rank::world]
             ls = af.loss_scale_of(state)
             (grads, state8), loss = grad_fn(params, state8, x_tr[idx], y_tr[idx], ls)
+            if steps % log_every == 0:  # this rank's own gradients, before the all-reduce
+                flushed = flushed + count_flushed(grads, reference_grad(params, x_tr[idx], y_tr[idx]))
+                counted += n_grad
             if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
                 grads = af.dist.all_reduce_mean(af.tree.tree_cast(grads, torch.float32), group)
-            zero_grads = zero_grads + count_zeros(grads)
-            grad_elems += sum(g.numel() for g in grads.values())
             params, state = tx.step(params, grads, state)
             log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
             log.step()
@@ -132,30 +144,37 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     elapsed = time.perf_counter() - start
     summary = log.close()
     with torch.no_grad():
-        test_loss = loss_fn(params, x_te, y_te, state8)
+        test_loss = float(loss_fn(params, x_te, y_te, state8))
         acc = (functional_call(model, af.cast_params(params, torch.float32), (x_te,)).argmax(1) == y_te)
     row = {
         "config": name,
-        "test loss": float(test_loss),
+        "test loss": test_loss,
         "test acc": float(acc.float().mean()),
         "skipped": summary["skipped"],
         "steps": steps,
-        "zero grads %": 100.0 * int(zero_grads) / max(grad_elems, 1),
+        "flushed %": 100.0 * int(flushed) / max(counted, 1),
         "final scale": float(af.loss_scale_of(state).loss_scale),
+        "state B/param": state_bytes(params, state) / n_grad,
         "time s": elapsed,
         "status": summary["status"],
         "overflows": summary["overflows"],
     }
+    if log.metrics is not None:
+        log.metrics.write(summary_record(name, step=steps, seed=seed, heldout_loss=test_loss,
+                                         heldout_acc=row["test acc"], skipped=row["skipped"],
+                                         flushed_frac=row["flushed %"] / 100, loss_scale=row["final scale"],
+                                         state_bytes_per_param=row["state B/param"], time_s=round(elapsed, 3)))
     return row, log.history
 
 
 COLUMNS = [("config", "config", "{}"), ("test loss", "test loss", "{:.4f}"), ("test acc", "test acc", "{:.3f}"),
-           ("skipped", "skipped", "{}"), ("steps", "steps", "{}"), ("zero grads %", "zero grads %", "{:.2f}"),
-           ("final scale", "final scale", "{:g}"), ("time s", "time s", "{:.1f}")]
+           ("skipped", "skipped", "{}"), ("steps", "steps", "{}"), ("grads flushed %", "flushed %", "{:.2f}"),
+           ("final scale", "final scale", "{:g}"), ("state B/param", "state B/param", "{:.1f}"),
+           ("time s", "time s", "{:.1f}")]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m ampfunc.examples.digits", description=ABOUT,
                                  epilog="configs: " + "; ".join(f"{k}: {v.about}" for k, v in CONFIGS.items()))
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
@@ -169,7 +188,8 @@ def main(argv=None):
     rows, histories = [], {}
     with (open(args.metrics, "w") if args.metrics and rank == 0 else contextlib.nullcontext()) as metrics:
         for name in names:
-            row, histories[name] = train(name, args.epochs, args.batch, args.lr, args.device, metrics=metrics,
+            row, histories[name] = train(name, args.epochs, args.batch, args.lr, args.device, seed=args.seed,
+                                         metrics=metrics,
                                          log_every=args.log_every, progress=args.progress)
             rows.append(row)
     if rank == 0:

@@ -1,4 +1,4 @@
-"""A main job on text: a small GPT-style byte-level language model trained on Python's own sources.
+"""ampfunc textlm: a small GPT-style byte-level language model trained on Python's own sources.
 
 The training text ships with every Python installation: the standard library's ``.py`` files
 (top-level modules, sorted by name; the last tenth of the files is held out). The model is a
@@ -7,14 +7,17 @@ in fp32), trained through ``torch.func`` and ``mixed_precision(chain(clip_by_glo
 adamw(...)))`` in each configuration of ``ampfunc.examples.common.CONFIGS``.
 
 Matmuls take their inputs in the compute dtype, accumulate in fp32 and round their outputs back
-to the compute dtype, as GPU tensor cores do (and as fp16 on a CPU must be done to be fast);
-everything stored between layers -- activations, their gradients, the params' gradients -- is
-in the compute dtype. That is where fp16 flushes: the loss is a mean over ``batch x context``
-tokens, so the gradient reaching each logit is of order ``1 / tokens`` times a probability, and
-in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 loses precision) unless the loss is
-scaled up first.
+to the compute dtype, as GPU tensor cores do; everything stored between layers -- activations,
+their gradients, the params' gradients -- is in the compute dtype. That is where fp16 flushes:
+the loss is a mean over ``batch x context`` tokens, so the gradient reaching each activation is
+of order ``1 / tokens``, and in fp16 anything below ~6e-8 becomes zero (and below ~6e-5 keeps
+only a few bits) unless the loss is scaled up first. ``--accumulate K`` divides each of K
+micro-batches' losses by K, as a gradient-accumulation loop does: every gradient is K times
+smaller, as in a real pretraining step of many thousand tokens. The table counts, every ``--log-every``
+steps, the gradient elements that are zero in a configuration's gradients but not in fp32's.
 
-    python -m ampfunc.examples.textlm [--steps 200] [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
+    python -m ampfunc.examples.textlm [--steps 200] [--accumulate 1] [--seed 0]
+        [--configs fp32,fp16+dynamic] [--metrics m.jsonl] [--plot p.png]
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ from ampfunc.examples.common import (
     LiveLog,
     add_run_args,
     configs_from_args,
-    count_zeros,
+    count_flushed,
     format_table,
+    make_transform,
     plot_runs,
     state_bytes,
+    summary_record,
 )
 from ampfunc.monitor import LeafFlagsHook
+
+ABOUT = __doc__.split("\n\n")[0].replace("\n", " ")
+
 
 # ---------------------------------------------------------------------------------------------
 # data: the standard library's sources as bytes
@@ -142,8 +150,14 @@ def batches(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
 
 
 def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, device="cpu", seed=0,
-          data=None, metrics=None, log_every=25, progress=None, eval_batches=8):
-    """Trains one configuration; returns a row of the results table and its history."""
+          data=None, metrics=None, log_every=25, progress=None, eval_batches=8, accumulate=1):
+    """Trains one configuration; returns a row of the results table and its history.
+
+    ``accumulate``: micro-batches of ``batch`` sequences per optimizer step; each micro-batch's
+    loss is divided by ``accumulate`` before its backward and the gradients are summed in fp32,
+    then stored in the params' dtype (the step sees the mean over all its tokens, as one large
+    batch). Flushes are counted on the first micro-batch's gradients.
+    """
     cfg = CONFIGS[name]
     policy = af.get_policy(cfg.policy)
     train_bytes, heldout_bytes, _ = data if data is not None else stdlib_text()
@@ -152,8 +166,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)  # LayerNorm params stay fp32
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)),
-                            loss_scale=cfg.loss_scale())
+    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)))
     state = tx.init(params)
     fp8 = cfg.fp8(model) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
@@ -164,17 +177,21 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def scaled_loss(p, state8, x, y, ls):
-        loss = loss_fn(p, x, y, state8)
+        loss = loss_fn(p, x, y, state8) / accumulate  # each micro-batch's share of the step's mean
         return af.scale_loss(loss, ls), loss.detach()
 
+    def reference_loss(p, x, y):  # fp32 params and compute: the gradients the maths gives
+        logits = functional_call(model, af.tree.tree_cast(p, torch.float32), (x,)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
     grad_fn = grad(scaled_loss, argnums=(0, 1), has_aux=True)
+    reference_grad = grad(reference_loss)
     log = LiveLog(name, steps, params=params, metrics=metrics, log_every=log_every, progress=progress, device=device)
     hook = LeafFlagsHook(log.monitor)  # the step's own check pass reports which leaves overflowed
     tx.engine.on_check = hook
     stream = batches(train_bytes, batch, context, torch.Generator().manual_seed(seed + 1))
-    zeros = torch.zeros((), dtype=torch.int64, device=device)  # gradient elements flushed to exactly 0
-    late_zeros = zeros.clone()  # the same over the last tenth of the run: flushing grows as the model sharpens
-    late_from = steps - max(1, steps // 10)
+    flushed = torch.zeros((), dtype=torch.int64, device=device)  # zero in this config's gradients, not in fp32's
+    counted = 0  # gradient elements compared (every log_every steps: one fp32 backward each)
     n_grad = sum(p.numel() for p in params.values())
     if str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -183,10 +200,17 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         x, y = (t.to(device, non_blocking=True) for t in next(stream))
         ls = af.loss_scale_of(state)
         (grads, state8), loss = grad_fn(params, state8, x, y, ls)
-        step_zeros = count_zeros(grads)
-        zeros = zeros + step_zeros
-        if step >= late_from:
-            late_zeros = late_zeros + step_zeros
+        if step % log_every == 0:
+            flushed = flushed + count_flushed(grads, reference_grad(params, x, y))
+            counted += n_grad
+        if accumulate > 1:
+            total = af.tree.tree_cast(grads, torch.float32)
+            for _ in range(accumulate - 1):
+                xm, ym = (t.to(device, non_blocking=True) for t in next(stream))
+                (more, state8), more_loss = grad_fn(params, state8, xm, ym, ls)
+                total = {k: total[k] + v.float() for k, v in more.items()}
+                loss = loss + more_loss
+            grads = {k: v.to(grads[k].dtype) for k, v in total.items()}
         params, state = tx.step(params, grads, state)
         log.monitor = log.monitor.record_state(state, loss=loss, leaf_nonfinite=hook.take())
         log.step()
@@ -195,43 +219,48 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 2)
         held = batches(heldout_bytes, batch, context, gen)
-        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)), state8)) for _ in range(eval_batches))
-    peak = (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}" if str(device).startswith("cuda") else "n/a")
+        heldout = sum(float(loss_fn(params, *(t.to(device) for t in next(held)), state8))
+                      for _ in range(eval_batches)) / eval_batches
     row = {
         "config": name,
-        "held-out loss": heldout / eval_batches,
-        "tokens/s": steps * batch * context / elapsed,
+        "held-out loss": heldout,
+        "tokens/s": steps * accumulate * batch * context / elapsed,
         "skipped": summary["skipped"],
         "final scale": float(af.loss_scale_of(state).loss_scale),
-        "flushed %": 100.0 * int(zeros) / (n_grad * steps),
-        "flushed late %": 100.0 * int(late_zeros) / (n_grad * (steps - late_from)),
-        "state MiB": state_bytes(params, state) / 2**20,
-        "peak MiB": peak,
+        "flushed %": 100.0 * int(flushed) / max(counted, 1),
+        "state B/param": state_bytes(params, state) / n_grad,
+        "peak MiB": (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}" if str(device).startswith("cuda")
+                     else "n/a"),
         "time s": elapsed,
         "status": summary["status"],
         "overflows": summary["overflows"],
     }
+    if metrics is not None:
+        metrics.write(summary_record(name, step=steps, seed=seed, heldout_loss=heldout, skipped=row["skipped"],
+                                     flushed_frac=row["flushed %"] / 100, loss_scale=row["final scale"],
+                                     state_bytes_per_param=row["state B/param"], accumulate=accumulate,
+                                     time_s=round(elapsed, 3)))
     return row, log.history
 
 
 COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f}"), ("tokens/s", "tokens/s", "{:.0f}"),
            ("skipped", "skipped", "{}"), ("final scale", "final scale", "{:g}"),
-           ("grad elems flushed to 0 %", "flushed %", "{:.2f}"),
-           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
+           ("grads flushed %", "flushed %", "{:.3f}"), ("state B/param", "state B/param", "{:.1f}"),
            ("peak MiB", "peak MiB", "{}"), ("time s", "time s", "{:.1f}")]
 
 EXPLAIN = """\
 held-out loss: mean cross-entropy (nats per byte) on the held-out files; tokens/s: training
-throughput; skipped: steps with inf/nan gradients (not applied); grad elems flushed to 0 %: share
-of gradient elements that came out exactly zero (with the tied embedding, only the attention key
-bias has a gradient that is zero in exact arithmetic, so the fp32 row is the baseline and anything
-above it was flushed by the compute dtype; the next column counts the last tenth of the run only,
-as the share grows while the model's predictions sharpen); state MiB: params + fp32 master + optimizer moments;
-peak MiB: CUDA only."""
+throughput; a step averages --accumulate micro-batches, each loss divided by K, so its
+gradients are K times smaller (fp16 without scaling flushes more of them);
+skipped: steps with inf/nan gradients (not applied, the loss scale halved);
+grads flushed %: share of gradient elements that are zero in the configuration's gradients but
+not in fp32 gradients of the same params and batch (flushed by the compute dtype's range;
+compared every --log-every steps); state B/param: params + fp32 master + optimizer moments, in
+bytes per parameter, counted from the tensors' storages; peak MiB: CUDA only."""
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m ampfunc.examples.textlm", description=ABOUT,
                                  epilog="configs: " + "; ".join(f"{k}: {v.about}" for k, v in CONFIGS.items()))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
@@ -239,20 +268,28 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--accumulate", type=int, default=1, metavar="K",
+                    help="micro-batches of --batch sequences per optimizer step, each loss divided by K (as torch's "
+                         "gradient-accumulation recipe does): every gradient K times smaller")
     add_run_args(ap)
     args = ap.parse_args(argv)
     names = configs_from_args(ap, args)
+    if args.accumulate < 1:
+        ap.error(f"--accumulate must be >= 1, got {args.accumulate}")
     af.ops.load()  # build the kernels (first run only) before any timing starts
     data = stdlib_text()
     print(f"ampfunc {af.__version__} on {args.device} (kernels: {af.ops.backend()}): byte-level GPT "
           f"(d={args.width}, {args.layers} layers, context {args.context}) on {len(data[0]) / 1e6:.1f} MB of "
-          f"Python {sys.version.split()[0]}'s stdlib sources, {args.steps} steps x {args.batch * args.context} tokens",
+          f"Python {sys.version.split()[0]}'s stdlib sources, "
+          f"{args.steps} steps x {args.accumulate} x {args.batch * args.context} tokens",
           flush=True)
     rows, histories = [], {}
     with (open(args.metrics, "w") if args.metrics else contextlib.nullcontext()) as metrics:
         for name in names:
             row, histories[name] = train(name, steps=args.steps, batch=args.batch, context=args.context,
                                          d=args.width, layers=args.layers, lr=args.lr, device=args.device,
+                                         seed=args.seed,
+                                         accumulate=args.accumulate,
                                          data=data, metrics=metrics, log_every=args.log_every,
                                          progress=args.progress)
             rows.append(row)
@@ -263,7 +300,8 @@ def main(argv=None):
             worst = ", ".join(f"{p} ({c})" for p, c in list(r["overflows"].items())[:3])
             print(f"{r['config']}: monitor says {r['status']}" + (f"; overflowing leaves: {worst}" if worst else ""))
     if args.plot:
-        plot_runs(histories, args.plot, title=f"textlm: {args.steps} steps, batch {args.batch} x {args.context} tokens")
+        plot_runs(histories, args.plot, title=f"textlm: {args.steps} steps, {args.accumulate} x batch {args.batch} x "
+                                              f"{args.context} tokens")
         print(f"plot: {args.plot}")
     return rows
 
