@@ -83,6 +83,8 @@ from ampfunc.optim import (  # noqa: F401
     sgd,
     warmup_cosine_decay_schedule,
 )
+# the optimizers added to ampfunc/optim/ as modules of their own (e.g. af.lion), as it exports them
+globals().update({_n: getattr(optim, _n) for _n in optim.__all__ if _n not in globals()})
 # -- the one mixed-precision step (ampfunc/engine.py)
 from ampfunc import engine  # noqa: F401,E402
 # -- torch.func / compile / distributed
@@ -147,6 +149,7 @@ __all__ = [
     # kernels, flat buffers, facades, distributed
     "ops", "flat", "fused", "FlatTree", "flatten", "compat", "dist", "fp8",
 ]
+__all__ += [_n for _n in optim.__all__ if _n not in __all__]
 
 
 def __getattr__(name):

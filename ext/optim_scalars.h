@@ -18,6 +18,34 @@
 
 namespace ampfunc {
 
+// ---- elementwise helpers of the generic optimizers (ext/optimizers/) ----
+// Rounded as written: nvcc would contract a product into a following add (one fma, one
+// rounding), and the kernels are to round as their reference twins' separate ops do. (The CPU
+// kernels' translation unit turns contraction off: ext/cpu/kernels.cpp.)
+
+AMPFUNC_HD inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+AMPFUNC_HD inline float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// torch.lerp(start, end, w) as torch computes it: start + w * (end - start) for |w| < 0.5, else
+// end + (w - 1) * (end - start), each a fused multiply-add (exact at both ends of the range).
+AMPFUNC_HD inline float lerp(float start, float end, float w) {
+  const float diff = sub_rn(end, start);
+  return fabsf(w) < 0.5f ? fmaf(w, diff, start) : fmaf(sub_rn(w, 1.f), diff, end);
+}
+
 // ---- Adam / AdamW ----
 
 struct AdamScalars {

@@ -626,6 +626,106 @@ void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out
   });
 }
 
+// ---- the generic optimizers ----
+
+namespace {
+// One segment, in blocks of kOptimBlock elements: each block is loaded into local arrays, the
+// element function of Op runs over them (no aliasing between locals, so the compiler vectorizes
+// it; the translation unit does not contract products into adds, so each operation rounds as
+// written), and the results are stored. In place the outputs are the inputs: every element of a
+// block is loaded before any is stored.
+constexpr int kOptimBlock = 64;
+
+template <class Op, bool kFull, typename G, typename M>
+inline void optim_block(const float* p_in, const float* const* s_in, const G* g, float* p_out, float* const* s_out,
+                        M* model, float* delta, int64_t j, int m, const typename Op::Scalars& c) {
+  constexpr int kS = Op::kState;
+  const int len = kFull ? kOptimBlock : m;
+  float gb[kOptimBlock], pb[kOptimBlock], p0[kOptimBlock], sb[kS > 0 ? kS : 1][kOptimBlock];
+  for (int i = 0; i < len; ++i) gb[i] = static_cast<float>(g[j + i]);
+  if (p_in) {
+    for (int i = 0; i < len; ++i) pb[i] = p_in[j + i];
+  } else {
+    for (int i = 0; i < len; ++i) pb[i] = 0.f;
+  }
+  for (int k = 0; k < kS; ++k) {
+    if (s_in[k]) {
+      for (int i = 0; i < len; ++i) sb[k][i] = s_in[k][j + i];
+    } else {
+      for (int i = 0; i < len; ++i) sb[k][i] = 0.f;
+    }
+  }
+  for (int i = 0; i < len; ++i) {
+    float p = pb[i];
+    float sv[kS > 0 ? kS : 1];
+    for (int k = 0; k < kS; ++k) sv[k] = sb[k][i];
+    p0[i] = p;
+    Op::element(gb[i], p, sv, c);
+    pb[i] = p;
+    for (int k = 0; k < kS; ++k) sb[k][i] = sv[k];
+  }
+  for (int k = 0; k < kS; ++k) {
+    if (s_out[k]) {
+      for (int i = 0; i < len; ++i) s_out[k][j + i] = sb[k][i];
+    }
+  }
+  if (delta) {
+    for (int i = 0; i < len; ++i) delta[j + i] = pb[i] - p0[i];
+  } else {
+    for (int i = 0; i < len; ++i) p_out[j + i] = pb[i];
+    if (model) {
+      for (int i = 0; i < len; ++i) model[j + i] = static_cast<M>(pb[i]);
+    }
+  }
+}
+
+template <class Op, typename G, typename M>
+void optim_segment(const float* p_in, const float* const* s_in, const G* g, float* p_out, float* const* s_out,
+                   M* model, float* delta, int64_t n, const typename Op::Scalars& c) {
+  int64_t j = 0;
+  for (; j + kOptimBlock <= n; j += kOptimBlock) {
+    optim_block<Op, true>(p_in, s_in, g, p_out, s_out, model, delta, j, kOptimBlock, c);
+  }
+  if (j < n) optim_block<Op, false>(p_in, s_in, g, p_out, s_out, model, delta, j, static_cast<int>(n - j), c);
+}
+}  // namespace
+
+template <class Op>
+void optim_pass(const OptimLists& in, const Tensors& grads, const OptimLists& out, const Tensors& model_params,
+                const Tensors* updates, const typename Op::Scalars& c) {
+  constexpr int kS = Op::kState;
+  const Ranges r(grads);
+  const bool has_p = !in.params->empty(), has_model = !model_params.empty();
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      const float* s_in[kS];
+      float* s_out[kS];
+      for (int k = 0; k < kS; ++k) {
+        s_in[k] = in.state[k]->empty() ? nullptr : in.state[k]->data<float>(i) + s;
+        s_out[k] = out.state[k]->empty() ? nullptr : out.state[k]->data<float>(i) + s;
+      }
+      const float* p_in = has_p ? in.params->data<float>(i) + s : nullptr;
+      float* p_out = updates ? nullptr : out.params->data<float>(i) + s;
+      float* delta = updates ? updates->data<float>(i) + s : nullptr;
+      with_typed(grads, i, [&](auto* g) {
+        if (has_model && !updates) {
+          with_typed(model_params, i, [&](auto* mp) {
+            optim_segment<Op>(p_in, s_in, g + s, p_out, s_out, mp + s, delta, count, c);
+          });
+        } else {
+          optim_segment<Op>(p_in, s_in, g + s, p_out, s_out, static_cast<float*>(nullptr), delta, count, c);
+        }
+      });
+    });
+  });
+}
+
+#define AMPFUNC_INSTANTIATE_PASS(name, Op)                                                                     \
+  template void optim_pass<Op>(const OptimLists&, const Tensors&, const OptimLists&, const Tensors&,           \
+                               const Tensors*, const typename Op::Scalars&);
+AMPFUNC_OPTIMIZERS(AMPFUNC_INSTANTIATE_PASS)
+#undef AMPFUNC_INSTANTIATE_PASS
+
 // ---- apply_updates ----
 
 namespace {
