@@ -172,6 +172,11 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
         ops.adam_step(pu, grads, st, st2, st3, model, step, one, fin, lr=1e-3, amsgrad=True, weight_decay=0.1,
                       decoupled_weight_decay=True)
         ops.sgd_step(pu, grads, st, model, step, one, fin, lr=0.1, momentum=0.9)
+        ops.lion_step(pu, grads, st, model, step, one, fin, lr=1e-4, weight_decay=0.1)
+    # the generic optimizers' kernel (ext/cuda/optimizers.cu): Lion in place, pure, as an update
+    ops.lion_step_(ps, grads, st, model, step, one, yes, lr=1e-4, weight_decay=0.1)
+    ops.lion_update(ps, grads, st, step, one, lr=1e-4, weight_decay=0.1)
+    ops.lion_update(None, grads, st, step, one, lr=1e-4)
     ops.apply_updates(xs, grads)
 s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
 ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
