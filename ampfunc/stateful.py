@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import operator
+import os
+import sys
 import warnings
 from itertools import repeat
 from typing import Any, NamedTuple, Optional
@@ -70,6 +73,41 @@ class TrainerState(NamedTuple):
     skipped: Optional[torch.Tensor] = None
 
 
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for its own dynamic mmap threshold (64-bit)
+_heap_kept = [0]  # the trim threshold set so far (bytes); 0: none
+
+
+def _keep_freed_grad_memory(nbytes: int) -> None:
+    """Keeps glibc from handing freed heap memory back to the system below ``nbytes``.
+
+    ``step()`` frees the step's gradients (``set_grads_to_none``). When they lie at the top of
+    the heap -- the trainer made its state before the first backward, so the gradients are the
+    newest memory -- glibc trims the heap at that ``free`` (its default trim threshold is twice
+    its mmap threshold, at most 64 MB), and the next backward faults every page of its new
+    gradients in again: 4 KB a fault, about as much time as the whole fused step. Raising the
+    trim threshold to twice the gradients' bytes keeps that memory for the next backward.
+    Setting it freezes glibc's dynamic mmap threshold, so that one is set to the ceiling the
+    dynamic one would reach (32 MB). Process-wide (glibc has one policy), only ever raised;
+    ``AMPFUNC_KEEP_HEAP=0`` leaves glibc alone. Not on other C libraries or platforms."""
+    if nbytes <= 0 or os.environ.get("AMPFUNC_KEEP_HEAP", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    want = 2 * nbytes
+    if want <= _heap_kept[0]:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return
+        if _heap_kept[0] == 0 and not libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX):
+            return
+        if libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(want, 2**31 - 1))):
+            _heap_kept[0] = want
+    except (OSError, AttributeError):
+        pass
 
 
 class _Packed:
@@ -263,6 +301,9 @@ class ModuleTrainer:
             self._param_dict = self._packed.buffers
         st = self._engine.init(self._params(), loss_scale)
         self._state = TrainerState(st.master, st.inner, st.loss_scale, st.finite, st.skipped)
+        if set_grads_to_none and self._packed is None:
+            # step() frees each step's gradients: keep that memory for the next backward.
+            _keep_freed_grad_memory(sum(p.numel() * p.element_size() for p in self._plist if p.device.type == "cpu"))
 
     # -- state --------------------------------------------------------------------------------
 

@@ -35,7 +35,19 @@ Sections:
 
     python benchmarks/bench_step.py --only e       # section (e) alone
 
-Gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
+  (f)     the user's loop on the CPU: backward makes new gradient tensors every step (here a
+          stand-in: each gradient allocated anew and written once; then, with ``--churn K``, K
+          lists of gradient-sized temporaries made and dropped before it, as a forward's
+          activations are). torch's recipe (zero_grad(set_to_none=True), AdamW(fused) +
+          GradScaler + clip_grad_norm_) against ModuleTrainer(chain(clip, adamw),
+          DynamicLossScale), timed alone and interleaved round by round with the pure paths,
+          each iteration (backward stand-in + step, where fresh memory's page faults land) and
+          the step alone; the minor page faults per iteration are printed (a count that does
+          not depend on the machine's load).
+
+    python benchmarks/bench_step.py --only f       # section (f) alone
+
+Outside section (f), gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
 huge so that repeated in-place unscaling and clipping by torch leave the values (and so the
 speed: no denormals) unchanged from one repeat to the next; every kernel still does its work.
 """
@@ -410,11 +422,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--paths-elements", type=int, default=None,
                     help="total elements of section (e) (default 16M; 1M with --quick)")
-    ap.add_argument("--only", default="abcde",
-                    help="'e' or 'b': that section alone (after the floor); anything else runs every section")
+    ap.add_argument("--only", default="abcdef",
+                    help="'e', 'b' or 'f': that section alone (after the floor); anything else runs every section")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--churn", type=int, default=2,
+                    help="section (f): lists of gradient-sized temporaries made and dropped before each backward")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     total = args.elements or (2**20 if args.quick else 32 * 2**20)
     reps = args.reps or (3 if args.quick else 7)
     timer = Timer(device, reps=reps, warmup=1 if args.quick else 2)
@@ -446,6 +463,14 @@ def main(argv=None):
 
     sizes = tree_sizes(total, args.tensors)
 
+    if "f" in args.only:
+        print(f"# load average {os.getloadavg()[0]:.1f} (1 min) before section (f)")
+        fresh_section(table, device, args.paths_elements or (2**20 if args.quick else 16 * 2**20), args.tensors,
+                      max(3, reps // 2 + 1), args.churn)
+    if args.only == "f":
+        print()
+        table.print()
+        return
     if args.only == "b":
         master_section(table, timer, device, sizes, total, bw_rw)
         print()
@@ -569,6 +594,145 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     table.add(names["many_flat_trainer"], times["many_flat_trainer"], floor_ms, None,
               f"{med['many_flat_trainer'] / med['flat_trainer']:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
     params = grads = mparams = mgrads = fns = None  # frees the trees (the closures above ran)
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) fresh gradients: the user's loop, where backward makes new gradient tensors every step
+# ---------------------------------------------------------------------------------------------
+
+
+def _minflt() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class FreshLoop:
+    """One row of section (f): ``backward()`` then ``step()``, with the backward a stand-in that
+    allocates each gradient anew and writes it once (autograd hands the op's new output to
+    ``.grad``), optionally after a churn of temporaries (``churn`` lists of tensors the size
+    of the gradients, made, written and dropped: the forward's activations). ``times`` are of
+    the whole iteration (where the page faults of fresh memory land), ``step_times`` of the
+    step alone, ``faults`` the minor page faults per iteration."""
+
+    def __init__(self, params_list, sources, step, churn: int = 0):
+        self.params, self.sources, self.step, self.churn = params_list, sources, step, churn
+        self.times, self.step_times, self.faults = [], [], []
+
+    def backward(self):
+        for _ in range(self.churn):
+            tmp = [torch.empty_like(s).copy_(s) for s in self.sources]
+            del tmp
+        for p, s in zip(self.params, self.sources):
+            p.grad = torch.empty_like(s).copy_(s)
+
+    def __call__(self, record: bool = True):
+        f0 = _minflt()
+        t0 = time.perf_counter()
+        self.backward()
+        t1 = time.perf_counter()
+        self.step()
+        t2 = time.perf_counter()
+        if record:
+            self.times.append((t2 - t0) * 1e3)
+            self.step_times.append((t2 - t1) * 1e3)
+            self.faults.append(_minflt() - f0)
+
+
+def fresh_recipe(params, sources, churn):
+    """torch's recipe on fresh gradients: zero_grad(set_to_none=True), backward, GradScaler's
+    unscale_, clip_grad_norm_, AdamW(fused=True) through the scaler, update."""
+    ps = [p.clone().requires_grad_(True) for p in params.values()]
+    opt = torch.optim.AdamW(ps, lr=LR, fused=True)
+    sc = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    dummy = torch.zeros(())
+
+    def step():
+        sc.scale(dummy)
+        sc.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        sc.step(opt)
+        sc.update()
+        opt.zero_grad(set_to_none=True)
+    return FreshLoop(ps, sources, step, churn)
+
+
+def fresh_trainer(params, sources, churn):
+    """ModuleTrainer(chain(clip_by_global_norm, adamw), DynamicLossScale) on fresh gradients
+    (step() sets them to None, as zero_grad does)."""
+    model = _Leaves(params)
+    trainer = af.ModuleTrainer(model, af.chain(af.clip_by_global_norm(MAX_NORM), af.adamw(LR)),
+                               loss_scale=af.DynamicLossScale(1.0, growth_interval=10**9))
+    return FreshLoop(list(model.leaves), sources, trainer.step, churn)
+
+
+def fresh_other(params, sources, churn, kind):
+    """An other path in the interleaved run, on fresh gradients: the pure ``update`` +
+    ``apply_updates`` (new params and state every step), or ``mixed_precision(...).step``."""
+    keys = list(params)
+    box = {"p": {k: v.clone() for k, v in params.items()}}
+    tx = af.adamw(LR) if kind == "update" else af.mixed_precision(af.adamw(LR), af.NoOpLossScale())
+    box["s"] = tx.init(box["p"])
+    holders = [s.new_empty(()).expand_as(s) for s in sources]  # what backward writes .grad on (no memory)
+
+    def step():
+        grads = dict(zip(keys, [h.grad for h in holders]))
+        if kind == "update":
+            updates, box["s"] = tx.update(grads, box["s"], box["p"])
+            box["p"] = af.apply_updates(box["p"], updates)
+        else:
+            box["p"], box["s"] = tx.step(box["p"], grads, box["s"])
+        for h in holders:
+            h.grad = None
+    return FreshLoop(holders, sources, step, churn)
+
+
+def fresh_section(table, device, total, n, reps, churn):
+    """(f): torch's recipe vs ModuleTrainer + clip + DynamicLossScale with gradients made anew
+    every step, timed alone (each row's steps back to back) and interleaved with the pure paths
+    (round by round, 3 iterations a row), in this run."""
+    if device.type != "cpu":
+        return  # the CUDA caching allocator keeps freed blocks: this regime is the CPU heap's
+    sizes = tree_sizes(total, n)
+    params = make_tree(sizes, torch.float32, device)
+    sources = list(make_tree(sizes, torch.float32, device, seed=1).values())
+    for label, c in (("", 0), (f", {churn} lists of temporaries churned before each backward", churn)):
+        if label and churn <= 0:
+            continue
+        table.section(f"(f) fresh gradients each step{label}: {n} tensors / {total / 2**20:.1f}M fp32; "
+                      "iteration = backward stand-in (new grads, written once) + step; "
+                      "speedup = torch's recipe / this, same mode")
+        for mode in ("alone", "interleaved"):
+            rows = {"recipe": fresh_recipe(params, sources, c), "trainer": fresh_trainer(params, sources, c)}
+            if mode == "interleaved":
+                rows["update"] = fresh_other(params, sources, c, "update")
+                rows["step"] = fresh_other(params, sources, c, "step")
+            for row in rows.values():
+                row(False)
+                row(False)
+            if mode == "alone":
+                for row in rows.values():
+                    gc.collect()
+                    for _ in range(3 * reps):
+                        row()
+            else:
+                for _ in range(reps):
+                    for row in rows.values():
+                        gc.collect()
+                        for _ in range(3):
+                            row()
+            t_recipe = statistics.median(rows["recipe"].times)
+            s_recipe = statistics.median(rows["recipe"].step_times)
+            names = {"recipe": "torch AdamW(fused) + GradScaler + clip_grad_norm_",
+                     "trainer": "ModuleTrainer(chain(clip, adamw), DynamicLossScale)",
+                     "update": "af.adamw().update + apply_updates (pure)",
+                     "step": "mixed_precision(adamw).step (pure)"}
+            for key, row in rows.items():
+                faults = statistics.median(row.faults)
+                step_med = statistics.median(row.step_times)
+                note = f"step alone {step_med:.1f} ms ({s_recipe / step_med:.2f}x), {faults:.0f} faults/iter"
+                table.add(f"{mode}: {names[key]}", row.times, None, t_recipe if key != "recipe" else None, note)
+            rows = None
+    params = sources = None
 
 
 if __name__ == "__main__":
