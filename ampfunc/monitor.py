@@ -37,9 +37,11 @@ from typing import Any, NamedTuple, Optional, Union
 
 import optree
 import torch
+import torch.distributed as torch_dist
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
+from ampfunc.dist import _dtensor_loaded, _dtensor_types
 from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths, path_to_str
 
 __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
@@ -270,7 +272,7 @@ def summary(stats: StepStats) -> dict:
 
 
 def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_skips: int = 5,
-           min_scale: float = 1.0, state: Any = None) -> list[str]:
+           min_scale: float = 1.0, state: Any = None, group=None) -> list[str]:
     """Human-readable warnings about a run; an empty list when nothing looks wrong.
 
     Warns when the loss scale has collapsed (the gradients overflow even unscaled): the last
@@ -288,6 +290,9 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
         skipped, the scale counts as collapsed.
       state: the optimizer (or mixed-precision, train-step, trainer) state, to report the
         params whose second moment overflowed (:func:`moment_overflows`); ``None`` skips it.
+      group: with a sharded ``state``, the process group its shards lie over: the moment
+        flags are combined across it (:func:`moment_overflows`; a collective, call it on
+        every rank).
 
     Returns:
       A list of warning strings.
@@ -312,7 +317,7 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
         raise ValueError(f"health: min_scale must be >= 0, got {min_scale!r}")
     s = summary(stats)
     warnings = []
-    overflowed = moment_overflows(state) if state is not None else []
+    overflowed = moment_overflows(state, group=group) if state is not None else []
     if overflowed:
         warnings.append(_moment_alert(overflowed))
     if s["steps"] == 0:
@@ -363,12 +368,32 @@ def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _moment_flags(state: Any) -> tuple[list[str], torch.Tensor | None]:
-    """The second moments' param paths and, on the device, whether each holds an inf or a NaN."""
+def _moment_flags(state: Any, group=None) -> tuple[list[str], torch.Tensor | None]:
+    """The second moments' param paths and, on the device, whether each holds an inf or a NaN.
+
+    Each rank checks its own shards; the flags are then combined (MAX) over ``group`` and, for
+    DTensor moments, over every dimension of their mesh, so every rank names the same params."""
     moments = _second_moments(state)
     if not moments:
         return [], None
-    return [p for p, _ in moments], ops.check([t.detach() for _, t in moments], per_leaf=True)[2]
+    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
+    meshes = {}
+    locals_ = []
+    for _, t in moments:
+        if isinstance(t, DTensor):
+            meshes.setdefault(id(t.device_mesh), t.device_mesh)
+            t = t.to_local()
+        locals_.append(t.detach())
+    flags = ops.check(locals_, per_leaf=True)[2]
+    groups = [mesh.get_group(d) for mesh in meshes.values() for d in range(mesh.ndim)]
+    if group is not None:
+        groups.append(group)
+    if groups:
+        counts = flags.to(torch.int32)  # gloo reduces no bool
+        for g in groups:
+            torch_dist.all_reduce(counts, op=torch_dist.ReduceOp.MAX, group=g)
+        flags = counts > 0
+    return [p for p, _ in moments], flags
 
 
 def _overflowed(paths: list[str], flags: list) -> list[str]:
@@ -384,7 +409,7 @@ def _moment_alert(paths: list[str]) -> str:
             "moments to 0 (or resume from a checkpoint taken before)")
 
 
-def moment_overflows(state: Any) -> list[str]:
+def moment_overflows(state: Any, *, group=None) -> list[str]:
     """Paths of the params whose optimizer second moment is no longer finite.
 
     Adam's ``exp_avg_sq`` (and AMSGrad's ``max_exp_avg_sq``, RMSprop's ``square_avg``) overflows
@@ -398,6 +423,11 @@ def moment_overflows(state: Any) -> list[str]:
 
     Args:
       state: an optimizer state, or any pytree holding one.
+      group: a ``torch.distributed`` process group whose ranks each hold a shard of the state
+        (plain local shards, as a sharded step keeps them): the per-leaf flags are combined
+        across it, so every rank names a param that overflowed on any rank. DTensor moments
+        are combined over their mesh without it. With either, this is a collective: call it on
+        every rank of the group (or mesh), at the same point. None: this rank's state only.
 
     Returns:
       The param paths (strings), in flattening order, each once.
@@ -410,9 +440,10 @@ def moment_overflows(state: Any) -> list[str]:
       ['w']
 
     Cost: one read pass over the second moments (``ops.check(..., per_leaf=True)``), then the
-    per-leaf flags are read back to the host: a host sync (call it when you log).
+    per-leaf flags are read back to the host: a host sync (call it when you log). With
+    ``group`` or DTensor moments, one all-reduce (MAX) of one int32 per moment leaf per group.
     """
-    paths, flags = _moment_flags(state)
+    paths, flags = _moment_flags(state, group)
     return _overflowed(paths, flags.tolist()) if flags is not None else []
 
 
@@ -742,8 +773,8 @@ class TrainingMonitor:
 
     # -- readers (one host sync each) ------------------------------------------------------
 
-    def _host(self, state: Any = None) -> dict:
-        paths, flags = _moment_flags(state) if state is not None else ([], None)
+    def _host(self, state: Any = None, group=None) -> dict:
+        paths, flags = _moment_flags(state, group) if state is not None else ([], None)
         t = _to_host(self._tensors + ((flags,) if flags is not None else ()))  # one transfer
         moments = _overflowed(paths, t[len(self._tensors)].tolist()) if flags is not None else []
         steps, window = int(t[0]), self._config.window
@@ -789,7 +820,7 @@ class TrainingMonitor:
         pairs = [(p, c) for p, c in zip(self._config.leaf_paths, h["leaf_counts"]) if c]
         return dict(sorted(pairs, key=lambda pc: -pc[1]))
 
-    def check_health(self, state: Any = None) -> dict:
+    def check_health(self, state: Any = None, *, group=None) -> dict:
         """The run's health over the window, in the practice guide's shape.
 
         Returns ``{"status": "healthy" | "unhealthy" | "no_data", "current_loss",
@@ -807,9 +838,15 @@ class TrainingMonitor:
           param's optimizer second moment is inf, so it no longer moves (:func:`moment_overflows`;
           ``checks["moment_overflow"]``, ``"moment_overflows": [paths]``).
 
+        With a sharded ``state`` (each rank holding its shard), pass ``group``, the process
+        group of the shards: the moment flags are combined across it (one all-reduce MAX of
+        one int32 per moment leaf, before the one sync), so every rank, the one that logs
+        included, sees a param that overflowed on any rank; DTensor moments are combined over
+        their mesh without it. Then it is a collective: call it on every rank.
+
         One sync (with ``state``, also one read pass over its second moments).
         """
-        return self._health(self._host(state))
+        return self._health(self._host(state, group))
 
     def _health(self, h) -> dict:
         c = self._config
@@ -862,14 +899,15 @@ class TrainingMonitor:
             "moment_overflows": h["moment_overflows"],
         }
 
-    def as_dict(self, state: Any = None) -> dict:
+    def as_dict(self, state: Any = None, *, group=None) -> dict:
         """One flat dict of Python values for a logger (one sync).
 
         Keys: ``steps``, ``skipped``, ``skip_rate``, ``consecutive_skips``, ``loss``,
         ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``. With
-        ``state``, the alerts include a param whose second moment overflowed (:meth:`check_health`).
+        ``state``, the alerts include a param whose second moment overflowed (:meth:`check_health`;
+        ``group`` as there).
         """
-        h = self._host(state)
+        h = self._host(state, group)
         health_ = self._health(h)
         stats = self._stats(h)
         return {

@@ -31,7 +31,7 @@ from ampfunc import ops
 from ampfunc.dist import _dtensor_loaded, _dtensor_types
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 
-__all__ = ["Sharding", "LocalView", "sharding_of", "local_view", "active", "grads_to_local"]
+__all__ = ["Sharding", "LocalView", "sharding_of", "local_view", "active", "active_over", "grads_to_local"]
 
 # The sharding of the step now running on local shards (None outside such a step).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ampfunc_active_sharding", default=None)
@@ -45,6 +45,29 @@ def active() -> Optional["Sharding"]:
     if torch.compiler.is_compiling():
         return None
     return _ACTIVE.get()
+
+
+def active_over(group, where: str) -> Optional["Sharding"]:
+    """:func:`active`, for a reduction given a process ``group``: inside a step on DTensors'
+    local shards the mesh says how each leaf is laid out (sharded or replicated on each mesh
+    dimension), so the mesh decides and ``group`` is redundant when it spans the mesh's ranks.
+
+    Raises:
+      ValueError naming ``where``: ``group`` spans other ranks than the mesh (a group over
+        the local shards, counted as disjoint, would count a replicated leaf once per rank).
+
+    Cost: a comparison of two rank lists on the host (no collective, no device sync).
+    """
+    sharding = active()
+    if sharding is None or group is None:
+        return sharding
+    mesh_ranks = sorted(sharding.mesh.mesh.reshape(-1).tolist())
+    group_ranks = sorted(dist.get_process_group_ranks(group))
+    if group_ranks != mesh_ranks:
+        raise ValueError(f"{where}: group spans ranks {group_ranks} but the DTensor params lie on a mesh of ranks "
+                         f"{mesh_ranks}; with DTensor params the mesh decides which leaves are sharded or "
+                         "replicated: drop group= (or pass the local shards, to_local(), with group=)")
+    return sharding
 
 
 class Sharding:

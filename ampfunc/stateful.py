@@ -116,7 +116,9 @@ class _Packed:
     the params' ``.grad`` (autograd adds into an existing ``.grad`` in place, so backward writes
     straight into it). The engine then steps one tensor per buffer instead of one per param."""
 
-    def __init__(self, named: list, where: str):
+    def __init__(self, named: list, where: str, sparse_grads: frozenset = frozenset()):
+        # sparse_grads: the names of params whose backward makes a sparse gradient (an embedding
+        # with sparse=True); autograd would add it into the dense view in place, unnoticed.
         for name, p in named:
             if type(p) not in (torch.nn.Parameter, torch.Tensor):
                 raise TypeError(f"{where}: parameter {name!r} is a {type(p).__name__}; flat=True packs plain "
@@ -125,6 +127,12 @@ class _Packed:
                 raise ValueError(f"{where}: parameter {name!r} is not a contiguous dense tensor (strides "
                                  f"{tuple(p.stride())}); flat=True packs contiguous params only: make it "
                                  "contiguous first, or leave flat off")
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise TypeError(_sparse_grad_message(where, name, p.grad.layout))
+            if name in sparse_grads:
+                raise TypeError(f"{where}: parameter {name!r} belongs to an nn.Embedding/nn.EmbeddingBag made "
+                                "with sparse=True, whose backward gives sparse COO gradients; the kernels take "
+                                "dense (strided) gradients only: make it with sparse=False")
         # Two params sharing memory would be copied into two slots of the buffer and trained
         # apart (untied): refused, as the unpacked trainer refuses them.
         check_no_overlap(where, [("parameter", collections.OrderedDict(named), [p for _, p in named])])
@@ -157,15 +165,18 @@ class _Packed:
                 "module was moved or converted, or its .data replaced, after the trainer was made); make the "
                 "trainer after model.to(...)/.half(), or leave flat off")
         if unbound:
+            params = [self.params[i] for i in unbound]
+            grads = ops.grads_of(params)
+            for i, g in zip(unbound, grads):
+                if g is not None and g.layout != torch.strided:  # refused before any write
+                    raise TypeError(_sparse_grad_message(where, self.names[i], g.layout))
             if len(unbound) == len(self.params) and not self._warned:
                 self._warned = True
                 warnings.warn(f"{where}: every .grad was replaced since the last step (model.zero_grad() sets "
                               "them to None, and backward then makes new ones), so each step copies them into "
                               "the trainer's gradient views: drop the zero_grad() call, the flat trainer zeroes "
                               "the gradients itself after each step", stacklevel=3)
-            params = [self.params[i] for i in unbound]
             views = [self.grad_views[i] for i in unbound]
-            grads = ops.grads_of(params)
             pairs = [(v, g) for v, g in zip(views, grads) if g is not None]
             empty = [v for v, g in zip(views, grads) if g is None]
             with torch.no_grad():
@@ -196,6 +207,21 @@ class _Packed:
         with torch.no_grad():
             for gbuf in self.grad_buffers.values():
                 gbuf.zero_()
+
+
+def _sparse_grad_message(where: str, name: str, layout) -> str:
+    return (f"{where}: the .grad of parameter {name!r} has layout {layout}; only dense (strided) gradients are "
+            "supported (densify it with .to_dense())")
+
+
+def _sparse_grad_params(model: torch.nn.Module) -> frozenset:
+    """The names (as ``named_parameters`` gives them) of the params of the embeddings made with
+    ``sparse=True``, whose backward gives sparse COO gradients."""
+    names = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+            names.update(f"{mod_name}.{n}" if mod_name else n for n, _ in mod.named_parameters(recurse=False))
+    return frozenset(names)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -297,7 +323,7 @@ class ModuleTrainer:
                                  "flat buffer, not per parameter; leave flat off for other transforms")
             if self._sharded:
                 raise TypeError("ModuleTrainer(flat=True): the params are DTensors (FSDP2); leave flat off")
-            self._packed = _Packed(self._named, "ModuleTrainer(flat=True)")
+            self._packed = _Packed(self._named, "ModuleTrainer(flat=True)", _sparse_grad_params(model))
             self._param_dict = self._packed.buffers
         st = self._engine.init(self._params(), loss_scale)
         self._state = TrainerState(st.master, st.inner, st.loss_scale, st.finite, st.skipped)

@@ -462,15 +462,56 @@ def _refusals(env):
     coef = min(1.0, 0.1 / (float(norm) + 1e-6))
     want = {k: full[k] - coef * grads[k] for k in full}
     diffs = []
+    # fused, generic, and with a group spanning the mesh (redundant: the mesh decides, so the
+    # Replicate leaf still counts once, not once per rank)
     for clip in (af.clip_by_global_norm(0.1), af.GradientTransformation(af.clip_by_global_norm(0.1).init,
-                                                                        af.clip_by_global_norm(0.1).update)):
+                                                                        af.clip_by_global_norm(0.1).update),
+                 af.clip_by_global_norm(0.1, group=env.group)):
         mp = af.mixed_precision(af.chain(clip, af.sgd(1.0)), af.NoOpLossScale())
         new, _ = mp.step(dparams, dgrads, mp.init(dparams))
         diffs.append(max(float((new[k].full_tensor() - want[k]).abs().max()) for k in want))
     out["mixed_layout_diffs"] = diffs
+    # global_norm with the group, on the local shards inside such a step: the same whole-tensor norm
+    seen = []
+    probe_norm = af.GradientTransformation(lambda p: af.transform.EmptyState(), lambda u, s, p=None: (
+        seen.append(af.optim.global_norm(u, group=env.group)) or u, s))
+    mp = af.mixed_precision(af.chain(probe_norm, af.sgd(1.0)), af.NoOpLossScale())
+    mp.step(dparams, dgrads, mp.init(dparams))
+    out["global_norm_group_in_step"], out["global_norm_want"] = seen[0], norm
+    # a group that does not span the mesh (each rank alone) conflicts with it: refused by name on
+    # every rank, nothing written
+    solo = [dist.new_group([r]) for r in range(env.world_size)][env.rank]
+    mp = af.mixed_precision(af.chain(af.clip_by_global_norm(0.1, group=solo), af.sgd(1.0)), af.NoOpLossScale())
+    st = mp.init(dparams)
+    held = {k: v.to_local().clone() for k, v in dparams.items()}
+    out["clip_group_conflict"] = error_of(lambda: mp.step_(dparams, dgrads, st))
+    out["clip_group_conflict_untouched"] = all(torch.equal(dparams[k].to_local(), held[k]) for k in held)
     # fully_shard's hooks gather their own params, bypassing functional_call's: refused
     out["fsdp2_module"] = error_of(lambda: af.make_train_step(shard(net()), lambda f, x: f(x).sum(), af.adamw(LR)))
     out["untouched"] = torch.equal(a.to_local(), before) and int(state.skipped) == 0
+    return out
+
+
+def _moment_alerts(env):
+    """A second moment that overflowed in rank 1's shard only: named on every rank with group=
+    (plain local shards) and, for DTensor moments, over their mesh."""
+    init_device_mesh, _, _, Shard, distribute_tensor = _dtensor_api()
+    out = {}
+    g_full = torch.ones(4, 2)
+    g_full[3, 0] = 1e21  # row 3 is rank 1's: its squared gradient overflows fp32
+    tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale())
+    params = {"w": my_rows(torch.ones(4, 2), env.rank, env.world_size)}
+    _, state = tx.step(params, {"w": my_rows(g_full, env.rank, env.world_size)}, tx.init(params))
+    mon = af.TrainingMonitor().record_state(state)
+    out["local_only"] = af.monitor.moment_overflows(state)
+    out["with_group"] = af.monitor.moment_overflows(state, group=env.group)
+    out["health_with_group"] = mon.check_health(state, group=env.group)["status"]
+    out["stats_health_with_group"] = af.monitor.health(af.monitor.init_stats(), state=state, group=env.group)
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    v = torch.ones(4, 2)
+    v[3, 0] = float("inf")
+    dstate = {"exp_avg_sq": {"w": distribute_tensor(v, mesh, [Shard(0)])}}  # row 3: rank 1's shard
+    out["dtensor"] = af.monitor.moment_overflows(dstate)
     return out
 
 
@@ -501,7 +542,8 @@ def scenario_paths(env, out):
     for setting in ("ddp", "fsdp2"):
         run((setting, "make_train_step"), _train_step_path, setting, inplace=False)
         run((setting, "make_train_step.step_"), _train_step_path, setting, inplace=True)
-    out.update(reference=reference, table=table, kernel_calls=calls, refusals=_refusals(env))
+    out.update(reference=reference, table=table, kernel_calls=calls, refusals=_refusals(env),
+               moment_alerts=_moment_alerts(env))
 
 
 def scenario_misuse(env, out):

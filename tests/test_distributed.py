@@ -272,6 +272,23 @@ def test_bad_sharded_input_is_refused_naming_the_leaf(paths):
 def test_leaves_sharded_and_replicated_in_one_step_count_each_whole_tensor_once(paths):
     for out in paths:  # fused and generic clip, against the single-process clip of the full tensors
         assert max(out["refusals"]["mixed_layout_diffs"]) <= 1e-6, out["refusals"]["mixed_layout_diffs"]
+        err = out["refusals"]
+        assert abs(float(err["global_norm_group_in_step"]) - float(err["global_norm_want"])) <= 1e-5
+        # a clip group that does not span the mesh: named, before any write
+        assert f"clip_by_global_norm: group spans ranks [{out['rank']}] but the DTensor params lie on a mesh of " \
+            "ranks [0, 1]" in err["clip_group_conflict"], err["clip_group_conflict"]
+        assert err["clip_group_conflict_untouched"]
+
+
+@slow
+def test_a_moment_overflow_in_one_ranks_shard_is_named_on_every_rank(paths):
+    assert [out["moment_alerts"]["local_only"] for out in paths] == [[], ["w"]]  # what group= is for
+    for out in paths:
+        alerts = out["moment_alerts"]
+        assert alerts["with_group"] == ["w"], out["rank"]
+        assert alerts["health_with_group"] == "unhealthy", out["rank"]
+        assert len(alerts["stats_health_with_group"]) == 1 and "'w'" in alerts["stats_health_with_group"][0]
+        assert alerts["dtensor"] == ["w"], out["rank"]  # DTensor moments: over their mesh, no group needed
 
 
 # ----------------------------------------------------------------------------------------------

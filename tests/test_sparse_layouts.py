@@ -146,6 +146,41 @@ def test_module_trainer_and_make_train_step_refuse_a_sparse_embedding_gradient_b
         train.step(train.init(), x)
 
 
+def test_the_flat_trainer_refuses_a_sparse_embedding_by_name_before_packing():
+    # its backward would add the COO gradient into the dense gradient view in place, unnoticed
+    model = _embedding_model()
+    before = [(t.data_ptr(), t.detach().clone()) for t in model.parameters()]
+    with pytest.raises(TypeError, match="'0.weight' belongs to an nn.Embedding.* sparse=True"):
+        af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=dls(), flat=True)
+    assert all(t.data_ptr() == ptr and torch.equal(t, old) for t, (ptr, old) in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("when", ["before_the_trainer", "before_a_step"])
+def test_the_flat_trainer_refuses_a_hand_assigned_sparse_gradient_by_name(when):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(3, 4))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sparse_grad = torch.ones(4, 3).to_sparse()
+    if when == "before_the_trainer":
+        model[1].weight.grad = sparse_grad
+        with pytest.raises(TypeError, match="'1.weight' has layout torch.sparse_coo"):
+            af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=dls(), flat=True)
+        return
+    trainer = af.ModuleTrainer(model, af.adamw(1e-3), loss_scale=dls(), flat=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # fresh tensors, copied into the gradient views at the step
+    model[1].weight.grad = sparse_grad
+    before = [t.detach().clone() for t in model.parameters()]
+    state = trainer.state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # every .grad replaced: the flat trainer's warning
+        with pytest.raises(TypeError, match="'1.weight' has layout torch.sparse_coo"):
+            trainer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert trainer.state is state and int(trainer.state.skipped) == 0
+
+
 @pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
 @pytest.mark.parametrize("call", ["step", "unscale_", "fused_optimizer"])
 def test_the_grad_scaler_refuses_a_compressed_gradient_by_name(layout, call):

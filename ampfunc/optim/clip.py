@@ -27,7 +27,9 @@ def global_norm(tree, group=None) -> torch.Tensor:
         dimensions they are sharded on).
       group: a ``torch.distributed`` process group over which plain leaves are *local shards*
         of tensors sharded over it (their sums of squares are all-reduced); None for a
-        single process or replicated (DDP) gradients.
+        single process or replicated (DDP) gradients. DTensor leaves, and the local shards of
+        a step on DTensor params, follow their mesh (a replicated mesh dimension counts once):
+        there ``group`` is redundant, and refused by name unless it spans the mesh's ranks.
 
     Returns:
       A 0-d fp32 tensor on the leaves' device.
@@ -43,8 +45,9 @@ def global_norm(tree, group=None) -> torch.Tensor:
     DTensors); no host sync.
     """
     _, leaves = float_leaves_with_paths(tree, "tree")
-    if group is None and shards.active() is not None:  # inside a step on DTensors' local shards
-        return shards.active().reduce(None, leaves)[1]
+    sharding = shards.active_over(group, "global_norm")
+    if sharding is not None:  # inside a step on DTensors' local shards: the mesh decides
+        return sharding.reduce(None, leaves)[1]
     if group is not None or dist.any_dtensor(leaves):
         return dist.sharded_global_norm(tree, group)
     # check_norm: squares summed so that the sum cannot overflow while every value is finite.
@@ -62,8 +65,11 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
       max_norm: the threshold, a positive number.
       group: with a ``torch.distributed`` process group the updates are taken to be local
         shards of tensors sharded over ``group`` and the norm is all-reduced over it (see
-        :func:`global_norm`); DTensor leaves are handled with or without it. A transform with
-        ``group`` runs on the generic path (a collective sits between the norm and the update).
+        :func:`global_norm`). With DTensor params (FSDP2, HSDP, ``distribute_tensor``) the mesh
+        decides (a leaf replicated on a mesh dimension counts once) and ``group`` is not needed:
+        given, it must span the mesh's ranks (else ``ValueError`` by name), and the norm is the
+        same as without it. A transform with ``group`` runs on the generic path (a collective
+        sits between the norm and the update); without, on DTensor params, on the fused one.
 
     Returns:
       A stateless (:class:`~ampfunc.transform.EmptyState`) ``GradientTransformation``; without ``group``
@@ -95,9 +101,10 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         _, leaves = float_leaves_with_paths(updates, "clip_by_global_norm: updates")
         if not leaves:
             return updates, state
-        sharding = shards.active() if group is None else None
+        # local shards inside a step on DTensors: the norm of the whole tensors, each counted
+        # once however it lies on the mesh (ampfunc.shards); group, if given, must span the mesh
+        sharding = shards.active_over(group, "clip_by_global_norm")
         if group is not None or sharding is not None or dist.any_dtensor(leaves):
-            # local shards inside a step on DTensors: the norm of the whole tensors (ampfunc.shards)
             norm = sharding.reduce(None, leaves)[1] if sharding is not None else \
                 dist.sharded_global_norm(updates, group)
             return dist.scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
