@@ -50,6 +50,7 @@ __all__ = [
     "map_midpoints",
     "q8_absmax_numel",
     "q8_eligible",
+    "q8_lookup",
     "quantize_q8",
     "split_bf16",
 ]
@@ -77,10 +78,12 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
       for ties and non-finite values.
 
     Example:
-      >>> x = torch.tensor([1.0 + 2.0 ** -9, -3.0e38, 0.1])
+      >>> x = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8])  # two ties
       >>> hi, lo = split_bf16(x)
-      >>> hi.tolist(), bool((join_bf16(hi, lo).view(torch.int32) == x.view(torch.int32)).all())
-      ([1.0078125, -2.9980...e+38, 0.10009765625], True)
+      >>> hi.tolist(), x.to(torch.bfloat16).tolist(), lo.tolist()  # away from zero; to even
+      ([1.0078125, 1.015625], [1.0, 1.015625], [-32768, -32768])
+      >>> bool((join_bf16(hi, lo).view(torch.int32) == x.view(torch.int32)).all())
+      True
 
     Cost: a few elementwise int32 passes (the fused kernels do it in registers); no host sync.
     """
@@ -183,6 +186,58 @@ def map_midpoints(signed: bool, device=None) -> torch.Tensor:
       255
     """
     return torch.tensor(_midpoint_values(bool(signed)), dtype=torch.float32, device=device)
+
+
+_LOOKUP_PAD = 16
+
+
+@functools.cache
+def _lookup_cpu() -> tuple:
+    maps, bases = [], []
+    for signed in (True, False):
+        qmap = dynamic_map(signed)
+        # The 256th midpoint is NaN: every comparison with it is false (code 255 stays 255).
+        mids = torch.cat([map_midpoints(signed), torch.tensor([float("nan")])])
+        # Per top half of an fp32 pattern (sign, exponent, 7 mantissa bits): the code of the
+        # bucket's lowest value. A bucket holds at most one midpoint (checked below), so a
+        # value's code is its bucket's code plus one comparison with the next midpoint.
+        top = torch.arange(1 << 16, dtype=torch.int64)
+        ends = []
+        for low in (0, 0xFFFF):
+            raw = (top << 16) | low
+            ends.append(torch.where(raw >= 2 ** 31, raw - 2 ** 32, raw).to(torch.int32).view(torch.float32))
+        lowest, highest = torch.minimum(*ends), torch.maximum(*ends)
+        first = torch.searchsorted(mids[:-1], lowest, right=True)
+        last = torch.searchsorted(mids[:-1], highest, right=True)
+        nan = torch.isnan(ends[0]) | torch.isnan(ends[1])
+        assert bool(((last - first) <= 1)[~nan].all()), "a bucket holds two midpoints"
+        base = torch.where(nan, torch.full_like(first, 255), first)
+        base[0xFF80] = 0  # -inf (its bucket's other patterns are NaN, which the kernels test first)
+        maps += [qmap, mids]
+        # padded, so that a 4-byte vector gather at the last index stays inside the row
+        bases.append(torch.cat([base.to(torch.uint8), torch.zeros(_LOOKUP_PAD, dtype=torch.uint8)]))
+    return torch.cat(maps), torch.stack(bases)
+
+
+def q8_lookup(device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables the fused kernels quantize with: ``(maps, bases)``.
+
+    ``maps`` is float32 ``(1024,)``: the signed map, its 255 midpoints and a NaN, the
+    unsigned map, its midpoints and a NaN. ``bases`` is uint8 ``(2, 65552)`` (signed,
+    unsigned): for each top 16 bits of an fp32 pattern, the code of the smallest value with
+    them, then 16 bytes of padding. Every such bucket holds at most one midpoint, so :func:`quantize_q8`'s code of a
+    non-NaN ``y`` is ``b + (y >= mid[b])`` with ``b = bases[bits(y) >> 16]``: one load and
+    one comparison instead of a binary search (NaN: 255).
+
+    Example:
+      >>> maps, bases = q8_lookup()
+      >>> maps.shape, bases.shape
+      (torch.Size([1024]), torch.Size([2, 65552]))
+
+    Cost: built once on the CPU (cached), then one copy per call to another device.
+    """
+    maps, bases = _lookup_cpu()
+    return maps.to(device), bases.to(device)
 
 
 def q8_eligible(numel: int) -> bool:

@@ -225,3 +225,22 @@ def test_q8_eligibility_and_refusals():
         quantize_q8(torch.ones(256, dtype=torch.bfloat16), True)
     with pytest.raises(ValueError, match="absmax"):
         dequantize_q8(torch.zeros(512, dtype=torch.uint8), torch.ones(3), True)
+
+
+def test_the_kernels_lookup_gives_the_searchsorted_codes():
+    # the fused kernels' quantizer: code = bases[bits >> 16] + (y >= mid[base]), NaN -> 255;
+    # over a sweep of every 4093rd 32-bit pattern (all signs, exponents, NaN and inf)
+    from ampfunc.lowbits import q8_lookup
+
+    maps, bases = q8_lookup()
+    raw = torch.arange(0, 2 ** 32, 4093, dtype=torch.int64)
+    y = torch.where(raw >= 2 ** 31, raw - 2 ** 32, raw).to(torch.int32).view(torch.float32)
+    for row, signed in enumerate((True, False)):
+        mids = maps[256 * (2 * row + 1): 256 * (2 * row + 2)]
+        assert bool(torch.isnan(mids[255])) and bool((mids[:255] == map_midpoints(signed)).all())
+        base = bases[row, :65536][raw >> 16].to(torch.int64)
+        code = base + (y >= mids[base]).to(torch.int64)
+        code = torch.where(torch.isnan(y), 255, code)
+        ref = torch.searchsorted(map_midpoints(signed), y, right=True)
+        assert bool((code == ref).all())
+        assert bool((maps[512 * row: 512 * row + 256] == dynamic_map(signed)).all())
