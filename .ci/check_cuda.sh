@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA kernels (ext/cuda/*.cu) for sm_80 and sm_90 with plain nvcc:
 # no GPU needed, no torch headers involved; then a syntax check of the CUDA glue in
-# ext/bindings.cpp (torch headers, when torch is importable). Exits non-zero when any file fails to compile;
+# ext/bindings.cpp and ext/glue/ (one translation unit, torch headers, when torch is importable). Exits non-zero when any file fails to compile;
 # skips (exit 0, with a message) when nvcc is not on the machine.
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -109,7 +109,7 @@ def env_flag(name: str, default: bool = False) -> bool:
                      f"or unset ({'on' if default else 'off'})")
 
 
-# The pool's byte limit is a size_t that pool_stats() reports as an int64 (ext/bindings.cpp):
+# The pool's byte limit is a size_t that pool_stats() reports as an int64 (ext/glue/cpu_pool.h):
 # a larger number of MB would wrap.
 _POOL_MB_MAX = (2**63 - 1) >> 20
 
@@ -118,7 +118,7 @@ def cpu_pool_mb() -> int | None:
     """``AMPFUNC_CPU_POOL_MB`` as a whole number of megabytes, or None when unset (the library's
     default, 2048); ``0`` turns the CPU output pool off.
 
-    ext/bindings.cpp reads the variable itself when the pool is first used (it warns on stderr
+    ext/glue/cpu_pool.h reads the variable itself when the pool is first used (it warns on stderr
     and keeps the default for a bad value set after loading); :func:`load` calls this first so a
     bad value (``2G``, ``0.5``, ``-1``, ``abc``, more than an int64 of bytes) is refused by name
     instead of misread (``strtoull`` took ``2G`` as 2 MB and ``abc`` as 0, the pool off).
@@ -246,7 +246,7 @@ def _cuda_target() -> dict:
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if not archs and torch.cuda.is_available():
-        archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+        archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
                                  for i in range(torch.cuda.device_count())}))
     return {"cuda": torch.version.cuda, "cuda_home": str(CUDA_HOME), "archs": archs}
 
@@ -404,7 +404,7 @@ def _lock_is_free(lock_path: Path) -> bool:
     except ImportError:
         return False  # cannot tell: age decides
     try:
-        with open(lock_path, "r") as f:
+        with open(lock_path) as f:
             if not _try_flock(f):
                 return False
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -515,7 +515,8 @@ def _failure_message(exc: BaseException, kind: str, entry: Path) -> str:
         where = f"full output in {log}"
     except OSError:
         where = "full output with AMPFUNC_REQUIRE_EXT=1"
-    msg = f"building the {kind} kernels failed: {_failure_cause(text)} ({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output"
+    msg = (f"building the {kind} kernels failed: {_failure_cause(text)} "
+           f"({where}; AMPFUNC_EXT_VERBOSE=1 shows the compiler's output")
     raw_march = os.environ.get("AMPFUNC_EXT_MARCH", "").strip()
     if raw_march:
         msg += f"; AMPFUNC_EXT_MARCH={raw_march!r} is set"
@@ -540,7 +541,7 @@ def _load_library(path: Path) -> None:
 
 def direct_module():
     """The loaded library's direct door (eager CPU calls that skip the dispatcher; see
-    ext/bindings.cpp, namespace ``direct``), or None when no library is loaded or it has none."""
+    ext/glue/direct.h, namespace ``direct``), or None when no library is loaded or it has none."""
     if not _LOADED:
         return None
     lib = ctypes.PyDLL(str(_LOADED[0]))  # PyDLL: the call holds the GIL and raises a set error

@@ -9,8 +9,10 @@ The rules (the practice guide's, made concrete):
 
 * CUDA from sm80 (Ampere, Ada, Hopper, Blackwell): bf16 compute, fp32 params, no loss scaling
   (bf16 has fp32's exponent range).
-* CUDA before sm80 (Volta, Turing; Pascal runs fp16 but without tensor cores): fp16 compute
+* CUDA from sm60 to before sm80 (Pascal without tensor cores, Volta, Turing): fp16 compute
   with ``DynamicLossScale`` (fp16 tops out at 65504 and flushes gradients below ~6e-8 to zero).
+* CUDA before sm60 (Maxwell, Kepler): fp32, with no loss scaling: they have neither bf16 nor
+  fast fp16 arithmetic.
 * fp8 (sm89 / sm90+ only) is offered only when this ampfunc ships ``ampfunc.fp8``.
 * CPU: bf16 where the CPU has native bf16 instructions (AVX512-BF16, AMX-BF16, Arm BF16),
   else fp32: elsewhere bf16 is emulated and slower than fp32.
@@ -23,14 +25,14 @@ import numbers
 import platform
 import re
 from collections import abc
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from ampfunc.policy import Policy, get_policy
 
-__all__ = ["Recommendation", "recommend_policy", "cpu_bf16_flags"]
+__all__ = ["Recommendation", "recommend_policy"]
 
 # Instruction-set flags (Linux /proc/cpuinfo names) that execute bf16 arithmetic natively.
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX, Arm FEAT_BF16
@@ -116,10 +118,13 @@ def _check_capability(capability) -> tuple:
         if isinstance(c, bool) or not isinstance(c, numbers.Integral):
             raise TypeError(f"recommend_policy: capability must be a (major, minor) pair of ints, got "
                             f"{capability!r} (holding a {type(c).__name__})")
-        if c < 0:
-            raise ValueError(f"recommend_policy: capability must be a (major, minor) pair of ints >= 0, "
-                             f"got {capability!r}")
-    return (int(capability[0]), int(capability[1]))
+    major, minor = int(capability[0]), int(capability[1])
+    # Every CUDA compute capability so far is major >= 1 with a one-digit minor (1.0 .. 12.1).
+    if major < 1 or not 0 <= minor <= 9:
+        raise ValueError(f"recommend_policy: capability={capability!r} is no CUDA compute capability (major >= 1, "
+                         "minor 0-9, e.g. (7, 0) for a V100, (8, 0) for an A100): pass the GPU's "
+                         "torch.cuda.get_device_capability()")
+    return (major, minor)
 
 
 def recommend_policy(device: Union[str, torch.device, None] = None, *,
@@ -133,8 +138,9 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
       device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` (``"cuda"``
         when ``capability`` is given, ``"cpu"`` when ``cpu_flags`` is given, else CUDA when
         available, else CPU).
-      capability: ``(major, minor)`` CUDA compute capability (two ints >= 0; bools are not
-        ints) to plan for a GPU you do not have; by default the device's own. Refused
+      capability: ``(major, minor)`` CUDA compute capability (two ints, ``major >= 1`` and
+        ``minor`` in 0-9; bools are not ints) to plan for a GPU you do not have; by default the
+        device's own. Refused
         (``ValueError``) for a CPU plan, where it has no meaning.
       cpu_flags: instruction flags to plan for a CPU you do not have: a list of flags (e.g.
         ``["avx512_bf16"]``) or one string of them separated by whitespace or commas (e.g.
@@ -212,15 +218,15 @@ def _recommend_cpu(flag_set, requirements) -> Recommendation:
     if flags:
         return Recommendation(
             get_policy("p=f32,c=bf16,o=f32"), NoOpLossScale(),
-            f"{cpu[0].upper()}{cpu[1:]} executes bf16 natively ({', '.join(flags)}): bf16 compute halves activation memory "
-            "and bandwidth, and bf16 keeps fp32's exponent range, so no loss scaling is needed.",
+            f"{cpu[0].upper()}{cpu[1:]} executes bf16 natively ({', '.join(flags)}): bf16 compute halves "
+            "activation memory and bandwidth, and bf16 keeps fp32's exponent range, so no loss scaling is needed.",
             requirements + ["norm layers' params in fp32 (cast_params(..., keep=af.norm_layers(model)))",
                             "torch CPU build with oneDNN (torch.backends.mkldnn.is_available())"],
             "bf16", "cpu")
     return Recommendation(
         get_policy("full"), NoOpLossScale(),
-        f"{cpu[0].upper()}{cpu[1:]} has no native bf16 instructions (avx512_bf16, amx_bf16 or Arm bf16): bf16 and fp16 would "
-        "be emulated and slower than fp32, so train in fp32.",
+        f"{cpu[0].upper()}{cpu[1:]} has no native bf16 instructions (avx512_bf16, amx_bf16 or Arm bf16): "
+        "bf16 and fp16 would be emulated and slower than fp32, so train in fp32.",
         requirements + ["for bf16 on CPU: a CPU with AVX512-BF16 (Cooper Lake, Zen 4+), AMX (Sapphire Rapids+) "
                         "or Arm BF16 (Neoverse V1+, Apple M2+)"],
         "fp32", "cpu")
@@ -242,7 +248,8 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
             "no loss scaling is needed.",
             requirements + [f"CUDA capability >= 8.9 (this plan: {sm})",
                             "fp8 = af.fp8.fp8_policy(model, exclude=(<output head>,)); state8 = fp8.init('cuda'); "
-                            "differentiate the state too (grad(loss_fn, argnums=(0, 1))) or make_train_step(..., fp8=fp8)",
+                            "differentiate the state too (grad(loss_fn, argnums=(0, 1))) or "
+                            "make_train_step(..., fp8=fp8)",
                             "Linear in/out features multiples of 16 (other shapes are padded)",
                             "compile the step (torch.compile): eager fp8 adds quantisation passes"],
             "fp8", "cuda", capability)
@@ -260,6 +267,14 @@ def _recommend_cuda(capability, n_params, stability, requirements) -> Recommenda
             f"{sm} has bf16 tensor cores: bf16 compute runs at fp16 speed with fp32's exponent range, "
             "so gradients neither overflow nor flush to zero and no loss scaling is needed.",
             reqs, "bf16", "cuda", capability)
+    if capability < (6, 0):
+        return Recommendation(
+            get_policy("full"), NoOpLossScale(),
+            f"{sm} has neither bf16 nor fast fp16 arithmetic (fast fp16 from sm60, tensor cores from sm70): "
+            "fp16 compute would run no faster than fp32 and need loss scaling, so train in fp32.",
+            requirements + [f"for mixed precision: CUDA capability >= 6.0 for fast fp16, >= 8.0 for bf16 "
+                            f"(this plan: {sm})"],
+            "fp32", "cuda", capability)
     hysteresis = 2 if stability == "high" else 1
     tensor_cores = capability >= (7, 0)
     return Recommendation(

@@ -7,7 +7,7 @@ Three rules make a mixed-precision step correct across processes, and each has a
   :func:`agree_finite`: a MAX all-reduce of one float, on the device, no host sync);
 * under sharding (FSDP2's ``fully_shard``, DTensor) each rank holds only its shards, so the
   global gradient norm for clipping is the all-reduced sum of the local sums of squares:
-  :func:`sharded_global_norm`, used by ``ampfunc.global_norm(tree, group)`` and
+  :func:`sharded_global_norm`, used by ``ampfunc.optim.global_norm(tree, group)`` and
   ``ampfunc.clip_by_global_norm(max_norm, group=group)``;
 * sharded optimizer state is saved and loaded per rank: :func:`save_sharded`, :func:`load_sharded`.
 
@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-import sys
-import warnings
-
 from ampfunc import ops
-from ampfunc.transform import EmptyState, GradientTransformation
 from ampfunc.tree import PyTree, leaves_with_paths, tree_flatten, tree_map, tree_structure, tree_unflatten
 
 __all__ = [
@@ -87,7 +84,7 @@ def agree_finite(finite: torch.Tensor, group) -> torch.Tensor:
     Example:
       >>> import torch.distributed as dist
       >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-      >>> af.agree_finite(torch.tensor(True), None), af.agree_finite(torch.tensor(False), None)
+      >>> af.dist.agree_finite(torch.tensor(True), None), af.dist.agree_finite(torch.tensor(False), None)
       (tensor(True), tensor(False))
       >>> dist.destroy_process_group()
 
@@ -227,6 +224,8 @@ def all_reduce_mean(tree: PyTree, group=None) -> PyTree:
 
 
 def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (False, without importing
+    ``torch.distributed.tensor``, while nothing has imported it)."""
     return _dtensor_loaded() and isinstance(x, _dtensor_types()[0])
 
 
@@ -319,33 +318,6 @@ def scale_tree(tree: PyTree, coef: torch.Tensor) -> PyTree:
         return u
 
     return tree_map(scale, tree)
-
-
-def global_norm(tree: PyTree, group=None) -> torch.Tensor:
-    """Deprecated alias of :func:`sharded_global_norm`; use ``ampfunc.global_norm(tree, group)``
-    (one name for the norm, sharded or not). Removed in the next release."""
-    warnings.warn("ampfunc.dist.global_norm is deprecated: use ampfunc.global_norm(tree, group=group)",
-                  DeprecationWarning, stacklevel=2)
-    return sharded_global_norm(tree, group)
-
-
-def clip_by_global_norm(max_norm: float, group=None) -> GradientTransformation:
-    """Deprecated: use ``ampfunc.clip_by_global_norm(max_norm, group=group)``, which takes the
-    sharded norm whenever ``group`` is given or a leaf is a DTensor. Removed in the next release.
-    """
-    warnings.warn("ampfunc.dist.clip_by_global_norm is deprecated: use "
-                  "ampfunc.clip_by_global_norm(max_norm, group=group)", DeprecationWarning, stacklevel=2)
-    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0):
-        raise ValueError(f"clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}")
-
-    def init(params):
-        return EmptyState()
-
-    def update(updates, state, params=None):
-        norm = sharded_global_norm(updates, group)
-        return scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
-
-    return GradientTransformation(init, update)
 
 
 # ----------------------------------------------------------------------------------------------

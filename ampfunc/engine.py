@@ -28,18 +28,19 @@ import re
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
 
 from ampfunc import ops
 from ampfunc.dist import agree_finite, any_dtensor
 from ampfunc.flat import copy_packed
-from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for, plan_for_torch_group
+from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for
 from ampfunc.loss_scale import DynamicLossScale, LossScale
+from ampfunc.shards import active as active_sharding, local_view
 from ampfunc.transform import GradientTransformation, apply_updates
 from ampfunc.tree import (
     PyTree,
     aligned_leaves,
     arithmetic_dtype,
+    check_dense,
     check_same_structure,
     dict_values_aligned,
     float_leaves_with_paths,
@@ -54,8 +55,7 @@ from ampfunc.tree import (
     tree_unflatten,
 )
 
-__all__ = ["MixedPrecisionState", "Engine", "validate_step", "check_no_overlap", "skip_stats", "torch_step_",
-           "torch_step_supported"]
+__all__ = ["MixedPrecisionState", "Engine", "validate_step", "check_no_overlap", "skip_stats"]
 
 # Whether the ops validate every call before writing (shapes across lists, overlapping or
 # aliased written tensors, meta/foreign devices, dtypes) and name the list and index at fault
@@ -72,7 +72,7 @@ class MixedPrecisionState(NamedTuple):
     """The state of a mixed-precision step (a pytree of tensors; ``torch.save``-able).
 
     Made by ``mixed_precision(...).init(params)``. Read ``finite`` and ``skipped`` without a
-    host sync as tensors (``af.record``), or with ``bool(state.finite)`` /
+    host sync as tensors (``af.monitor.record``), or with ``bool(state.finite)`` /
     ``int(state.skipped)`` when a sync is fine (logging every N steps).
 
     Attributes:
@@ -189,8 +189,9 @@ def check_no_overlap(where: str, named: list) -> None:
     A leaf that overlaps itself (``expand()``, stride 0) or two leaves whose memory overlaps
     (the same tensor twice, overlapping views) raise ``ValueError`` naming the leaf path(s):
     the kernels would write that memory twice. So does an inference tensor outside inference
-    mode (torch refuses to update one in place, after the leaves before it were written). Cost: a few attribute reads per leaf and one
-    sort; the engine runs it once per set of tensors (cached by identity), not per step.
+    mode (torch refuses to update one in place, after the leaves before it were written).
+    Cost: a few attribute reads per leaf and one sort; the engine runs it once per set of
+    tensors (cached by identity), not per step.
     """
     written = []
     inference_ok = torch.is_inference_mode_enabled()
@@ -222,7 +223,13 @@ _KERNEL_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
 
 def _blame(err: Exception, where: str, lists: dict) -> Exception:
     """A kernel's error ("ampfunc: grads[2] has shape ...") as the same exception type with the
-    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only."""
+    leaf paths and tree names ("grads leaf 'enc.w' has shape ..."); runs on the error path only.
+    A sparse leaf is named first: a compressed layout (CSR, ...) fails in torch naming none."""
+    try:
+        for tree_name, tree in lists.values():
+            check_dense(tree, f"{where}: {tree_name}")
+    except TypeError as sparse:
+        return sparse
     msg = str(err)
     if msg.startswith("ampfunc: "):
         msg = msg[len("ampfunc: "):]
@@ -349,6 +356,11 @@ class Engine:
 
         Cost: one copy of the params when a master is needed, plus the inner state.
         """
+        view = local_view(params, where=f"{self.where}.init")
+        if view is not None:
+            # DTensor params: the state is made per rank on the local shards, as plain tensors
+            # (ampfunc.shards); the steps unwrap the params the same way.
+            params = view.params
         paths, leaves = float_leaves_with_paths(params, f"{self.where}.init: params")
         for path, leaf in zip(paths, leaves):
             if leaf.device.type == "meta":
@@ -500,7 +512,8 @@ class Engine:
         # refusal can be retried on the generic path with nothing done twice (no hook has seen
         # this step's check, no collective ran): reading 10,000 dtypes costs ~1 ms a step.
         deferred = on_dev and KERNELS_VALIDATE and not compiling and self.group is None and \
-            self.on_check is None and (not lined.g or lined.g[0].dtype in KERNEL_GRAD_DTYPES)
+            active_sharding() is None and self.on_check is None and \
+            (not lined.g or lined.g[0].dtype in KERNEL_GRAD_DTYPES)
         fused = on_dev and (deferred or set(_attrs("dtype", lined.g)) <= KERNEL_GRAD_DTYPES)
         if not (fused and KERNELS_VALIDATE):
             p_shapes = self._validate_grads(where, named, trust_grads, p_shapes)
@@ -553,6 +566,11 @@ class Engine:
         cloned: 0-d or empty in practice). Generic: the pure primitives. No host sync.
         """
         where = where or f"{self.where}.step"
+        view = local_view(params, grads, where=where)
+        if view is not None:  # DTensor params: the step on the local shards, the ranks agreeing
+            with view.sharding:
+                new_params, new_state = self.step(view.params, view.grads, state, where=where, trust_grads=trust_grads)
+            return view.wrap(new_params), new_state
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads)
         if prep.opt is not None:
             out = self._fused(params, grads, state, prep, where, trust_grads)
@@ -609,7 +627,7 @@ class Engine:
         new_opt = opt._replace(**{f: written[f] if f in written else _cloned(getattr(opt, f)) for f in opt._fields})
         new_inner = self.plan.replace_opt_state(state.inner, new_opt, _cloned)
         ls = state.loss_scale
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         if new_ls is ls:  # static and no-op scales return themselves; the result owns its tensors
             new_ls = _cloned(ls)
         dev = opt.step.device
@@ -621,11 +639,14 @@ class Engine:
         grads32, finite = ls.unscale_and_check(grads, f"{where}: grads")
         if self.group is not None:
             finite = agree_finite(finite, self.group)
+        sharding = active_sharding()
+        if sharding is not None:  # local shards of DTensor params: every rank of the mesh agrees
+            finite = sharding.reduce(finite)[0]
         ref = state.master if state.master is not None else params
         updates, new_inner = self.inner.update(grads32, state.inner, ref)
         new_ref = apply_updates(ref, updates)
         new_ref, new_inner = select_tree(finite, (new_ref, new_inner), (ref, state.inner))
-        new_ls = ls.adjust(finite.to(ls.loss_scale.device))
+        new_ls = ls._adjust(finite.to(ls.loss_scale.device))
         device = state.finite.device if state.finite is not None else finite.device
         f, skipped = _next_stats(finite, state.finite, state.skipped, device)
         if state.master is None:
@@ -663,6 +684,11 @@ class Engine:
         param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
         """
         where = where or f"{self.where}.step_"
+        view = local_view(params, grads, where=where)
+        if view is not None:  # DTensor params: their local shards alias them, written in place
+            with view.sharding:
+                _, state = self.step_(view.params, view.grads, state, where=where, trust_grads=trust_grads)
+            return params, state
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
         lined, opt = prep.lined, prep.opt
         if opt is not None:
@@ -679,7 +705,7 @@ class Engine:
                 ls = state.loss_scale
                 with torch.no_grad():
                     if isinstance(ls, DynamicLossScale):
-                        ls.adjust_(finite.to(ls.loss_scale.device))
+                        ls._adjust_(finite.to(ls.loss_scale.device))
                 return params, self._commit_stats(state, finite)
         if opt is None:
             self._generic_hook(params, grads, lined)
@@ -729,185 +755,3 @@ def _copy_into(dst: PyTree, src: PyTree) -> None:
     for d, s in zip(tree_leaves(dst), tree_leaves(src)):
         if isinstance(d, torch.Tensor) and d is not s:
             d.copy_(s)
-
-
-# -- a torch optimizer's own step, fused (the apex facades' master weights) -----------------------
-#
-# apex's FP16_Optimizer owns a torch optimizer and decides the skip on the host (its API prints
-# and returns early), so its step is not Engine.step_: the facade checks the gradients and
-# updates its scale itself, then hands the engine the lists below. The engine runs the torch
-# optimizer's update through the fused plan on the optimizer's OWN state tensors (so its
-# state_dict, LR schedulers and a later torch step keep working), or says it cannot.
-
-
-class _Call(NamedTuple):
-    plan: FusedPlan
-    params: list
-    grads: list
-    model: Optional[list]
-    slots: list
-    step: float
-    grad_scale: Any
-
-
-def _plain_torch_step(optimizer, instead_of=None) -> bool:
-    """Whether the step the caller replaces (``instead_of``, else ``optimizer.step``) is torch's
-    own, with no hooks: besides torch's bound step, only an LR scheduler's counting wrapper of it."""
-    if instead_of is None:
-        own = optimizer.__dict__.get("step")
-    else:  # a facade that patched optimizer.step names the step it wrapped
-        bound = getattr(instead_of, "__self__", None) is optimizer and \
-            getattr(instead_of, "__func__", None) is type(optimizer).step
-        own = None if bound else instead_of
-    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
-                                and getattr(own, "__wrapped__", type(optimizer).step) is type(optimizer).step):
-        return False  # a scheduler's wrapper counts only around torch's step, not around a patch
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
-        return False
-    # torch's global hooks (register_optimizer_step_pre_hook / _post_hook) run for every optimizer.
-    return not any(getattr(_torch_optimizer, name, None)
-                   for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
-
-
-def torch_step_supported(optimizer, *, instead_of=None) -> bool:
-    """Whether :func:`torch_step_` may run ``optimizer``'s step (its class, flags and hooks; the
-    state is judged when stepping; ``instead_of`` as there). Cost: a few dictionary reads per
-    param group."""
-    return _plain_torch_step(optimizer, instead_of) and all(
-        plan_for_torch_group(optimizer, g) is not None for g in optimizer.param_groups)
-
-
-def _fp32_like(t, p) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.layout == torch.strided and \
-        t.device == p.device and t.shape == p.shape and not t.requires_grad
-
-
-def _torch_slots(plan: FusedPlan, state, p):
-    """``(slots, step, new_state)`` for param ``p`` with torch state ``state`` (None: none yet):
-    the kernel's state tensors, the step count the kernel must see, and the state torch would
-    create lazily (None when it exists); None when the state is not what the kernels take."""
-    if plan.kind == "sgd":
-        if plan.hparams["momentum"] == 0:
-            return [], 0.0, None
-        buf = state.get("momentum_buffer") if state else None
-        if buf is None:  # torch's first step copies the gradient: the kernel does so at step 0
-            buf = torch.empty_like(p, memory_format=torch.preserve_format)
-            return [buf], 0.0, {"momentum_buffer": buf}
-        return ([buf], 1.0, None) if _fp32_like(buf, p) else None
-    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if plan.hparams["amsgrad"] else ())
-    if not state:  # torch's lazy init: zero moments, a CPU fp32 step count at 0
-        if torch.get_default_dtype() != torch.float32:  # torch's step count would be float64
-            return None
-        new = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        new.update((n, torch.zeros_like(p, memory_format=torch.preserve_format)) for n in names)
-        return [new[n] for n in names], new["step"], new
-    step = state.get("step")
-    if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32
-            and step.device.type == "cpu" and not step.requires_grad):
-        return None
-    slots = [state.get(n) for n in names]
-    return (slots, step, None) if all(_fp32_like(s, p) for s in slots) else None
-
-
-def torch_step_(optimizer, lists: list, *, instead_of=None) -> bool:
-    """One ``optimizer.step()`` of a ``torch.optim`` SGD/Adam/AdamW, fused, on its own state.
-
-    ``lists[i]`` holds, for ``optimizer.param_groups[i]``, segments ``(params, grads,
-    model_params, grad_scale)``: the fp32 params the optimizer owns (masters), their gradients
-    (fp32/fp16/bf16, scaled: the kernel multiplies them by ``grad_scale(device)``, a 0-d fp32
-    tensor; ``grad_scale`` None means 1), and the low-precision model copies that receive the
-    new params (or None). The params of a group missing from its segments must have no
-    gradient. Each (group, segment, device, step count) is one kernel pass that reads the
-    gradient once and writes the param, its state and the model copy: torch's single-tensor
-    update bit for bit on CPU, with torch's lazy state (zero moments, ``step`` tensors on the
-    CPU, SGD's momentum buffer from the first gradient) and per-param ``step`` counts advanced.
-    The caller decided the step is applied (the facade's overflow check), so nothing is skipped.
-    ``instead_of`` is the step the caller would run otherwise, when not ``optimizer.step`` (a
-    facade that patched ``optimizer.step`` passes the step it wrapped): it must be torch's own
-    step of ``optimizer``, or an LR scheduler's wrapper of it (then ``_opt_called`` is recorded
-    as that wrapper would).
-
-    Returns False, having written nothing, when the kernels cannot reproduce the torch step
-    (see :func:`plan_for_torch_group`; hooks; sparse or non-float gradients; state of other
-    dtypes or devices; a param listed twice): the caller runs ``optimizer.step()`` instead.
-
-    Example:
-      >>> ok = torch_step_(opt, [[(masters, fp16_grads, fp16_params, lambda dev: inv_scale)]])
-
-    Cost: the kernel passes plus one stack of the step counts per segment (a CPU read; no
-    device sync), Python work per param.
-    """
-    if len(lists) != len(optimizer.param_groups) or not _plain_torch_step(optimizer, instead_of):
-        return False
-    calls, created, counts = [], [], []
-    state_of = optimizer.state
-    for group, segments in zip(optimizer.param_groups, lists):
-        plan = plan_for_torch_group(optimizer, group)
-        if plan is None:
-            return False
-        listed = set()
-        for params, grads, model, grad_scale in segments:
-            slots_of, fixed, counted = [], {}, []
-            for i, p in enumerate(params):
-                g, m = grads[i], (model[i] if model is not None else None)
-                if id(p) in listed or not (
-                        isinstance(g, torch.Tensor) and g.layout == torch.strided and g.dtype in KERNEL_GRAD_DTYPES
-                        and p.dtype == torch.float32 and p.layout == torch.strided and g.device == p.device
-                        and g.shape == p.shape):
-                    return False
-                listed.add(id(p))
-                if m is not None and not (m.dtype in _MODEL_DTYPES and m.layout == torch.strided
-                                          and m.device == p.device and m.shape == p.shape):
-                    return False
-                got = _torch_slots(plan, state_of.get(p), p)
-                if got is None:
-                    return False
-                slots, step, new = got
-                slots_of.append(slots)
-                if new is not None:
-                    created.append((p, new))
-                if isinstance(step, torch.Tensor):
-                    counted.append(i)
-                    counts.append(step)
-                else:
-                    fixed.setdefault((p.device, step), []).append(i)
-            if counted:  # Adam's per-param counts, read in one go; unequal counts: separate passes
-                values = torch.stack(counts[len(counts) - len(counted):]).tolist()
-                for i, v in zip(counted, values):
-                    fixed.setdefault((params[i].device, v), []).append(i)
-            for (_, v), idx in fixed.items():
-                calls.append(_Call(plan, [params[i] for i in idx], [grads[i] for i in idx],
-                                   None if model is None else [model[i] for i in idx],
-                                   [list(k) for k in zip(*[slots_of[i] for i in idx])], float(v), grad_scale))
-        if any(p.grad is not None and id(p) not in listed for p in group["params"]):
-            return False  # torch would step a param the caller did not list
-    return _run_torch_calls(optimizer, calls, created, counts, optimizer.step if instead_of is None else instead_of)
-
-
-def _run_torch_calls(optimizer, calls: list, created: list, counts: list, replaced) -> bool:
-    state_of = optimizer.state
-    before = [(p, dict(state_of[p]) if p in state_of else None) for p, _ in created]
-    for p, new in created:
-        state_of[p].update(new)
-    with torch.no_grad():
-        for k, c in enumerate(calls):
-            dev = c.params[0].device
-            step = torch.full((), c.step, dtype=torch.float32, device=dev)
-            finite = torch.ones((), dtype=torch.bool, device=dev)
-            gs = c.grad_scale(dev) if c.grad_scale is not None else torch.ones((), dtype=torch.float32, device=dev)
-            try:
-                c.plan.kernel_step_(c.params, c.grads, c.model, c.slots, step, gs, finite)
-            except (RuntimeError, ValueError, TypeError):
-                if k:  # earlier passes wrote: the step cannot be handed back
-                    raise
-                for p, prev in before:  # the kernels validate before writing: nothing was written
-                    if prev is None:
-                        del state_of[p]
-                    else:
-                        state_of[p] = prev
-                return False
-        if counts:
-            torch._foreach_add_(counts, 1.0)  # torch's `step_t += 1`, per param
-    if hasattr(replaced, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True  # what the scheduler's wrapper of step() records
-    return True

@@ -2,7 +2,7 @@
 
 ::
 
-    flat = af.flatten(params)                 # copies every float leaf into its group's buffer
+    flat = af.flat.flatten(params)                 # copies every float leaf into its group's buffer
     flat.buffers                              # tuple of 1-D tensors, one per (device, dtype)
     flat.tree                                 # the pytree again, each float leaf a view of a buffer
     flat.unflatten(other_buffers)             # the same views over other buffers (e.g. gradients)
@@ -61,7 +61,7 @@ class FlatTree:
       tree: (property) the pytree, float leaves as views of ``buffers``, other leaves as given.
 
     Example:
-      >>> flat = af.flatten({"w": torch.ones(2, 3), "b": torch.zeros(3), "step": torch.tensor(0)})
+      >>> flat = af.flat.flatten({"w": torch.ones(2, 3), "b": torch.zeros(3), "step": torch.tensor(0)})
       >>> flat
       FlatTree(2 leaves in 1 buffers: cpu/float32: 9)
       >>> _ = flat.buffers[0].fill_(2.0)                  # writes the leaves of flat.tree
@@ -165,7 +165,7 @@ def flatten(tree: PyTree) -> FlatTree:
       The :class:`FlatTree`: its ``buffers`` hold the copies, its ``tree`` views them.
 
     Example:
-      >>> flat = af.flatten(af.params_of(nn.Linear(4, 2)))
+      >>> flat = af.flat.flatten(af.params_of(nn.Linear(4, 2)))
       >>> flat
       FlatTree(2 leaves in 1 buffers: cpu/float32: 10)
       >>> flat.buffers[0].shape, flat.tree["weight"].shape
@@ -217,7 +217,24 @@ def flatten(tree: PyTree) -> FlatTree:
 
 
 def unflatten(flat: FlatTree, buffers: Sequence[torch.Tensor] | None = None) -> PyTree:
-    """``flat.unflatten(buffers)`` (``flat.tree`` when ``buffers`` is None)."""
+    """The pytree of views into ``buffers`` laid out as ``flat`` (``flat.tree`` when None).
+
+    Args:
+      flat: a :class:`FlatTree` (from :func:`flatten`).
+      buffers: one buffer per group of ``flat``, of its buffers' sizes and dtypes (default: the
+        buffers ``flat`` holds).
+
+    Returns:
+      A pytree of ``flat``'s structure whose leaves are views into ``buffers``.
+
+    Example:
+      >>> flat = af.flat.flatten({"w": torch.ones(2, 3), "b": torch.zeros(3)})
+      >>> tree = af.flat.unflatten(flat, [buf * 2 for buf in flat.buffers])
+      >>> tree["w"].shape, float(tree["w"].sum())
+      (torch.Size([2, 3]), 12.0)
+
+    Cost: one view per leaf; no copy, no host sync.
+    """
     return flat.tree if buffers is None else flat.unflatten(buffers)
 
 

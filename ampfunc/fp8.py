@@ -13,7 +13,7 @@ that goes in and out of the step like the loss scale does. The new state comes b
 returns the advanced input, weight and output-gradient metadata as the gradient of the state it
 was given. So the loop differentiates one more argument and keeps what comes back::
 
-    fp8 = af.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
+    fp8 = af.fp8.fp8_policy(model, exclude=("head",))              # DelayedScaling(history_len=16)
     state8 = fp8.init()
 
     def loss_fn(params, state8, x, y):
@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import inspect
 import sys
+import warnings
 from typing import Any, Iterable, NamedTuple, Union
 
 import torch
@@ -188,6 +189,35 @@ class Fp8LinearState(NamedTuple):
 register_state_classes(Fp8Meta, Fp8LinearState, DelayedScaling, CurrentScaling)
 
 
+def _check_history(state: Fp8LinearState | Fp8Meta, recipe: Recipe, where: str) -> None:
+    """Refuses a state whose amax histories are not ``recipe.history_len`` long, naming ``where``.
+
+    Transformer Engine resizes a module's histories when the recipe's length changes
+    (``adjust_amax_history_length``: the newest entries kept, zeros appended). Here the state is
+    the caller's pytree and comes back as a gradient of the same shape, so it cannot be resized
+    inside the step: a state of another length is refused and :meth:`Fp8Policy.resize_history`
+    does TE's resize explicitly."""
+    metas = [(None, state)] if isinstance(state, Fp8Meta) else list(zip(("input", "weight", "grad_output"), state))
+    for operand, meta in metas:
+        h = meta.amax_history
+        if h.dim() != 1 or h.shape[0] != recipe.history_len:
+            which = "" if operand is None else f".{operand}"
+            raise ValueError(
+                f"{where}{which}.amax_history has shape {tuple(h.shape)} but the recipe's history_len is "
+                f"{recipe.history_len}: the state was made under another recipe. Resize it to the recipe with "
+                "Fp8Policy.resize_history(state) (the newest entries kept, zeros appended, as Transformer "
+                "Engine's adjust_amax_history_length), or run the recipe it was saved with")
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, where: str) -> None:
+    """Refuses a non-floating input or weight, naming ``where``: quantising an integer tensor would
+    return a product in that integer dtype, its values truncated (plain F.linear refuses it too)."""
+    for role, t in (("input", x), ("weight", weight)):
+        if not t.is_floating_point() or t.dtype in _FP8_MAX:
+            raise TypeError(f"{where}: the {role} must be a floating tensor (float32, bfloat16 or float16), got "
+                            f"{t.dtype}: cast it first (policy.cast_to_compute), as a plain nn.Linear needs too")
+
+
 def _new_meta(history_len: int, device) -> Fp8Meta:
     return Fp8Meta(torch.zeros(history_len, dtype=torch.float32, device=device),
                    torch.ones((), dtype=torch.float32, device=device))
@@ -256,8 +286,10 @@ def advance_meta(meta: Fp8Meta, amax: torch.Tensor, fp8_max: float, recipe: Reci
       The 0-d fp32 scale for this use and the advanced :class:`Fp8Meta`.
 
     Example:
-      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, af.fp8.DelayedScaling())
+      >>> recipe = af.fp8.DelayedScaling()
+      >>> scale, meta = af.fp8.advance_meta(meta, x.abs().amax().float(), 448.0, recipe)  # doctest: +SKIP
     """
+    _check_history(meta, recipe, "advance_meta: meta")
     return _used_scale(meta, amax, fp8_max, recipe), _next_meta(meta, amax, fp8_max, recipe)
 
 
@@ -353,7 +385,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: 
       The ``(M, N)`` product in ``out_dtype``.
 
     Example:
-      >>> y = af.fp8.scaled_matmul(xq, wq.t(), 1 / sx, 1 / sw, torch.bfloat16)
+      >>> y = af.fp8.scaled_matmul(xq, wq.t(), 1 / sx, 1 / sw, torch.bfloat16)  # doctest: +SKIP
     """
     if backend == "emulate":
         return ((a.to(torch.float32) * a_inv) @ (b.to(torch.float32) * b_inv)).to(out_dtype)
@@ -506,13 +538,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
       ``(..., out_features)`` in ``x.dtype``.
 
     Example:
-      >>> y = af.fp8.fp8_linear(x, w, b, state8["fc1"])
+      >>> y = af.fp8.fp8_linear(x, w, b, state8["fc1"])  # doctest: +SKIP
     """
     recipe = DelayedScaling() if recipe is None else recipe
     if not isinstance(state, Fp8LinearState):
         raise TypeError(f"fp8_linear: state must be an Fp8LinearState, got {type(state).__name__}")
+    _check_operands(x, weight, "fp8_linear")
+    _check_history(state, recipe, "fp8_linear: state")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)}")
+        raise ValueError(f"fp8_linear: input of shape {tuple(x.shape)} does not fit weight of shape "
+                         f"{tuple(weight.shape)}")
     return _fp8_linear(x, weight, bias, state, recipe, _resolve_backend(backend, x.device), group, None)[0]
 
 
@@ -521,9 +556,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"fp8: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         # On CPU the emulation, even where torch._scaled_mm takes fp8: torch 2.13's CPU kernel
-        # (oneDNN on this AMX Xeon) took 15-66 ms for a 64x64x256 .. 64x256x256 product that the
-        # emulation's fp32 GEMM does in 0.1-0.3 ms (2026-12-01), and the products of fp8 values
-        # are exact in fp32 either way (only the order of the fp32 sums may differ).
+        # (oneDNN, AMX) takes 15-66 ms for a 64x64x256 .. 64x256x256 product that the
+        # emulation's fp32 GEMM does in 0.1-0.3 ms, and the products of fp8 values are exact in
+        # fp32 either way (only the order of the fp32 sums may differ).
         return "scaled_mm" if device.type != "cpu" and fp8_available(device) else "emulate"
     return backend
 
@@ -613,6 +648,7 @@ class _Fp8Mode(TorchFunctionMode):
                             "advances its scaling state). Checkpoint a region that enters FP8 itself (call "
                             "fp8.apply inside the checkpointed function), or keep the layer out of FP8 "
                             f"(fp8_policy(model, exclude=({name!r},)))")
+                    _check_operands(x, w, f"Fp8Policy: layer {name!r}")
                     if x.shape[-1] != w.shape[-1] or w.dim() != 2:
                         raise ValueError(f"Fp8Policy: layer {name!r}: input of shape {tuple(x.shape)} does not fit "
                                          f"weight of shape {tuple(w.shape)}")
@@ -670,7 +706,9 @@ class Fp8Policy:
             raise ValueError(f"Fp8Policy: state must hold one Fp8LinearState per layer {list(self.layers)}, got {got}")
         for name in self.layers:
             if not isinstance(state[name], Fp8LinearState):
-                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, got {type(state[name]).__name__}")
+                raise TypeError(f"Fp8Policy: state[{name!r}] must be an Fp8LinearState, "
+                                f"got {type(state[name]).__name__}")
+            _check_history(state[name], self.recipe, f"Fp8Policy: state[{name!r}]")
         weights, collectors = [], []
         for name in self.layers:
             weights.append(_weight_in(model, name, params))
@@ -705,6 +743,43 @@ class Fp8Policy:
         """
         with self._mode(model, params, state):
             yield
+
+    def resize_history(self, state: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
+        """``state`` with every amax history resized to the recipe's ``history_len``.
+
+        Transformer Engine's ``adjust_amax_history_length``: a longer history keeps its newest
+        ``history_len`` entries (slot 0 is the newest), a shorter one gets zeros appended (an
+        empty slot, which the max ignores); the scales are kept. Use it to resume a state saved
+        under another ``history_len``, which the step refuses. Pure; a few small copies; no host
+        sync.
+
+        Args:
+          state: ``{layer path: Fp8LinearState}``, e.g. loaded from a checkpoint.
+
+        Returns:
+          The same layers' states with histories of ``recipe.history_len``.
+
+        Example:
+          >>> model = nn.Sequential(nn.Linear(16, 16))
+          >>> saved = af.fp8.fp8_policy(model, recipe=af.fp8.DelayedScaling(history_len=8)).init()
+          >>> fp8 = af.fp8.fp8_policy(model, recipe=af.fp8.DelayedScaling(history_len=2))
+          >>> [m.amax_history.shape[0] for m in fp8.resize_history(saved)["0"]]
+          [2, 2, 2]
+        """
+        n = self.recipe.history_len
+
+        def resize(h: torch.Tensor) -> torch.Tensor:
+            if h.dim() != 1:
+                raise ValueError(f"Fp8Policy.resize_history: an amax history must be 1-d, got shape {tuple(h.shape)}")
+            return h[:n].clone() if h.shape[0] >= n else F.pad(h, (0, n - h.shape[0]))
+
+        out = {}
+        for name, st in state.items():
+            if not isinstance(st, Fp8LinearState):
+                raise TypeError(f"Fp8Policy.resize_history: state[{name!r}] must be an Fp8LinearState, "
+                                f"got {type(st).__name__}")
+            out[name] = Fp8LinearState(*(Fp8Meta(resize(m.amax_history), m.scale) for m in st))
+        return out
 
     @staticmethod
     def track(state: dict[str, Fp8LinearState]) -> dict[str, Fp8LinearState]:
@@ -763,8 +838,10 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
     minus those ``exclude`` names.
 
     A name selects the module at that path and every module below it (``"head"``,
-    ``"blocks.0.attn"``). Names that match no module raise ``ValueError``. Walks the module
-    tree once; no tensor work.
+    ``"blocks.0.attn"``). Names that match no module raise ``ValueError``. A model with no
+    ``nn.Linear`` left (none, or all excluded) gives a policy of no layers, with a warning: it
+    runs the model unchanged, as Transformer Engine and torchao do. Walks the module tree once;
+    no tensor work.
 
     Args:
       model: the module.
@@ -778,7 +855,7 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
       The :class:`Fp8Policy`.
 
     Example:
-      >>> fp8 = af.fp8_policy(model, exclude=("head",))
+      >>> fp8 = af.fp8.fp8_policy(model, exclude=("head",))  # doctest: +SKIP
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8_policy: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -796,8 +873,11 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
                    if type(m) is torch.nn.Linear and (include is None or under(path, include))
                    and not under(path, exclude))
     if not layers:
-        raise ValueError("fp8_policy: no nn.Linear layer left to run in FP8 "
-                         f"(exclude={list(exclude)}, include={include})")
+        # As Transformer Engine's and torchao's FP8 paths do, a model with nothing to convert runs
+        # unchanged (in its compute dtype); said once, since FP8 was asked for and none will run.
+        warnings.warn(f"fp8_policy: no nn.Linear layer to run in FP8 (exclude={list(exclude)}, include="
+                      f"{None if include is None else list(include)}): the model runs unchanged, without FP8",
+                      UserWarning, stacklevel=2)
     # FP8 finds a layer by its weight tensor (identity): Linears sharing one weight would all run
     # on the state of the first one named, an excluded one included.
     sharing: dict[int, list[str]] = {}

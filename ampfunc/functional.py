@@ -17,7 +17,7 @@ loss-scale update -- as one pure function of a :class:`TrainState`::
     step = torch.compile(train.step, fullgraph=True)
     for x, y in loader:
         state, out = step(state, x, y)        # out.loss, out.finite, out.loss_scale
-    af.copy_to_module(model, state.params, state.buffers)
+    af.functional.copy_to_module(model, state.params, state.buffers)
 
 ``train.step_`` is the same step with the state donated (written in place, as
 ``mixed_precision(...).step_``): no new params or moments each step, and compiled, a graph that
@@ -41,9 +41,18 @@ from ampfunc.fp8 import Fp8Policy
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
+from ampfunc.shards import fully_sharded_module, local_view
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (PyTree, arithmetic_dtype, float_leaves_with_paths, leaves_with_paths, tree_flatten, tree_leaves,
-                          tree_map, tree_unflatten)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    float_leaves_with_paths,
+    leaves_with_paths,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 
 __all__ = [
     "apply_module",
@@ -72,7 +81,7 @@ def apply_module(model: torch.nn.Module, params: PyTree, buffers: PyTree, *args,
         ``buffers`` lack, as ``functional_call`` does).
       params: a dict of parameters by path (``{"0.weight": tensor, ...}``, as
         :func:`ampfunc.params_of` gives).
-      buffers: a dict of buffers by path (as :func:`ampfunc.buffers_of` gives); ``{}`` for none.
+      buffers: a dict of buffers by path (as :func:`ampfunc.policy.buffers_of` gives); ``{}`` for none.
       *args: the forward's positional arguments.
       **kwargs: the forward's keyword arguments.
 
@@ -82,8 +91,8 @@ def apply_module(model: torch.nn.Module, params: PyTree, buffers: PyTree, *args,
 
     Example:
       >>> model = nn.BatchNorm1d(3)
-      >>> params, buffers = af.params_of(model), af.buffers_of(model)
-      >>> out, new_buffers = af.apply_module(model, params, buffers, torch.randn(8, 3))
+      >>> params, buffers = af.params_of(model), af.policy.buffers_of(model)
+      >>> out, new_buffers = af.functional.apply_module(model, params, buffers, torch.randn(8, 3))
       >>> int(new_buffers["num_batches_tracked"]), int(buffers["num_batches_tracked"])
       (1, 0)
 
@@ -167,12 +176,12 @@ def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_au
 
     Returns:
       ``vg(loss_scale, *args, **kwargs) -> ValueAndGrad``: the loss scale (a
-      :class:`~ampfunc.LossScale`) first, then ``loss_fn``'s arguments.
+      :class:`~ampfunc.loss_scale.LossScale`) first, then ``loss_fn``'s arguments.
 
     Example:
       >>> model = nn.Linear(4, 2)
       >>> def loss_fn(params, x):
-      ...     out, _ = af.apply_module(model, params, {}, x)
+      ...     out, _ = af.functional.apply_module(model, params, {}, x)
       ...     return out.square().mean()
       >>> vg = af.value_and_grad(loss_fn)
       >>> loss, grads, finite = vg(af.DynamicLossScale(), af.params_of(model), torch.randn(8, 4))
@@ -255,7 +264,7 @@ def clip_per_example(grads: PyTree, max_norm: float, reduce: str = "mean") -> tu
 
     Example:
       >>> grads = {"w": torch.tensor([[3.0, 4.0], [0.0, 0.5]])}   # two examples
-      >>> clipped, norms = af.clip_per_example(grads, max_norm=1.0)
+      >>> clipped, norms = af.functional.clip_per_example(grads, max_norm=1.0)
       >>> norms.tolist()
       [5.0, 0.5]
       >>> [round(v, 4) for v in clipped["w"].tolist()]   # the mean of [0.6, 0.8] and [0.0, 0.5]
@@ -309,7 +318,7 @@ class TrainState(NamedTuple):
         a skipped step keeps the old ones (an fp16 forward that overflowed would otherwise
         leave NaN running statistics for good).
       opt_state: the state of the optimizer transform.
-      loss_scale: the :class:`~ampfunc.LossScale` for the next step's loss.
+      loss_scale: the :class:`~ampfunc.loss_scale.LossScale` for the next step's loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
       fp8: the FP8 scaling state (``make_train_step(fp8=...)``), else ``None``.
@@ -429,7 +438,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
       tx: the optimizer transform (not a :func:`ampfunc.mixed_precision` wrapper: this function
         is that wrapper).
       policy: a :class:`~ampfunc.Policy` or its string form; default full fp32.
-      loss_scale: the initial :class:`~ampfunc.LossScale`; default :class:`NoOpLossScale`.
+      loss_scale: the initial :class:`~ampfunc.loss_scale.LossScale`; default :class:`NoOpLossScale`.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back as ``StepOutput.aux``.
         Under ``torch.compile`` (and ``vmap``) ``aux`` must hold tensors only, as
         ``torch.func.grad``'s aux must; eagerly it may hold anything.
@@ -437,7 +446,10 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         predicate or :func:`ampfunc.norm_layers`'s result, as :func:`ampfunc.cast_params`
         takes; default ``norm_layers(model)``.
       group: a ``torch.distributed`` process group: gradients are averaged over it (data
-        parallelism without DDP) and every rank takes the same skip decision.
+        parallelism without DDP) and every rank takes the same skip decision. A module whose
+        params are DTensors (``distribute_tensor``; a batch sharded on its rows) needs none:
+        the step runs on their local shards, reduced over their mesh (:mod:`ampfunc.shards`);
+        a module under FSDP2's ``fully_shard`` is refused (its hooks bypass functional_call).
       overwrite_with_gradient: a predicate on param paths (flax's "overwrite with gradient"):
         those params are not given to ``tx``; their "gradient" (what a custom autograd
         function's backward returned for them, e.g. new FP8 scaling state) becomes their new
@@ -461,7 +473,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
       >>> state, out = step(state, torch.randn(8, 4))
       >>> bool(out.finite), int(state.skipped)
       (True, 0)
-      >>> af.copy_to_module(model, state.params, state.buffers)
+      >>> af.functional.copy_to_module(model, state.params, state.buffers)
 
     Cost: ``init`` copies the params and buffers. Each step: the forward and backward, one
     read-only check pass and one optimizer pass (fused), and the cast of the params to the
@@ -474,6 +486,14 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
     check_optimizer_transform(tx, "make_train_step")
+    fsdp = fully_sharded_module(model)
+    if fsdp is not None:
+        which = "the model" if fsdp == "" else f"submodule {fsdp!r}"
+        raise TypeError(f"make_train_step: {which} is managed by FSDP2's fully_shard, whose hooks gather "
+                        "its own parameters and bypass the functional ones (the gradients would be zero): step the "
+                        "module with ampfunc.ModuleTrainer or mixed_precision(...).step_ on "
+                        "dict(model.named_parameters()), or give make_train_step a module whose parameters are "
+                        "DTensors (distribute_tensor) and a batch sharded on its rows")
     policy = Policy() if policy is None else policy
     if isinstance(policy, str):
         policy = get_policy(policy)
@@ -512,7 +532,11 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # Each state leaf in its own storage (the optimizers pack their moments): the state is
         # donated to step_, and a compiled step_ over packed moments would copy the packed
         # buffer once per leaf every step (see ampfunc.flat.unpacked).
-        return TrainState(params, buffers, unpacked(tx.init(optimized(params))), ls, *skip_stats(device),
+        # DTensor params: the optimizer state is made per rank on the local shards, as the engine
+        # steps them (ampfunc.shards); the params stay DTensors.
+        view = local_view(optimized(params), where="make_train_step.init")
+        opt_state = tx.init(view.params if view is not None else optimized(params))
+        return TrainState(params, buffers, unpacked(opt_state), ls, *skip_stats(device),
                           fp8=fp8.init(device) if fp8 is not None else None)
 
     def scaled_loss(compute_params, state8, buffers, ls, *batch):
@@ -530,7 +554,8 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
             out = loss_fn(forward, *batch)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(f"make_train_step(has_aux=True): loss_fn must return (loss, aux), got {type(out).__name__}")
+                raise TypeError("make_train_step(has_aux=True): loss_fn must return (loss, aux), "
+                                f"got {type(out).__name__}")
             loss, aux = out
         else:
             loss, aux = out, ()
@@ -715,7 +740,7 @@ def copy_to_module(model: torch.nn.Module, params: PyTree, buffers: PyTree | Non
 
     Example:
       >>> model = nn.Linear(4, 2)
-      >>> af.copy_to_module(model, af.tree_map(torch.zeros_like, af.params_of(model)))
+      >>> af.functional.copy_to_module(model, af.tree.tree_map(torch.zeros_like, af.params_of(model)))
       >>> bool((model.weight == 0).all())
       True
 

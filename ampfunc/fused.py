@@ -32,6 +32,7 @@ import torch
 from ampfunc import ops
 from ampfunc.dist import agree_finite
 from ampfunc.optim.base import lr_at
+from ampfunc.shards import active as active_sharding
 from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
 
 __all__ = ["FusedPlan", "plan_for", "plan_for_torch_group", "KERNEL_GRAD_DTYPES"]
@@ -131,6 +132,14 @@ class FusedPlan:
             on_check(finite, checked[2])
         if group is not None:
             finite = agree_finite(finite, group)
+        sharding = active_sharding()
+        if sharding is not None:
+            # Local shards of DTensor params: the flag over the mesh, the norm of the whole
+            # tensors, in one small all-reduce (ampfunc.shards).
+            finite, norm = sharding.reduce(finite, grads if self.max_norm is not None else None, inv_scale,
+                                           norm_or_sumsq if self.max_norm is not None else None)
+            if self.max_norm is not None:
+                norm_or_sumsq = norm
         # NaN when the scale is outside SCALE_RANGE (set by hand): skip rather than write NaN.
         finite = finite & ~inv_scale.isnan()
         grad_scale = inv_scale
@@ -184,7 +193,7 @@ class FusedPlan:
         new_slots, new_step, finite)`` (``new_model`` None without ``model``); on a skipped
         step the outputs are copies of the inputs. Same numbers as :meth:`run_` bit for bit."""
         with torch.no_grad():
-            if self.max_norm is None and group is None and on_check is None:
+            if self.max_norm is None and group is None and on_check is None and active_sharding() is None:
                 # Without a norm to take first, the check folds into the out-of-place pass (its
                 # inputs survive it): ops.*_step_checked, the same numbers as check + step.
                 inv_scale, lr = loss_scale.inv_scale_on(opt.step.device), self._lr(opt)
@@ -217,7 +226,7 @@ class FusedPlan:
                      grad_scale: torch.Tensor, finite: torch.Tensor) -> None:
         """The optimizer pass alone, in place, for a caller that did its own check: ``ref``,
         ``slots``, ``model`` and ``step`` are written (nothing when ``finite`` is false); the
-        plan's ``lr`` must be a number. Serves :func:`ampfunc.engine.torch_step_` (a torch
+        plan's ``lr`` must be a number. Serves :func:`ampfunc.compat._torch_step.torch_step_` (a torch
         optimizer's param group, whose overflow the apex facade decides on the host).
         Cost: one kernel pass; no host sync."""
         lr = self.hparams["lr"]

@@ -24,15 +24,22 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import (NAMESPACE, PyTree, arithmetic_dtype, check_flag, float_leaves_with_paths, tree_unflatten,
-                          tree_flatten)
+from ampfunc.tree import (
+    NAMESPACE,
+    PyTree,
+    arithmetic_dtype,
+    check_flag,
+    float_leaves_with_paths,
+    tree_flatten,
+    tree_unflatten,
+)
 
 __all__ = ["LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "DynamicConfig", "SCALE_RANGE"]
 
 #: Every loss scale ampfunc holds lies in this closed range: the normal fp32 numbers. Its lower end
 #: is the smallest scale whose fp32 inverse is finite with room to spare (``2**-126``, fp32's
 #: smallest normal number), its upper end fp32's largest. Construction refuses a scale outside it,
-#: and :meth:`DynamicLossScale.adjust` never leaves it, whatever ``min_scale`` and ``max_scale``
+#: and :func:`ampfunc.update_scale` never leaves it, whatever ``min_scale`` and ``max_scale``
 #: say (with ``min_scale=0`` the floor is ``2**-126``: torch's GradScaler instead reaches 0 after
 #: ~150 overflowing steps and then writes inf into every parameter). A scale that got outside it
 #: anyway (a tensor set by hand) has a NaN :attr:`LossScale.inv_scale`, so every step with it is
@@ -113,8 +120,9 @@ class LossScale:
 
     Methods: ``scale(loss)`` (the loss in fp32 times the scale), ``unscale(tree)`` and
     ``unscale_and_check(tree)`` (floating leaves in fp32, fp64 ones in fp64, times
-    ``inv_scale``, and whether they were all finite), ``adjust(finite)`` (the next loss scale,
-    pure) and ``adjust_(finite)`` (in place), ``is_valid()``. None of them reads a tensor back to the host.
+    ``inv_scale``, and whether they were all finite), ``is_valid()``. None of them reads a tensor
+    back to the host. The next scale after a step is :func:`ampfunc.update_scale` (in place:
+    :func:`ampfunc.mixed.update_scale_`), which calls the subclass's ``_adjust``/``_adjust_``.
 
     Attributes:
       loss_scale: 0-d fp32 tensor, the factor the loss is multiplied by.
@@ -123,7 +131,7 @@ class LossScale:
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
-      >>> isinstance(ls, af.LossScale)
+      >>> isinstance(ls, af.loss_scale.LossScale)
       True
       >>> ls.scale(torch.tensor(0.5))
       tensor(512.)
@@ -177,19 +185,19 @@ class LossScale:
         out, finite = _fp32_unscaled(tree, self.inv_scale, what)
         return out, finite & self.is_valid().to(finite.device)
 
-    def adjust(self, finite: torch.Tensor) -> "LossScale":
+    def _adjust(self, finite: torch.Tensor) -> "LossScale":
         """The loss scale after a step whose gradients were ``finite`` (a 0-d bool tensor; a
         Python ``bool`` is accepted too). Fixed scales return themselves."""
         check_flag(finite, "update_scale: finite")
         return self
 
-    def adjust_(self, finite: torch.Tensor) -> "LossScale":
-        """In-place :meth:`adjust`; fixed scales only check the flag and return themselves."""
+    def _adjust_(self, finite: torch.Tensor) -> "LossScale":
+        """In-place :meth:`_adjust`; fixed scales only check the flag and return themselves."""
         check_flag(finite, "update_scale_: finite")
         return self
 
     def check_writable(self, where: str) -> None:
-        """Raises, naming the field, when :meth:`adjust_` could not write this scale; in-place
+        """Raises, naming the field, when :meth:`_adjust_` could not write this scale; in-place
         steps call it before their first write, so a bad scale leaves the params untouched.
         Fixed scales write nothing. Cost: a few attribute reads; no host sync."""
 
@@ -198,7 +206,7 @@ class NoOpLossScale(LossScale):
     """No loss scaling, for fp32 or bf16 training.
 
     ``scale`` returns the loss itself (not cast), ``unscale`` only casts the floating leaves to
-    fp32 (fp32 leaves are returned as they are) and ``adjust`` returns the scale unchanged. Takes
+    fp32 (fp32 leaves are returned as they are) and :func:`ampfunc.update_scale` returns it unchanged. Takes
     no arguments and holds no tensors (an empty pytree node).
 
     Attributes:
@@ -255,7 +263,7 @@ class NoOpLossScale(LossScale):
 class StaticLossScale(LossScale):
     """A fixed loss scale (apex's ``static_loss_scale``).
 
-    ``adjust`` and ``adjust_`` only check the flag and return the scale unchanged.
+    :func:`ampfunc.update_scale` only checks the flag and returns the scale unchanged.
 
     Args:
       loss_scale: a number or a one-element real tensor (read back to the host once, here). It
@@ -272,7 +280,7 @@ class StaticLossScale(LossScale):
       >>> ls = af.StaticLossScale(128.0)
       >>> float(ls.loss_scale)
       128.0
-      >>> ls.adjust(torch.tensor(False)) is ls
+      >>> af.update_scale(ls, torch.tensor(False)) is ls
       True
     """
 
@@ -285,7 +293,7 @@ class StaticLossScale(LossScale):
     def loss_scale(self) -> torch.Tensor:
         return self._loss_scale
 
-    def adjust(self, finite: torch.Tensor) -> "StaticLossScale":
+    def _adjust(self, finite: torch.Tensor) -> "StaticLossScale":
         check_flag(finite, "update_scale: finite")
         return self
 
@@ -320,7 +328,7 @@ class DynamicConfig(NamedTuple):
       >>> ls = af.DynamicLossScale(growth_interval=500)
       >>> ls.config.growth_interval, ls.config.hysteresis
       (500, 1)
-      >>> af.DynamicConfig(backoff_factor=0.25).validate().backoff_factor
+      >>> af.loss_scale.DynamicConfig(backoff_factor=0.25).validate().backoff_factor
       0.25
     """
 
@@ -377,8 +385,9 @@ class DynamicLossScale(LossScale):
     ``DynamicLossScaler(init_scale=2**32, scale_window=1000)`` is
     ``DynamicLossScale(2.**32, growth_interval=1000, min_scale=1, max_scale=inf)``.
 
-    ``adjust`` (pure: three 0-d copies and one small kernel) and ``adjust_`` (in place: one
-    small kernel) run on the scale's device; no host sync. ``replace(**settings)`` changes
+    :func:`ampfunc.update_scale` (pure: three 0-d copies and one small kernel) and
+    :func:`ampfunc.mixed.update_scale_` (in place: one small kernel) run on the scale's device;
+    no host sync. ``replace(**settings)`` changes
     settings and keeps the tensors. Construction errors name the setting at fault.
 
     Args:
@@ -405,10 +414,11 @@ class DynamicLossScale(LossScale):
 
     Example:
       >>> ls = af.DynamicLossScale(2.0**15, growth_interval=2)
-      >>> ls = ls.adjust(torch.tensor(False))                          # overflow: back off
+      >>> ls = af.update_scale(ls, torch.tensor(False))    # overflow: back off
       >>> float(ls.loss_scale)
       16384.0
-      >>> ls = ls.adjust(torch.tensor(True)).adjust(torch.tensor(True))  # 2 clean steps: grow
+      >>> for _ in range(2):                                 # 2 clean steps: grow
+      ...     ls = af.update_scale(ls, torch.tensor(True))
       >>> float(ls.loss_scale), int(ls.growth_tracker)
       (32768.0, 0)
     """
@@ -495,7 +505,7 @@ class DynamicLossScale(LossScale):
             hysteresis = hysteresis.clamp(max=new.hysteresis)
         return DynamicLossScale.from_tensors(scale, self._growth_tracker, hysteresis, new)
 
-    def adjust(self, finite: torch.Tensor) -> "DynamicLossScale":
+    def _adjust(self, finite: torch.Tensor) -> "DynamicLossScale":
         """The next loss scale after a step whose gradients were ``finite`` (0-d bool tensor).
 
         Pure; a handful of 0-d kernels on the scale's device, no host sync.
@@ -506,7 +516,7 @@ class DynamicLossScale(LossScale):
         return DynamicLossScale.from_tensors(s, g, h, self._config)
 
     def check_writable(self, where: str) -> None:
-        """Raises when :meth:`adjust_` could not write this scale: ``TypeError`` naming the
+        """Raises when :meth:`_adjust_` could not write this scale: ``TypeError`` naming the
         tensor that is not one element of its dtype (fp32 scale, int32 trackers) on the scale's
         device, ``ValueError`` naming a setting out of range (a state assembled by hand, e.g.
         ``from_tensors`` or a whole state cast to fp64). Cost: a few attribute reads."""
@@ -526,8 +536,8 @@ class DynamicLossScale(LossScale):
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: state.loss_scale: {e}") from None
 
-    def adjust_(self, finite: torch.Tensor) -> "DynamicLossScale":
-        """In-place :meth:`adjust` (the donating fast path); returns ``self``."""
+    def _adjust_(self, finite: torch.Tensor) -> "DynamicLossScale":
+        """In-place :meth:`_adjust` (the donating fast path); returns ``self``."""
         finite = check_flag(finite, "update_scale_: finite")
         ops.update_scale_(self._loss_scale, self._growth_tracker, self._hysteresis_tracker, finite,
                           **self._kernel_config())

@@ -40,7 +40,6 @@ __all__ = [
     "MixedPrecision",
     "mixed_precision",
     "loss_scale_of",
-    "check_optimizer_transform",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -95,7 +94,7 @@ def unscale(tree: PyTree, ls: LossScale) -> PyTree:
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
-      >>> af.unscale({"w": torch.tensor([1024.0, 2048.0], dtype=torch.float16)}, ls)
+      >>> af.mixed.unscale({"w": torch.tensor([1024.0, 2048.0], dtype=torch.float16)}, ls)
       {'w': tensor([1., 2.])}
 
     Cost: one read and one fp32 write per leaf (the finite flag is computed too, and dropped;
@@ -117,8 +116,8 @@ def unscale_and_check(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyTr
 
     Returns:
       ``(grads32, finite)``: new fp32 tensors ``grad / scale`` (fp64 gradients stay fp64; with
-      :class:`NoOpLossScale`, fp32 and fp64 leaves pass through as they are) and a 0-d bool tensor on the first leaf's device,
-      ``True`` when every element was finite.
+      :class:`NoOpLossScale`, fp32 and fp64 leaves pass through as they are) and a 0-d bool
+      tensor on the first leaf's device, ``True`` when every element was finite.
 
     Example:
       >>> ls = af.StaticLossScale(1024.0)
@@ -171,7 +170,7 @@ def skip_or_apply(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 def update_scale(ls, finite):
     """The loss scale for the next step.
 
-    The function form of ``LossScale.adjust`` that also takes several scales at once.
+    Also takes several scales at once (apex's ``num_losses``).
 
     Args:
       ls: a loss scale, or a dict, list or tuple of loss scales, one per loss (apex's
@@ -200,7 +199,7 @@ def update_scale(ls, finite):
         new = [update_scale(v, f) for _, v, f in pairs]
         return dict(zip((k for k, _, _ in pairs), new)) if isinstance(ls, Mapping) else type(ls)(new)
     _check_loss_scale(ls, "update_scale")
-    return ls.adjust(finite)
+    return ls._adjust(finite)
 
 
 def _scales_and_flags(ls, finite, where: str) -> list:
@@ -257,7 +256,7 @@ def unscale_and_check_(grads: PyTree, ls: LossScale, *, group=None) -> tuple[PyT
 
     Example:
       >>> grads = {"w": torch.tensor([1024.0, 2048.0])}
-      >>> out, finite = af.unscale_and_check_(grads, af.StaticLossScale(1024.0))
+      >>> out, finite = af.mixed.unscale_and_check_(grads, af.StaticLossScale(1024.0))
       >>> out is grads, grads["w"], bool(finite)
       (True, tensor([1., 2.]), True)
 
@@ -301,7 +300,7 @@ def skip_or_apply_(finite: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
     Example:
       >>> p = nn.Parameter(torch.zeros(2))
-      >>> out = af.skip_or_apply_(torch.tensor(True), {"w": torch.ones(2)}, {"w": p})
+      >>> out = af.mixed.skip_or_apply_(torch.tensor(True), {"w": torch.ones(2)}, {"w": p})
       >>> out["w"] is p, p.detach()
       (True, tensor([1., 1.]))
 
@@ -334,7 +333,7 @@ def update_scale_(ls, finite):
 
     Example:
       >>> ls = af.DynamicLossScale(2.0**15)
-      >>> af.update_scale_(ls, torch.tensor(False)) is ls
+      >>> af.mixed.update_scale_(ls, torch.tensor(False)) is ls
       True
       >>> float(ls.loss_scale)
       16384.0
@@ -346,7 +345,7 @@ def update_scale_(ls, finite):
             update_scale_(v, f)
         return ls
     _check_loss_scale(ls, "update_scale_")
-    ls.adjust_(finite)  # static and no-op scales only check the flag
+    ls._adjust_(finite)  # static and no-op scales only check the flag
     return ls
 
 
@@ -435,7 +434,11 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
         release makes it ``NoOpLossScale()``, as ``ModuleTrainer``'s and ``make_train_step``'s.
       master_dtype: the master dtype for params narrower than it (never narrows a param: fp64
         params keep fp64).
-      group: a ``torch.distributed`` process group whose ranks agree on skipping.
+      group: a ``torch.distributed`` process group whose ranks agree on skipping. DTensor
+        params (FSDP2's ``dict(model.named_parameters())``) need none: every entry point runs
+        the kernels on their local shards, completes the skip flag and the clipping norm over
+        their mesh, and hands back DTensors laid out as the given ones; ``init`` makes the state
+        per rank on the local shards (:mod:`ampfunc.shards`).
 
     Returns:
       A :class:`MixedPrecision`: ``init(params)``, ``update(grads, state, params)``,
@@ -526,17 +529,3 @@ def loss_scale_of(state: Any) -> LossScale:
         except ValueError:
             continue
     raise ValueError(f"loss_scale_of: no MixedPrecisionState or loss scale found in {type(state).__name__}")
-
-
-# Names that moved (README "Names that changed"): the old spellings still work for one release.
-_MOVED = {"agree_finite": ("ampfunc.dist.agree_finite", _agree_finite),
-          "MixedPrecisionState": ("ampfunc.engine.MixedPrecisionState", _MixedPrecisionState)}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        where, obj = _MOVED[name]
-        warnings.warn(f"ampfunc.mixed.{name} is deprecated and will be removed in the next release: use {where} "
-                      f"(or af.{name})", DeprecationWarning, stacklevel=2)
-        return obj
-    raise AttributeError(f"module 'ampfunc.mixed' has no attribute {name!r}")

@@ -4,17 +4,17 @@ The hot path is :func:`record`: a pure function of tensors (a few 0-d kernels, n
 so it can run every step, inside ``torch.compile`` or a CUDA graph, next to
 ``skip_or_apply``::
 
-    stats = af.init_stats()
+    stats = af.monitor.init_stats()
     for x, y in loader:
         ...
         grads, finite = af.unscale_and_check(grads, ls)
         ...
         ls = af.update_scale(ls, finite)
-        stats = af.record(stats, finite, ls)
-    for warning in af.health(stats):          # reads the stats back: once, when you log
+        stats = af.monitor.record(stats, finite, ls)
+    for warning in af.monitor.health(stats):          # reads the stats back: once, when you log
         print(warning)
 
-:func:`summary`, :func:`health` and :func:`nonfinite_leaves` read values back to the host. They
+:func:`summary`, :func:`health` and :func:`nonfinite_paths` read values back to the host. They
 are diagnostics, meant for logging intervals and for the step that overflowed, not for every
 step.
 
@@ -24,7 +24,7 @@ parameters produce the infs), the scaler statistics, and health alerts returned 
 
     mon = af.TrainingMonitor(params, window=100)
     ...
-    mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.leaf_nonfinite(grads))
+    mon = mon.record(finite, ls, loss=loss, leaf_nonfinite=af.monitor.leaf_nonfinite(grads))
     if step % 100 == 0:
         print(mon.check_health())   # {"status": "healthy", "alerts": [], ...}; one sync
 """
@@ -32,6 +32,7 @@ parameters produce the infs), the scaler statistics, and health alerts returned 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, NamedTuple, Optional, Union
 
 import optree
@@ -39,10 +40,10 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths
+from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths, path_to_str
 
-__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_leaves",
-           "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
+__all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
+           "moment_overflows", "TrainingMonitor", "MonitorConfig", "leaf_nonfinite", "LeafFlagsHook"]
 
 
 class StepStats(NamedTuple):
@@ -57,7 +58,7 @@ class StepStats(NamedTuple):
       last_scale: fp32, the loss scale recorded with the latest step (NaN before any).
 
     Example:
-      >>> stats = af.record(af.init_stats(), torch.tensor(False), 1024.0)
+      >>> stats = af.monitor.record(af.monitor.init_stats(), torch.tensor(False), 1024.0)
       >>> int(stats.steps), int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
       (1, 1, 1, 1024.0)
     """
@@ -80,7 +81,7 @@ def init_stats(device: Union[torch.device, str, None] = None) -> StepStats:
       ``last_scale`` NaN.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> int(stats.steps), float(stats.last_scale)
       (0, nan)
 
@@ -98,7 +99,8 @@ def _scale_tensor(loss_scale: Any, device: torch.device) -> torch.Tensor:
         return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return torch.tensor(float(scale), dtype=torch.float32, device=device)
-    raise TypeError(f"record: loss_scale must be a loss scale, a 0-d tensor or a number, got {type(loss_scale).__name__}")
+    raise TypeError("record: loss_scale must be a loss scale, a 0-d tensor or a number, "
+                    f"got {type(loss_scale).__name__}")
 
 
 def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any = 1.0) -> StepStats:
@@ -118,10 +120,10 @@ def record(stats: StepStats, finite: Union[torch.Tensor, bool], loss_scale: Any 
       New :class:`StepStats`.
 
     Example:
-      >>> ls, stats = af.DynamicLossScale(), af.init_stats()
+      >>> ls, stats = af.DynamicLossScale(), af.monitor.init_stats()
       >>> for ok in (True, False, False):
       ...     ls = af.update_scale(ls, torch.tensor(ok))
-      ...     stats = af.record(stats, torch.tensor(ok), ls)
+      ...     stats = af.monitor.record(stats, torch.tensor(ok), ls)
       >>> int(stats.skipped), int(stats.consecutive_skips), float(stats.last_scale)
       (2, 2, 16384.0)
 
@@ -158,10 +160,10 @@ def skip_rate(stats: StepStats) -> torch.Tensor:
       0-d fp32 tensor, ``skipped / steps`` (0 before any step), on the stats' device.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> for ok in (True, True, True, False):
-      ...     stats = af.record(stats, torch.tensor(ok))
-      >>> float(af.skip_rate(stats))
+      ...     stats = af.monitor.record(stats, torch.tensor(ok))
+      >>> float(af.monitor.skip_rate(stats))
       0.25
 
     Cost: four 0-d kernels; no host sync.
@@ -208,11 +210,45 @@ def _from_words(words: torch.Tensor, like) -> list:
     return out
 
 
+def _as_written(x: float) -> Fraction | float:
+    """A threshold as the user wrote it, exactly: the rational of its shortest decimal form.
+
+    ``0.3`` is 3/10, not the binary double just below it, so 3 skips in 10 steps is *at* a 30%
+    threshold (the float ``1 - 7/10`` is ``0.30000000000000004``, above it). An infinite
+    threshold stays a float (it compares exactly)."""
+    x = float(x)
+    return Fraction(repr(x)) if math.isfinite(x) else x
+
+
+def _exact(x: float) -> Fraction | float:
+    """A measured value (a count, a loss, a scale read back) as the exact rational it holds."""
+    return Fraction(x) if math.isfinite(x) else x
+
+
+def _percent(x: float) -> str:
+    """A threshold fraction as a percentage that shows every digit given (0.055: ``5.5%``)."""
+    written = _as_written(x)
+    return f"{float(written * 100):g}%"
+
+
 def summary(stats: StepStats) -> dict:
     """Python numbers for logging: steps, skipped, skip_rate, consecutive_skips, last_scale.
 
-    Reads the stats back to the host in one copy (one sync): call it when you log, not every
-    step.
+    Args:
+      stats: the :class:`StepStats` that :func:`record` returned.
+
+    Returns:
+      A dict of Python ints and floats.
+
+    Example:
+      >>> stats = af.monitor.init_stats()
+      >>> for ok in (True, False, True, True):
+      ...     stats = af.monitor.record(stats, torch.tensor(ok), 512.0)
+      >>> af.monitor.summary(stats)
+      {'steps': 4, 'skipped': 1, 'skip_rate': 0.25, 'consecutive_skips': 0, 'last_scale': 512.0}
+
+    Cost: reads the stats back to the host in one copy (one sync): call it when you log, not
+    every step.
     """
     steps, skipped, consecutive, scale = (t.item() for t in _to_host(stats))
     return {
@@ -225,7 +261,7 @@ def summary(stats: StepStats) -> dict:
 
 
 def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_skips: int = 5,
-           min_scale: float = 1.0) -> list[str]:
+           min_scale: float = 1.0, state: Any = None) -> list[str]:
     """Human-readable warnings about a run; an empty list when nothing looks wrong.
 
     Warns when the loss scale has collapsed (the gradients overflow even unscaled): the last
@@ -241,23 +277,29 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
       max_consecutive_skips: the run of skipped steps that warns.
       min_scale: the floor of the loss scale: below it, or at it with the last step
         skipped, the scale counts as collapsed.
+      state: the optimizer (or mixed-precision, train-step, trainer) state, to report the
+        params whose second moment overflowed (:func:`moment_overflows`); ``None`` skips it.
 
     Returns:
       A list of warning strings.
 
     Example:
-      >>> stats = af.init_stats()
+      >>> stats = af.monitor.init_stats()
       >>> for _ in range(6):
-      ...     stats = af.record(stats, torch.tensor(False), 0.5)
-      >>> len(af.health(stats))  # collapsed scale, skip rate, consecutive skips
+      ...     stats = af.monitor.record(stats, torch.tensor(False), 0.5)
+      >>> len(af.monitor.health(stats))  # collapsed scale, skip rate, consecutive skips
       3
-      >>> af.health(af.record(af.init_stats(), torch.tensor(True), 1024.0))
+      >>> af.monitor.health(af.monitor.record(af.monitor.init_stats(), torch.tensor(True), 1024.0))
       []
 
-    Cost: copies the four counters to the host: a host sync (call it when you log).
+    Cost: copies the four counters to the host: a host sync (call it when you log); with
+    ``state``, one read pass over its second moments and a second sync.
     """
     s = summary(stats)
     warnings = []
+    overflowed = moment_overflows(state) if state is not None else []
+    if overflowed:
+        warnings.append(_moment_alert(overflowed))
     if s["steps"] == 0:
         return warnings
     scale = s["last_scale"]
@@ -267,22 +309,100 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
         warnings.append(
             f"loss scale collapsed to {scale:g} ({where} {min_scale:g}): gradients overflow even "
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
-            "overflowing layers; see nonfinite_leaves)"
+            "overflowing layers; see nonfinite_paths)"
         )
-    if s["skip_rate"] > max_skip_rate:
+    # counts against the threshold as written, exactly: 3 of 10 is not above 30%
+    if Fraction(s["skipped"], s["steps"]) > _as_written(max_skip_rate):
         warnings.append(
             f"{s['skip_rate']:.1%} of steps skipped ({s['skipped']} of {s['steps']}), above "
-            f"{max_skip_rate:.0%}: the effective number of updates is lower than the step count"
+            f"{_percent(max_skip_rate)}: the effective number of updates is lower than the step count"
         )
     if s["consecutive_skips"] >= max_consecutive_skips:
         warnings.append(
             f"{s['consecutive_skips']} consecutive skipped steps: no update since; "
-            "check the loss and the gradients for inf/nan (nonfinite_leaves)"
+            "check the loss and the gradients for inf/nan (nonfinite_paths)"
         )
     return warnings
 
 
-def nonfinite_leaves(grads: PyTree) -> list[str]:
+# Optimizer-state fields that hold a running average of squared gradients (Adam's and AdamW's
+# exp_avg_sq and AMSGrad's max, RMSprop's and Adadelta's square_avg). A finite gradient squared
+# past fp32's max (|g| above ~1.8e19 / sqrt(1 - beta2): 5.8e20 at Adam's 0.999) makes such a
+# moment inf in a step that is applied, and an inf moment stays inf (beta2 * inf + g**2 is inf):
+# the param's update m / (sqrt(v) + eps) is 0 from then on. So the moment is its own sticky flag,
+# read when the user logs: nothing is written per step and nothing is added to the state.
+_SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg"})
+
+
+def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
+    """``[(param path, moment), ...]``: the floating second-moment leaves of ``state``, each with
+    the path below its field (the param's path in the state's tree of moments)."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(state, namespace=NAMESPACE)
+    out = []
+    for acc, leaf in zip(accessors, leaves):
+        if not isinstance(leaf, torch.Tensor) or not torch.is_floating_point(leaf):
+            continue
+        names = [path_to_str((entry,)) for entry in acc]
+        at = next((k for k, name in enumerate(names) if name in _SECOND_MOMENTS), None)
+        if at is not None:
+            out.append((path_to_str(acc[at + 1:]), leaf))
+    return out
+
+
+def _moment_flags(state: Any) -> tuple[list[str], torch.Tensor | None]:
+    """The second moments' param paths and, on the device, whether each holds an inf or a NaN."""
+    moments = _second_moments(state)
+    if not moments:
+        return [], None
+    return [p for p, _ in moments], ops.check([t.detach() for _, t in moments], per_leaf=True)[2]
+
+
+def _overflowed(paths: list[str], flags: list) -> list[str]:
+    return list(dict.fromkeys(p for p, bad in zip(paths, flags) if bad))  # a param's two moments: once
+
+
+def _moment_alert(paths: list[str]) -> str:
+    shown = ", ".join(repr(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return (f"the optimizer's second moment (exp_avg_sq) overflowed to inf for {shown}: a finite gradient above "
+            "~5.8e20 (Adam's beta2=0.999; ~1.8e19 / sqrt(1 - beta2)) squared past fp32's max in an applied step, "
+            "and those params have not moved since (their updates are 0 while the moment stays inf). Clip the "
+            "gradients (af.clip_by_global_norm) or fix the layer that produced them, then reset those leaves' "
+            "moments to 0 (or resume from a checkpoint taken before)")
+
+
+def moment_overflows(state: Any) -> list[str]:
+    """Paths of the params whose optimizer second moment is no longer finite.
+
+    Adam's ``exp_avg_sq`` (and AMSGrad's ``max_exp_avg_sq``, RMSprop's ``square_avg``) overflows
+    to inf when a finite gradient squared passes fp32's max (about ``|g| > 5.8e20`` at
+    ``beta2=0.999``): the step is applied (the gradient was finite), and from then on that
+    param's update is 0, silently, since an inf moment stays inf. The moment is its own flag: a
+    state of any step (plain ``adam``/``adamw``, ``mixed_precision`` ``update``/``step``/
+    ``step_``, ``make_train_step``'s ``TrainState``, ``ModuleTrainer.state``, ``from_torch``)
+    is checked when you log; nothing is written or read per step. Param paths are the paths
+    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``).
+
+    Args:
+      state: an optimizer state, or any pytree holding one.
+
+    Returns:
+      The param paths (strings), in flattening order, each once.
+
+    Example:
+      >>> tx = af.adamw(1e-3)
+      >>> params = {"w": torch.ones(2)}
+      >>> _, state = tx.update({"w": torch.tensor([1e21, 1.0])}, tx.init(params), params)
+      >>> af.monitor.moment_overflows(state)
+      ['w']
+
+    Cost: one read pass over the second moments (``ops.check(..., per_leaf=True)``), then the
+    per-leaf flags are read back to the host: a host sync (call it when you log).
+    """
+    paths, flags = _moment_flags(state)
+    return _overflowed(paths, flags.tolist()) if flags is not None else []
+
+
+def nonfinite_paths(grads: PyTree) -> list[str]:
     """Paths of the floating tensor leaves of ``grads`` that hold an inf or a NaN.
 
     A diagnostic for a step that overflowed. Non-floating leaves cannot overflow and are not
@@ -295,7 +415,7 @@ def nonfinite_leaves(grads: PyTree) -> list[str]:
       A list of leaf paths (strings), in flattening order.
 
     Example:
-      >>> af.nonfinite_leaves({"b": torch.zeros(2), "w": torch.tensor([1.0, float("inf")])})
+      >>> af.monitor.nonfinite_paths({"b": torch.zeros(2), "w": torch.tensor([1.0, float("inf")])})
       ['w']
 
     Cost: one read pass over the floating leaves (``ops.check(..., per_leaf=True)``), then the
@@ -377,7 +497,7 @@ def leaf_nonfinite(grads: PyTree) -> torch.Tensor:
       device (empty, on the CPU, when there is none).
 
     Example:
-      >>> af.leaf_nonfinite({"a": torch.ones(2), "b": torch.tensor([float("nan")])})
+      >>> af.monitor.leaf_nonfinite({"a": torch.ones(2), "b": torch.tensor([float("nan")])})
       tensor([False,  True])
 
     Cost: one read pass over the gradients (``ops.check(..., per_leaf=True)``); no host sync.
@@ -398,11 +518,19 @@ class LeafFlagsHook:
     called and :meth:`take` returns ``None`` (record without per-leaf counts, or call
     :func:`leaf_nonfinite` on the gradients).
 
+    Args:
+      monitor: the :class:`TrainingMonitor` whose leaf order the flags take.
+
     Example:
-      >>> hook = LeafFlagsHook(mon)
+      >>> params = {"a": torch.ones(2), "b": torch.ones(2)}
+      >>> tx = af.mixed_precision(af.sgd(0.1), af.DynamicLossScale(8.0))
+      >>> state, mon = tx.init(params), af.TrainingMonitor(params)
+      >>> hook = af.monitor.LeafFlagsHook(mon)
       >>> tx.engine.on_check = hook
+      >>> grads = {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}
       >>> params, state = tx.step(params, grads, state)
-      >>> mon = mon.record_state(state, loss=loss, leaf_nonfinite=hook.take())
+      >>> hook.take()
+      tensor([False,  True])
     """
 
     def __init__(self, monitor: "TrainingMonitor"):
@@ -452,7 +580,7 @@ class TrainingMonitor:
 
     Args:
       params: a pytree whose floating leaves name the counted leaves (paths as in
-        ``af.leaves_with_paths``), or ``None`` to count none.
+        ``af.tree.leaves_with_paths``), or ``None`` to count none.
       window: steps of history kept (>= 2).
       device: where the tensors live (default: the first floating leaf's device, else CPU).
       **thresholds: the other fields of :class:`MonitorConfig` (``explode_factor``, ...).
@@ -472,7 +600,7 @@ class TrainingMonitor:
       >>> params = {"enc.w": torch.ones(3), "head.w": torch.ones(2)}
       >>> mon, ls = af.TrainingMonitor(params, window=50), af.DynamicLossScale()
       >>> grads = {"enc.w": torch.ones(3), "head.w": torch.tensor([1.0, float("inf")])}
-      >>> flags = af.leaf_nonfinite(grads)
+      >>> flags = af.monitor.leaf_nonfinite(grads)
       >>> finite = ~flags.any()
       >>> ls = af.update_scale(ls, finite)
       >>> mon = mon.record(finite, ls, loss=0.7, leaf_nonfinite=flags)
@@ -553,8 +681,8 @@ class TrainingMonitor:
         finite = finite.detach().reshape(()).to(device=device, dtype=torch.bool)
         scale = _scale_tensor(loss_scale, device)
         tracker = getattr(loss_scale, "growth_tracker", None)
-        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64) if isinstance(tracker, torch.Tensor)
-                   else torch.zeros((), dtype=torch.int64, device=device))
+        tracker = (tracker.detach().reshape(()).to(device=device, dtype=torch.int64)
+                   if isinstance(tracker, torch.Tensor) else torch.zeros((), dtype=torch.int64, device=device))
         given = torch.full((), loss is not None, dtype=torch.bool, device=device)  # a fill, not a copy
         if loss is None:
             loss_t = torch.full((), math.nan, dtype=torch.float32, device=device)
@@ -600,8 +728,10 @@ class TrainingMonitor:
 
     # -- readers (one host sync each) ------------------------------------------------------
 
-    def _host(self) -> dict:
-        t = _to_host(self._tensors)
+    def _host(self, state: Any = None) -> dict:
+        paths, flags = _moment_flags(state) if state is not None else ([], None)
+        t = _to_host(self._tensors + ((flags,) if flags is not None else ()))  # one transfer
+        moments = _overflowed(paths, t[len(self._tensors)].tolist()) if flags is not None else []
         steps, window = int(t[0]), self._config.window
         n = min(steps, window)
         order = [(steps - n + i) % window for i in range(n)]  # oldest first
@@ -609,7 +739,7 @@ class TrainingMonitor:
             "steps": steps, "skipped": int(t[1]), "consecutive_skips": int(t[2]), "scale": float(t[3]),
             "growth_tracker": int(t[4]), "loss": t[5][order].tolist(), "scale_hist": t[6][order].tolist(),
             "finite": t[7][order].tolist(), "first_step": steps - n, "leaf_counts": t[8].tolist(),
-            "loss_given": t[9][order].tolist(),
+            "loss_given": t[9][order].tolist(), "moment_overflows": moments,
         }
 
     def history(self) -> dict:
@@ -645,7 +775,7 @@ class TrainingMonitor:
         pairs = [(p, c) for p, c in zip(self._config.leaf_paths, h["leaf_counts"]) if c]
         return dict(sorted(pairs, key=lambda pc: -pc[1]))
 
-    def check_health(self) -> dict:
+    def check_health(self, state: Any = None) -> dict:
         """The run's health over the window, in the practice guide's shape.
 
         Returns ``{"status": "healthy" | "unhealthy" | "no_data", "current_loss",
@@ -658,20 +788,30 @@ class TrainingMonitor:
         * skip rate high: more than ``max_skip_rate`` of the window's steps skipped (once it
           holds ``min_steps``);
         * scale falling: the scale now is ``scale_drop_factor`` (10x) below its highest value of
-          the last ``scale_drop_steps`` steps.
+          the last ``scale_drop_steps`` steps;
+        * moment overflow (with ``state``, the step's optimizer/mixed-precision/train state): a
+          param's optimizer second moment is inf, so it no longer moves (:func:`moment_overflows`;
+          ``checks["moment_overflow"]``, ``"moment_overflows": [paths]``).
 
-        One sync.
+        One sync (with ``state``, also one read pass over its second moments).
         """
-        return self._health(self._host())
+        return self._health(self._host(state))
 
     def _health(self, h) -> dict:
         c = self._config
         if h["steps"] == 0:
-            return {"status": "no_data", "alerts": [], "checks": {}}
+            moments = h["moment_overflows"]  # a state can tell before any step is recorded
+            return {"status": "unhealthy" if moments else "no_data", "alerts": [_moment_alert(moments)] if moments else [],
+                    "checks": {"moment_overflow": True} if moments else {}, "moment_overflows": moments}
         losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
-        window_skip_rate = 1.0 - sum(h["finite"]) / len(h["finite"])
-        checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False}
-        alerts = []
+        # Every threshold is compared exactly (counts and the values read back as rationals, the
+        # thresholds as written): a value exactly at a threshold never trips it by a rounding.
+        window_steps = len(h["finite"])
+        window_skipped = window_steps - sum(h["finite"])
+        window_skip_rate = window_skipped / window_steps
+        checks = {"loss_exploding": False, "skip_rate_high": False, "scale_falling": False,
+                  "moment_overflow": bool(h["moment_overflows"])}
+        alerts = [_moment_alert(h["moment_overflows"])] if h["moment_overflows"] else []
         if not all(math.isfinite(x) for x in losses):
             checks["loss_exploding"] = True
             alerts.append("loss is not finite: the run diverged (learning rate too high, or a layer "
@@ -680,19 +820,21 @@ class TrainingMonitor:
             k = max(1, min(5, len(losses) // 4))
             recent, earlier = sum(losses[-k:]) / k, sorted(losses[:-k])
             median = earlier[len(earlier) // 2]
-            if median > 0 and recent > c.explode_factor * median:
+            exact_recent = sum(_exact(x) for x in losses[-k:]) / k
+            if median > 0 and exact_recent > _as_written(c.explode_factor) * _exact(median):
                 checks["loss_exploding"] = True
                 alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
         # a window smaller than min_steps never holds that many steps: a full window is enough
-        if len(h["finite"]) >= min(c.min_steps, c.window) and window_skip_rate > c.max_skip_rate:
+        if window_steps >= min(c.min_steps, c.window) \
+                and Fraction(window_skipped, window_steps) > _as_written(c.max_skip_rate):
             checks["skip_rate_high"] = True
-            alerts.append(f"{window_skip_rate:.1%} of the last {len(h['finite'])} steps skipped (above "
-                          f"{c.max_skip_rate:.0%}): gradients overflow often; see overflowing_leaves")
+            alerts.append(f"{window_skip_rate:.1%} of the last {window_steps} steps skipped (above "
+                          f"{_percent(c.max_skip_rate)}): gradients overflow often; see overflowing_leaves")
         scales = [s for s in h["scale_hist"][-c.scale_drop_steps:] if not math.isnan(s)]
-        if scales and scales[-1] > 0 and max(scales) >= c.scale_drop_factor * scales[-1]:
+        if scales and scales[-1] > 0 and _exact(max(scales)) >= _as_written(c.scale_drop_factor) * _exact(scales[-1]):
             checks["scale_falling"] = True
-            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.0f}x within {len(scales)} steps "
+            alerts.append(f"loss scale fell {max(scales) / scales[-1]:.3g}x within {len(scales)} steps "
                           f"(to {scales[-1]:g}): inf/NaN gradients step after step")
         return {
             "status": "unhealthy" if alerts else "healthy",
@@ -702,15 +844,17 @@ class TrainingMonitor:
             "alerts": alerts,
             "checks": checks,
             "overflowing_leaves": self._overflows(h),
+            "moment_overflows": h["moment_overflows"],
         }
 
-    def as_dict(self) -> dict:
+    def as_dict(self, state: Any = None) -> dict:
         """One flat dict of Python values for a logger (one sync).
 
         Keys: ``steps``, ``skipped``, ``skip_rate``, ``consecutive_skips``, ``loss``,
-        ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``.
+        ``loss_scale``, ``growth_tracker``, ``status``, ``alerts``, ``overflows``. With
+        ``state``, the alerts include a param whose second moment overflowed (:meth:`check_health`).
         """
-        h = self._host()
+        h = self._host(state)
         health_ = self._health(h)
         stats = self._stats(h)
         return {

@@ -78,6 +78,19 @@ def parse_dtype(value: DTypeLike, what: str = "dtype") -> torch.dtype:
     Names (case-insensitive, an optional ``"torch."`` prefix is allowed): ``f16 float16 half
     fp16``, ``bf16 bfloat16``, ``f32 float32 full fp32 float single``, ``f64 float64 double
     fp64``. Anything else raises ``ValueError`` naming ``what`` and the bad value.
+
+    Args:
+      value: a floating ``torch.dtype`` or one of the names above.
+      what: how errors name the value (the setting it came from).
+
+    Returns:
+      The ``torch.dtype``.
+
+    Example:
+      >>> af.policy.parse_dtype("bf16"), af.policy.parse_dtype("torch.float32")
+      (torch.bfloat16, torch.float32)
+
+    Cost: a dictionary lookup; no tensor work.
     """
     if isinstance(value, torch.dtype):
         if value not in _DTYPE_NAMES:
@@ -142,7 +155,7 @@ def cast_floating(tree: PyTree, dtype: DTypeLike) -> PyTree:
       A new pytree of ``tree``'s structure.
 
     Example:
-      >>> out = af.cast_floating({"x": torch.ones(2), "ids": torch.arange(2), "n": 3}, "bf16")
+      >>> out = af.policy.cast_floating({"x": torch.ones(2), "ids": torch.arange(2), "n": 3}, "bf16")
       >>> out["x"].dtype, out["ids"].dtype, out["n"]
       (torch.bfloat16, torch.int64, 3)
 
@@ -365,7 +378,7 @@ def buffers_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Example:
       >>> model = nn.Sequential(nn.BatchNorm1d(2))
-      >>> list(af.buffers_of(model))
+      >>> list(af.policy.buffers_of(model))
       ['0.running_mean', '0.running_var', '0.num_batches_tracked']
 
     Cost: one ``detach`` per buffer (a view: no copy, no kernel); no host sync.

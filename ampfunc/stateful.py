@@ -12,13 +12,14 @@ into the module's parameters -- one call per step::
 
 Works with DDP (gradients already averaged; pass ``group`` so ranks agree on skipping even if
 their gradients differ) and FSDP2 (``fully_shard``: DTensor params and grads; the trainer works
-on the local shards, so its optimizer state is sharded too; clip with
-``af.dist.clip_by_global_norm(max_norm, group)``).
+on the local shards, so its optimizer state is sharded too, and the skip flag and
+``af.clip_by_global_norm``'s norm are completed over the mesh: see :mod:`ampfunc.shards`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import warnings
 from itertools import repeat
@@ -31,9 +32,9 @@ from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap, skip_s
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
+from ampfunc.shards import grads_to_local, sharding_of
 from ampfunc.transform import GradientTransformation
-from ampfunc.tree import (check_same_structure, leaves_with_paths, tree_leaves, tree_structure,
-                          tree_unflatten)
+from ampfunc.tree import check_same_structure, leaves_with_paths, tree_leaves, tree_structure, tree_unflatten
 
 __all__ = ["TrainerState", "ModuleTrainer"]
 
@@ -50,7 +51,7 @@ class TrainerState(NamedTuple):
         fp32), a copy of every (local shard of a) param in ``master_dtype`` (wider params keep
         their dtype); else ``None``.
       opt_state: the optimizer transform's state.
-      loss_scale: the :class:`~ampfunc.LossScale` for the next loss.
+      loss_scale: the :class:`~ampfunc.loss_scale.LossScale` for the next loss.
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
 
@@ -240,7 +241,14 @@ class ModuleTrainer:
         # DTensor params (FSDP2) hand over their local shards, fetched every step; plain ones are
         # handed over themselves, in one dict kept from step to step (the engine re-reads its
         # values every step and checks them by identity).
-        self._sharded = any(hasattr(p, "to_local") for p in self._plist)
+        # Their layout on the mesh (refused here, naming the param: a mix of DTensor and plain
+        # params, two meshes), in the flattening order of the params dict, which the reductions
+        # across leaves (the skip flag, the clipping norm) complete over the mesh every step.
+        order = sorted(range(len(self._names)), key=lambda i: self._names[i])
+        self._shard_order = order
+        self._sharding = sharding_of([self._names[i] for i in order], [self._plist[i] for i in order],
+                                     "ModuleTrainer")
+        self._sharded = self._sharding is not None
         self._param_dict = None if self._sharded else dict(self._named)
         self._engine = Engine(tx, master_dtype=master_dtype, group=group, where="ModuleTrainer.step")
         self._packed = None
@@ -317,9 +325,14 @@ class ModuleTrainer:
         # map() reads 10,000 .grad attributes at C speed; the rare missing one is filled after.
         grads = ops.grads_of(self._plist)
         if any(map(operator.is_, grads, repeat(None))):
-            grads = [torch.zeros_like(params[n]) if g is None else g for n, g in zip(self._names, grads)]
-        if self._sharded:
-            grads = [_local(g) for g in grads]
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._plist, grads)]
+        if self._sharded:  # FSDP2's DTensor gradients: their local shards, laid out as the params'
+            order = self._shard_order
+            local = grads_to_local(self._sharding, [self._names[i] for i in order], [self._plist[i] for i in order],
+                                   [grads[i] for i in order], "ModuleTrainer.step")
+            grads = list(grads)
+            for i, g in zip(order, local):
+                grads[i] = g
         return dict(zip(self._names, grads))  # the params' key objects: compared in no time
 
     @property
@@ -383,14 +396,16 @@ class ModuleTrainer:
             grads = self._grads(params)
         mp = MixedPrecisionState(st.master, st.opt_state, st.loss_scale, st.finite, st.skipped)
         # autograd gives every .grad its param's shape: no per-leaf shape check needed.
-        if hook is not None:
-            self._engine.on_check = None  # called above, per param
-            try:
+        # DTensor params: the step runs on the local shards, the ranks of the mesh agreeing.
+        with self._sharding if self._sharding is not None else contextlib.nullcontext():
+            if hook is not None:
+                self._engine.on_check = None  # called above, per param
+                try:
+                    _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
+                finally:
+                    self._engine.on_check = hook
+            else:
                 _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
-            finally:
-                self._engine.on_check = hook
-        else:
-            _, mp = self._engine.step_(params, grads, mp, where="ModuleTrainer.step", trust_grads=True)
         self._state = TrainerState(mp.master, mp.inner, mp.loss_scale, mp.finite, mp.skipped)
         if self._packed is not None and not torch.compiler.is_compiling():
             # The kernels wrote the buffers, whose views are the params' .data: the params' own

@@ -38,8 +38,6 @@ __all__ = [
     "GradientTransformation",
     "FusedSpec",
     "ChainSpec",
-    "register_kernel",
-    "kernel_spec",
     "EmptyState",
     "identity",
     "chain",
@@ -266,7 +264,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
 
     Example:
       >>> params = {"w": torch.ones(2)}
-      >>> tx = af.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.sgd(0.1)))
+      >>> tx = af.transform.named_chain(("clip", af.clip_by_global_norm(1.0)), ("opt", af.sgd(0.1)))
       >>> state = tx.init(params)
       >>> sorted(state)
       ['clip', 'opt']
@@ -370,7 +368,8 @@ def _mask_leaves(mask: PyTree, params: PyTree, where: str) -> list[bool]:
     out = []
     for path, m in _per_leaf(mask, params, "mask", where):
         if not isinstance(m, bool):
-            if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # numpy's bool_
+            # numpy's bool_: its dtype compares equal to (is not) the Python type
+            if getattr(m, "shape", None) == () and getattr(m, "dtype", None) == bool:  # noqa: E721
                 m = bool(m)
             else:
                 raise TypeError(f"{where}: mask leaf {path!r} is {m!r}; masks hold Python (or numpy) bools")
@@ -571,7 +570,8 @@ def _check_update_shapes(params: PyTree, p_leaves: list, u_leaves: list) -> None
             if all(type(u) in _PLAIN_TENSORS for u in u_leaves) and \
                     [p.shape for p in p_leaves] == [u.shape for u in u_leaves]:
                 return
-        elif set(map(type, u_leaves)) <= _PLAIN_TENSORS and list(map(_shape_of, p_leaves)) == list(map(_shape_of, u_leaves)):
+        elif (set(map(type, u_leaves)) <= _PLAIN_TENSORS
+              and list(map(_shape_of, p_leaves)) == list(map(_shape_of, u_leaves))):
             return
     except AttributeError:  # a param leaf that is not a tensor: the look below skips it
         pass

@@ -21,26 +21,10 @@ NAMESPACE = "ampfunc"
 
 PyTree = Any
 
-__all__ = [
-    "NAMESPACE",
-    "tree_map",
-    "tree_leaves",
-    "tree_flatten",
-    "tree_unflatten",
-    "tree_structure",
-    "leaves_with_paths",
-    "path_to_str",
-    "check_same_structure",
-    "select_tree",
-    "all_finite",
-    "tree_cast",
-    "is_float_tensor",
-    "arithmetic_dtype",
-    "tree_zeros_like",
-    "tree_clone",
-    "check_flag",
-    "check_tensor_leaves",
-]
+# The public helpers. The rest of this module (check_flag, select_tree, arithmetic_dtype, ...)
+# serves the other modules and is not part of the API.
+__all__ = ["tree_map", "tree_leaves", "tree_flatten", "tree_unflatten", "tree_structure", "leaves_with_paths",
+           "all_finite", "tree_cast"]
 
 
 def register_state_classes(*classes: type) -> None:
@@ -65,7 +49,7 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
       A new pytree of ``tree``'s structure holding ``fn``'s results.
 
     Example:
-      >>> af.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
+      >>> af.tree.tree_map(lambda x: x * 2, {"w": torch.ones(2), "b": None})
       {'w': tensor([2., 2.]), 'b': None}
 
     Cost: one flatten of each tree and one unflatten, plus whatever ``fn`` costs per leaf;
@@ -75,18 +59,78 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
 
 
 def tree_leaves(tree: PyTree) -> list:
+    """The leaves of ``tree`` in flattening order (dict keys sorted; ``None`` is an empty node).
+
+    Args:
+      tree: a pytree (ampfunc's containers, such as loss scales and states, are traversed).
+
+    Returns:
+      A list of the leaves.
+
+    Example:
+      >>> af.tree.tree_leaves({"w": torch.ones(2), "b": None, "n": 3})
+      [3, tensor([1., 1.])]
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
 def tree_flatten(tree: PyTree):
+    """The leaves of ``tree`` and its structure, ``(leaves, treespec)``.
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      ``(leaves, treespec)``; :func:`tree_unflatten` rebuilds the tree from them.
+
+    Example:
+      >>> leaves, spec = af.tree.tree_flatten({"w": torch.ones(2), "b": torch.zeros(1)})
+      >>> len(leaves), spec.num_leaves
+      (2, 2)
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def tree_unflatten(treespec, leaves):
+    """The pytree of structure ``treespec`` holding ``leaves`` (the inverse of :func:`tree_flatten`).
+
+    Args:
+      treespec: a structure from :func:`tree_flatten` or :func:`tree_structure`.
+      leaves: as many leaves as ``treespec`` has, in flattening order.
+
+    Returns:
+      The rebuilt pytree.
+
+    Example:
+      >>> leaves, spec = af.tree.tree_flatten({"w": torch.ones(2), "b": torch.zeros(1)})
+      >>> af.tree.tree_unflatten(spec, [x * 2 for x in leaves])
+      {'w': tensor([2., 2.]), 'b': tensor([0.])}
+
+    Cost: one ``optree`` unflatten; no tensor work, no host sync.
+    """
     return optree.tree_unflatten(treespec, leaves)
 
 
 def tree_structure(tree: PyTree):
+    """The structure of ``tree`` without its leaves (an ``optree`` treespec).
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      The treespec; two trees are compatible when their structures compare equal.
+
+    Example:
+      >>> a = af.tree.tree_structure({"w": torch.ones(2)})
+      >>> a == af.tree.tree_structure({"w": torch.zeros(5)}), a.num_leaves
+      (True, 1)
+
+    Cost: one ``optree`` flatten; no tensor work, no host sync.
+    """
     return optree.tree_structure(tree, namespace=NAMESPACE)
 
 
@@ -119,7 +163,7 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
 
     Example:
       >>> tree = {"enc": [torch.zeros(1), torch.ones(1)], "b": torch.zeros(2)}
-      >>> [path for path, _ in af.leaves_with_paths(tree)]
+      >>> [path for path, _ in af.tree.leaves_with_paths(tree)]
       ['b', 'enc.0', 'enc.1']
 
     Cost: one flatten with accessors; reads no tensor data, no host sync.
@@ -153,6 +197,9 @@ def check_same_structure(a: PyTree, b: PyTree, a_name: str = "a", b_name: str = 
 def _select_leaf(pred: torch.Tensor, path: str):
     def select(x, y):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            for tree_name, t in (("new", x), ("old", y)):
+                if t.layout != torch.strided:  # torch.where takes no sparse tensor
+                    raise _sparse_error(f"select_tree: the {tree_name} tree's", path, t.layout)
             if x.shape != y.shape:
                 raise ValueError(
                     f"select_tree: leaf {path!r} has shape {tuple(x.shape)} in the new tree "
@@ -217,14 +264,32 @@ def check_tensor_leaves(tree: PyTree, what: str, *, floating: bool = True, allow
                             "expected a torch.Tensor" + (" (convert it with torch.as_tensor)"
                                                          if hasattr(leaf, "__array__") else ""))
         if leaf.layout != torch.strided and not allow_sparse:
-            raise TypeError(f"{what} leaf {path!r} has layout {leaf.layout}; only dense (strided) tensors are "
-                            "supported (densify it with .to_dense())")
+            raise _sparse_error(what, path, leaf.layout)
         if floating and not torch.is_floating_point(leaf):
             raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
         if leaf.device.type == "meta" and not allow_meta:
             raise ValueError(f"{what} leaf {path!r} is on the meta device (it has no values)")
         out.append((path, leaf))
     return out
+
+
+def _sparse_error(what: str, path: str, layout: torch.layout) -> TypeError:
+    return TypeError(f"{what} leaf {path!r} has layout {layout}; only dense (strided) tensors are supported "
+                     "(densify it with .to_dense())")
+
+
+def check_dense(tree: PyTree, what: str) -> None:
+    """Refuses a sparse tensor leaf of ``tree`` (COO, CSR, CSC, BSR or BSC), naming its path.
+
+    The kernels, their flat buffers and ``torch.where`` take dense (strided) tensors; the
+    compressed layouts otherwise fail inside torch with a message that names no leaf ("Sparse CSR
+    tensors do not have is_contiguous"). The fused steps call it on their error path only (a
+    layout read per leaf would cost a step ~1 ms per 10,000 leaves), which comes before anything
+    is written. One flatten; no tensor data is read; raises ``TypeError``.
+    """
+    for path, leaf in leaves_with_paths(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise _sparse_error(what, path, leaf.layout)
 
 
 def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
@@ -268,7 +333,7 @@ def all_finite(tree: PyTree) -> torch.Tensor:
       A 0-d bool tensor, ``True`` when no floating leaf holds an inf or a NaN.
 
     Example:
-      >>> af.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
+      >>> af.tree.all_finite({"w": torch.ones(2), "g": torch.tensor([1.0, float("inf")])})
       tensor(False)
 
     Cost: one read-only pass over the floating leaves (:func:`ampfunc.ops.all_finite`, the
@@ -277,7 +342,11 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     from ampfunc import ops
 
     floats = [x for x in tree_leaves(tree) if is_float_tensor(x)]
-    return ops.all_finite(floats)
+    try:
+        return ops.all_finite(floats)
+    except (RuntimeError, TypeError):
+        check_dense(tree, "all_finite: tree")  # a sparse leaf is named (the kernel's message names none)
+        raise
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any], bool] = is_float_tensor) -> PyTree:
@@ -285,7 +354,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
 
     Each selected leaf becomes ``leaf.to(dtype)``: a leaf already in ``dtype`` is returned as
     is (no copy). Other leaves and ``None`` pass through. ``dtype=None`` returns ``tree`` itself.
-    Unlike :func:`ampfunc.cast_floating`, no dtype names and no special case for loss scales.
+    Unlike :func:`ampfunc.policy.cast_floating`, no dtype names and no special case for loss scales.
 
     Args:
       tree: a pytree.
@@ -296,7 +365,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None, predicate: Callable[[Any]
       A new pytree of ``tree``'s structure (``tree`` itself when ``dtype`` is ``None``).
 
     Example:
-      >>> t = af.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
+      >>> t = af.tree.tree_cast({"w": torch.ones(2), "step": torch.tensor(3)}, torch.bfloat16)
       >>> t["w"].dtype, t["step"].dtype
       (torch.bfloat16, torch.int64)
 

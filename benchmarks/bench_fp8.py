@@ -21,7 +21,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -94,7 +93,7 @@ def make_step(model, config, lr=3e-3, steps=300, group=None, backend="auto"):
     if config not in ("bf16", "fp8"):
         raise ValueError(f"config must be 'bf16' or 'fp8', got {config!r}")
     fp8 = af_fp8.fp8_policy(model, exclude=("head",), backend=backend, group=group) if config == "fp8" else None
-    sched = af.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10)
+    sched = af.optim.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10)
     # bf16 compute needs no loss scaling (the loss is not scaled below, so a dynamic scale's
     # unscaling would shrink every gradient 2**16-fold: clipping and Adam's eps would see that)
     tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(sched, weight_decay=0.01)),

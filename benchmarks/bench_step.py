@@ -3,7 +3,7 @@
 One run, one process, the same tree for every row. Prints medians, the spread (min-max) and
 ratios: to the memory-bandwidth floor measured in this run, and to the torch baseline.
 
-    python benchmarks/bench_step.py                  # CPU, 200 tensors / 32M elements (issue 3)
+    python benchmarks/bench_step.py                  # CPU, 200 tensors / 32M elements
     python benchmarks/bench_step.py --quick          # smoke run: 1M elements, fewer repeats
     python benchmarks/bench_step.py --device cuda    # the GPU run (benchmarks/gpu_check.sh)
 
@@ -23,7 +23,7 @@ Sections:
           unscale_and_check, vs GradScaler.unscale_ + update.
   (d)     10,000 small tensors vs 200 large ones of the same total (ampfunc fused step; the
           same on one flat buffer; torch fused AdamW + GradScaler + clip for reference).
-  (e)     every path the README teaches (issue 8), on 200 tensors / 16M elements fp32, as a ratio
+  (e)     every step path the library documents, on 200 tensors / 16M elements fp32, as a ratio
           to torch AdamW(fused=True).step() alone in the same run, with each path's target:
           af.adamw().update + af.apply_updates (<= 1.5x), mixed_precision(...).step (<= 1.3x),
           .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
 from ampfunc import ops  # noqa: E402
-from ampfunc import engine  # noqa: E402
+from ampfunc.compat import _torch_step  # noqa: E402
 from ampfunc.compat.apex import amp  # noqa: E402
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer  # noqa: E402
 from ampfunc.flat import flatten  # noqa: E402
@@ -251,12 +251,12 @@ def amp_o2_step(params16, grads16, fused: bool = True):
         opt.step()
 
     def run_forced():
-        supported = engine.torch_step_supported
-        engine.torch_step_supported = lambda *a, **k: False  # the path before the fused step
+        supported = _torch_step.torch_step_supported
+        _torch_step.torch_step_supported = lambda *a, **k: False  # the path before the fused step
         try:
             run()
         finally:
-            engine.torch_step_supported = supported
+            _torch_step.torch_step_supported = supported
     return run if fused else run_forced
 
 
@@ -349,7 +349,7 @@ def ampfunc_bookkeeping(grads, device, out_of_place=False):
 
     def run():
         finite, _ = ops.check(leaves)
-        ls.adjust_(finite)
+        ls._adjust_(finite)
     return run
 
 
@@ -436,7 +436,7 @@ def main(argv=None):
     buf = torch.randn(total, device=device)
     t_mul = table.add("x.mul_(1.0)  (read + write, 8 B/elem)", timer(lambda: buf.mul_(1.0)))
     t_sum = table.add("x.sum()      (read, 4 B/elem)", timer(lambda: buf.sum()))
-    del buf
+    buf = None  # frees the buffer before the next section (the lambdas above ran)
     bw_rw = 8 * total / (t_mul * 1e-3) / 1e9
     bw_r = 4 * total / (t_sum * 1e-3) / 1e9
     adam_floor = 28 * total / (bw_rw * 1e9) * 1e3
@@ -482,7 +482,7 @@ def main(argv=None):
     leaves = list(grads.values())
     table.add("ampfunc ops.check alone (read-only: finite + sum of squares)", timer(lambda: ops.check(leaves)),
               check_floor, t_gs)
-    table.add("ampfunc ops.check + DynamicLossScale.adjust_ (read-only)",
+    table.add("ampfunc ops.check + update_scale_ (read-only)",
               timer(ampfunc_bookkeeping(grads, device)), check_floor, t_gs)
     table.add("ampfunc unscale_and_check + update_scale (pure, fp32 out)",
               timer(ampfunc_bookkeeping(grads, device, out_of_place=True)), check_floor, t_gs)
@@ -503,7 +503,7 @@ def main(argv=None):
         t_few = med if t_few is None else t_few
         if n == args.many:
             flat_p, flat_g = flatten(params), flatten(grads)
-            table.add(f"ampfunc step_, {n} tensors flattened to 1 buffer (af.flatten)",
+            table.add(f"ampfunc step_, {n} tensors flattened to 1 buffer (af.flat.flatten)",
                       timer(ampfunc_step(flat_p.buffers, flat_g.buffers)), adam_floor)
             table.add(f"torch AdamW(fused) + GradScaler + clip, {n} tensors",
                       timer(torch_step(params, grads, device, fused=True)), adam_floor)
@@ -514,7 +514,7 @@ def main(argv=None):
 
 
 def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
-    """(e): every path of issue 8 against torch AdamW(fused=True).step() alone, same run."""
+    """(e): every step path against torch AdamW(fused=True).step() alone, same run."""
     sizes = tree_sizes(total, n_few)
     params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
     fresh = lambda: {k: v.clone() for k, v in params.items()}  # noqa: E731
@@ -568,7 +568,7 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
               f"{med['flat_trainer'] / t0:5.2f}x torch alone (grads kept on the views)")
     table.add(names["many_flat_trainer"], times["many_flat_trainer"], floor_ms, None,
               f"{med['many_flat_trainer'] / med['flat_trainer']:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
-    del params, grads, mparams, mgrads, fns
+    params = grads = mparams = mgrads = fns = None  # frees the trees (the closures above ran)
 
 
 if __name__ == "__main__":

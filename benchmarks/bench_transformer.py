@@ -187,7 +187,8 @@ def main(argv=None):
     n_params = sum(p.numel() for p in reference.parameters())
     data = batches(warmup + iters, batch, ctx, vocab)
     print(f"bench_transformer: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, "
           f"ampfunc ops backend {af.ops.backend()}")
     print(f"model: {args.model}, {layers} layers, d={d}, vocab={vocab}, ctx={ctx}, batch={batch}: "
           f"{n_params / 1e6:.2f}M params; "

@@ -9,8 +9,8 @@
 #      the in-place step's numbers; the pure steps' new state and updates one block per list;
 #      check_norm finite past fp32's range of the sum, as on the CPU) and the CUDA tests of the
 #      other test files (-k cuda),
-#   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every path of
-#      issue 8 against torch's fused AdamW, and 10,000 tensors against 200),
+#   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every step path
+#      against torch's fused AdamW, and 10,000 tensors against 200),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
 #      compute-sanitizer, when present and time is left,
 #   7. prints a short table.

@@ -140,7 +140,7 @@ def shard(model):
 
 
 def fsdp_tx(group):
-    return af.chain(af.dist.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
+    return af.chain(af.clip_by_global_norm(0.05, group=group), af.adamw(1e-2, weight_decay=0.01))
 
 
 def full_params(model):
@@ -156,14 +156,14 @@ def scenario_fsdp2(env, out):
         trainer.scale(F.cross_entropy(model(x), y)).backward()  # reduce-scatter: each rank its shards
         if step == 0:
             grads = {k: p.grad for k, p in model.named_parameters()}
-            out["dtensor_grad_norm"] = af.dist.global_norm(grads)
-            out["local_shard_grad_norm"] = af.dist.global_norm(af.dist.local_shards(grads), group=env.group)
+            out["dtensor_grad_norm"] = af.optim.global_norm(grads)
+            out["local_shard_grad_norm"] = af.optim.global_norm(af.dist.local_shards(grads), group=env.group)
             out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
         if step == INJECT_STEP:
             if env.rank == 1:
                 poison(model[0].weight.grad.to_local())
             local = [p.grad.to_local() for p in model.parameters()]
-            local_finite_at_inject = bool(af.all_finite(local))
+            local_finite_at_inject = bool(af.tree.all_finite(local))
         finite.append(bool(trainer.step()))
         scales.append(float(trainer.loss_scale.loss_scale))
     out.update(finite=finite, scales=scales, params=full_params(model),
@@ -181,10 +181,10 @@ def scenario_fsdp2(env, out):
     torch.manual_seed(11)
     a, b = torch.randn(5, 3), torch.randn(4)
     tree = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Replicate()])}
-    out["manual_dtensor_norm"] = af.dist.global_norm(tree)
+    out["manual_dtensor_norm"] = af.optim.global_norm(tree)
     out["manual_full_norm"] = torch.cat([a.reshape(-1), b]).norm()
     try:
-        af.dist.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
+        af.optim.global_norm({"p": DTensor.from_local(b, mesh, [Partial()])})
         out["partial_error"] = None
     except ValueError as e:
         out["partial_error"] = str(e)
@@ -209,12 +209,299 @@ def scenario_checkpoint(env, out):
     resumed = shard(net())
     resumed_trainer = af.ModuleTrainer(resumed, fsdp_tx(env.group), loss_scale=loss_scale(), group=env.group)
     loaded = af.dist.load_sharded(directory, like={"params": af.params_of(resumed), "trainer": resumed_trainer.state})
-    af.copy_to_module(resumed, loaded["params"])
+    af.functional.copy_to_module(resumed, loaded["params"])
     resumed_trainer.state = loaded["trainer"]
     train(resumed, resumed_trainer, batches[3:])
     out.update(uninterrupted=full_params(model), resumed=full_params(resumed),
                scales=(float(trainer.loss_scale.loss_scale), float(resumed_trainer.loss_scale.loss_scale)),
                files=sorted(os.listdir(directory)))
+
+    # mixed_precision(...).step_ on the DTensor params themselves (no group: the mesh is in them),
+    # the fused clip + AdamW; the state is saved per rank and resumed bit for bit, an inf on
+    # rank 1 after the resume included.
+    def mp_tx():
+        return af.mixed_precision(af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD)),
+                                  loss_scale())
+
+    def mp_train(model, tx, state, steps, first):
+        params = dict(model.named_parameters())
+        for step, (x, y) in enumerate(steps, first):
+            x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+            af.scale_loss(F.cross_entropy(model(x), y), af.loss_scale_of(state)).backward()
+            if step == 4 and env.rank == 1:
+                poison(model[0].weight.grad.to_local())
+            _, state = tx.step_(params, {k: p.grad for k, p in params.items()}, state)
+            model.zero_grad(set_to_none=True)
+        return state
+
+    mp_dir = os.path.join(os.environ["AMPFUNC_TEST_OUT"], "mp_ckpt")
+    model, tx = shard(net()), mp_tx()
+    state = tx.init(dict(model.named_parameters()))
+    out["state_leaf_types"] = sorted({type(t).__name__ for t in af.tree.tree_leaves(state)
+                                      if isinstance(t, torch.Tensor)})
+    out["exp_avg_local_shape"] = tuple(state.inner[1].exp_avg["0.weight"].shape)
+    state = mp_train(model, tx, state, batches[:3], 0)
+    af.dist.save_sharded({"params": af.params_of(model), "state": state}, mp_dir)
+    state = mp_train(model, tx, state, batches[3:], 3)
+
+    resumed, tx2 = shard(net()), mp_tx()
+    fresh = tx2.init(dict(resumed.named_parameters()))
+    loaded = af.dist.load_sharded(mp_dir, like={"params": af.params_of(resumed), "state": fresh})
+    af.functional.copy_to_module(resumed, loaded["params"])
+    state2 = mp_train(resumed, tx2, loaded["state"], batches[3:], 3)
+    out.update(mp_uninterrupted=full_params(model), mp_resumed=full_params(resumed),
+               mp_state=[t.clone() for t in af.tree.tree_leaves(state) if isinstance(t, torch.Tensor)],
+               mp_state_resumed=[t.clone() for t in af.tree.tree_leaves(state2) if isinstance(t, torch.Tensor)],
+               mp_skipped=(int(state.skipped), int(state2.skipped)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Every path (update, step, step_, make_train_step, ModuleTrainer) under DDP, FSDP2 with DTensor
+# params, and FSDP2's local shards, against one process running torch on the whole batch
+# ----------------------------------------------------------------------------------------------
+
+LR, WD, CLIP = 1e-2, 0.01, 0.05  # the clip is active at every step (the grad norms are ~0.5-2)
+
+
+def torch_reference():
+    """torch.optim.AdamW + clip_grad_norm_ on the global batch, one process; the step where any
+    rank saw an inf is skipped (as GradScaler skips it). Returns the params after every step."""
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    params = []
+    for step, (x, y) in enumerate(global_batches()):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if step != INJECT_STEP:
+            opt.step()
+        params.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return params
+
+
+def _dtensor_api():
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor, Replicate, Shard, distribute_tensor
+    return init_device_mesh, DTensor, Replicate, Shard, distribute_tensor
+
+
+def _full(t):
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+
+def _record(rec, named, finite, scale):
+    rec["params"].append({k: _full(v) for k, v in named})
+    rec["finite"].append(bool(finite))
+    rec["scale"].append(float(scale))
+
+
+def _new_record():
+    return {"params": [], "finite": [], "scale": []}
+
+
+def _pure_path(env, setting, path):
+    """mixed_precision's update / step / step_ on a DDP module, an FSDP2 module's DTensor params,
+    or their local shards; the loss scaled by hand, the gradients from .grad."""
+    if setting == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net())
+        named = list(model.module.named_parameters())
+        tx = af.mixed_precision(af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD)),
+                                loss_scale(), group=env.group)
+        view = lambda t: t  # noqa: E731
+    elif setting == "fsdp2":
+        model = shard(net())
+        named = list(model.named_parameters())
+        # no group: the mesh is in the DTensors; the flag and the clip's norm are reduced over it
+        tx = af.mixed_precision(af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD)),
+                                loss_scale())
+        view = lambda t: t  # noqa: E731
+    else:  # FSDP2's local shards: plain tensors, the group given to the flag and to the norm
+        model = shard(net())
+        named = list(model.named_parameters())
+        tx = af.mixed_precision(af.chain(af.clip_by_global_norm(CLIP, group=env.group),
+                                         af.adamw(LR, weight_decay=WD)), loss_scale(), group=env.group)
+        view = lambda t: t.detach().to_local()  # noqa: E731  (an alias of the shard, outside autograd)
+    params = {k: view(p) for k, p in named}
+    state = tx.init(params)
+    rec = _new_record()
+    for step, (x, y) in enumerate(global_batches()):
+        x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+        af.scale_loss(F.cross_entropy(model(x), y), af.loss_scale_of(state)).backward()
+        if step == INJECT_STEP and env.rank == 1:
+            poison(view(named[0][1].grad) if setting != "fsdp2" else named[0][1].grad.to_local())
+        grads = {k: view(p.grad) for k, p in named}
+        if path == "update":
+            updates, state = tx.update(grads, state, params)
+            new = af.apply_updates(params, updates)
+        elif path == "step":
+            new, state = tx.step(params, grads, state)
+        else:
+            new, state = tx.step_(params, grads, state)
+            assert new is params
+        if path != "step_":
+            if setting == "fsdp2":
+                assert all(type(v).__name__ == "DTensor" and v.placements == params[k].placements
+                           for k, v in new.items()), {k: type(v) for k, v in new.items()}
+            with torch.no_grad():
+                for k, p in named:
+                    view(p).copy_(new[k])
+            params = {k: view(p) for k, p in named}
+        model.zero_grad(set_to_none=True)
+        _record(rec, named, state.finite, af.loss_scale_of(state).loss_scale)
+    return rec
+
+
+def _trainer_path(env, setting):
+    if setting == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net())
+        named = list(model.module.named_parameters())
+        trainer = af.ModuleTrainer(model, af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD)),
+                                   loss_scale=loss_scale(), group=env.group)
+    else:
+        model = shard(net())
+        named = list(model.named_parameters())
+        clip = af.clip_by_global_norm(CLIP) if setting == "fsdp2" else af.clip_by_global_norm(CLIP, group=env.group)
+        trainer = af.ModuleTrainer(model, af.chain(clip, af.adamw(LR, weight_decay=WD)), loss_scale=loss_scale(),
+                                   group=None if setting == "fsdp2" else env.group)
+    rec = _new_record()
+    for step, (x, y) in enumerate(global_batches()):
+        x, y = my_rows(x, env.rank, env.world_size), my_rows(y, env.rank, env.world_size)
+        trainer.scale(F.cross_entropy(model(x), y)).backward()
+        if step == INJECT_STEP and env.rank == 1:
+            g = named[0][1].grad
+            poison(g.to_local() if hasattr(g, "to_local") else g)
+        finite = trainer.step()
+        _record(rec, named, finite, trainer.loss_scale.loss_scale)
+    return rec
+
+
+def _train_step_path(env, setting, inplace):
+    """make_train_step. DDP: a plain module, group= averaging the gradients as DDP would. FSDP2
+    with DTensors: a module whose params are Shard(0) DTensors (FSDP2's layout, without
+    fully_shard's hooks, which functional_call bypasses) and a batch sharded on its rows."""
+    def loss_fn(forward, x, y, w):
+        return F.cross_entropy(forward(x), y) * w
+
+    tx = af.chain(af.clip_by_global_norm(CLIP), af.adamw(LR, weight_decay=WD))
+    model = net()
+    if setting == "fsdp2":
+        init_device_mesh, DTensor, _, Shard, distribute_tensor = _dtensor_api()
+        mesh = init_device_mesh("cpu", (env.world_size,))
+        for mod in model.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        train = af.make_train_step(model, loss_fn, tx, loss_scale=loss_scale())
+
+        def rows(t):
+            return DTensor.from_local(my_rows(t, env.rank, env.world_size), mesh, [Shard(0)])
+    else:
+        train = af.make_train_step(model, loss_fn, tx, loss_scale=loss_scale(), group=env.group)
+
+        def rows(t):
+            return my_rows(t, env.rank, env.world_size)
+    state = train.init()
+    step_fn = train.step_ if inplace else train.step
+    rec = _new_record()
+    for step, (x, y) in enumerate(global_batches()):
+        w = torch.tensor(float("inf") if step == INJECT_STEP and env.rank == 1 else 1.0)
+        state, o = step_fn(state, rows(x), rows(y), w)
+        _record(rec, state.params.items(), o.finite, state.loss_scale.loss_scale)
+    return rec
+
+
+def _refusals(env):
+    """Bad input at the front doors: refused naming the leaf, nothing written."""
+    init_device_mesh, DTensor, Replicate, Shard, distribute_tensor = _dtensor_api()
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    other = init_device_mesh("cpu", (env.world_size, 1))
+    a = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    out = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return None
+
+    tx = af.mixed_precision(af.adamw(LR), af.NoOpLossScale())
+    mixed = {"a": a, "b": torch.ones(3)}
+    out["mixed_init"] = error_of(lambda: tx.init(mixed))
+    state = tx.init({"a": a})
+    before = a.to_local().clone()
+    out["mixed_step_"] = error_of(lambda: tx.step_(mixed, {"a": a, "b": torch.ones(3)}, state))
+    out["plain_grad"] = error_of(lambda: tx.step_({"a": a}, {"a": torch.ones(2, 2)}, state))
+    out["dtensor_grad_plain_param"] = error_of(lambda: tx.step({"b": torch.ones(3)}, {"b": a}, tx.init(
+        {"b": torch.ones(3)})))
+    meshes = {"a": a, "c": distribute_tensor(torch.ones(4), other, [Shard(0), Replicate()])}
+    out["two_meshes"] = error_of(lambda: tx.init(meshes))
+    model = shard(net())
+    model.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+    out["trainer_mixed"] = error_of(lambda: af.ModuleTrainer(model, af.adamw(LR)))
+    # a Partial param holds partial sums: refused, naming it
+    try:
+        from torch.distributed.tensor import Partial
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import Partial
+    out["partial"] = error_of(lambda: tx.init({"p": DTensor.from_local(torch.ones(2), mesh, [Partial()])}))
+    # leaves of different layouts in one step (an uneven Shard(0) and a Replicate): the clip's norm
+    # counts each whole tensor once, on the fused path (sgd) and the generic one (a clip with no kernel)
+    torch.manual_seed(5)
+    full = {"s": torch.randn(5, 3), "r": torch.randn(4)}
+    grads = {"s": torch.randn(5, 3), "r": torch.randn(4)}
+    placements = {"s": [Shard(0)], "r": [Replicate()]}
+    dparams = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
+    dgrads = {k: distribute_tensor(v, mesh, placements[k]) for k, v in grads.items()}
+    norm = torch.cat([g.reshape(-1) for g in grads.values()]).norm()
+    coef = min(1.0, 0.1 / (float(norm) + 1e-6))
+    want = {k: full[k] - coef * grads[k] for k in full}
+    diffs = []
+    for clip in (af.clip_by_global_norm(0.1), af.GradientTransformation(af.clip_by_global_norm(0.1).init,
+                                                                        af.clip_by_global_norm(0.1).update)):
+        mp = af.mixed_precision(af.chain(clip, af.sgd(1.0)), af.NoOpLossScale())
+        new, _ = mp.step(dparams, dgrads, mp.init(dparams))
+        diffs.append(max(float((new[k].full_tensor() - want[k]).abs().max()) for k in want))
+    out["mixed_layout_diffs"] = diffs
+    # fully_shard's hooks gather their own params, bypassing functional_call's: refused
+    out["fsdp2_module"] = error_of(lambda: af.make_train_step(shard(net()), lambda f, x: f(x).sum(), af.adamw(LR)))
+    out["untouched"] = torch.equal(a.to_local(), before) and int(state.skipped) == 0
+    return out
+
+
+def scenario_paths(env, out):
+    reference = torch_reference()
+    table, calls = {}, {}
+    counted = [0]
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            counted[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    # the fused optimizer kernels, counted: each step of a kernel-backed path calls one of them
+    for name in ("adam_step", "adam_step_", "adam_step_checked"):
+        setattr(af.ops, name, counting(getattr(af.ops, name)))
+
+    def run(key, fn, *args, **kwargs):
+        counted[0] = 0
+        table[key] = fn(env, *args, **kwargs)
+        calls[key] = counted[0]
+
+    for setting in ("ddp", "fsdp2", "local"):
+        for path in ("update", "step", "step_"):
+            run((setting, path), _pure_path, setting, path)
+        run((setting, "ModuleTrainer"), _trainer_path, setting)
+    for setting in ("ddp", "fsdp2"):
+        run((setting, "make_train_step"), _train_step_path, setting, inplace=False)
+        run((setting, "make_train_step.step_"), _train_step_path, setting, inplace=True)
+    out.update(reference=reference, table=table, kernel_calls=calls, refusals=_refusals(env))
 
 
 def scenario_misuse(env, out):
@@ -237,7 +524,7 @@ def scenario_misuse(env, out):
     # rank 1 is outside a group of rank 0 alone: refused there, a no-op average on rank 0
     solo = dist.new_group([0])
     out["nonmember_error"] = error_of(lambda: af.dist.all_reduce_mean(same, solo))
-    out["nonmember_flag_error"] = error_of(lambda: af.agree_finite(torch.tensor(True), solo))
+    out["nonmember_flag_error"] = error_of(lambda: af.dist.agree_finite(torch.tensor(True), solo))
     # fp8: a NaN amax on the higher rank reaches every rank (gloo's MAX drops it there)
     from ampfunc import fp8 as af_fp8
     x = torch.tensor([1.0, 2.0]) if env.rank == 0 else torch.tensor([float("nan"), 3.0])
@@ -254,7 +541,7 @@ def main():
     out = {"rank": env.rank, "world_size": env.world_size}
     try:
         {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "checkpoint": scenario_checkpoint,
-         "misuse": scenario_misuse}[scenario](env, out)
+         "misuse": scenario_misuse, "paths": scenario_paths}[scenario](env, out)
         torch.save(out, os.path.join(outdir, f"rank{env.rank}.pt"))
         dist.barrier()
     finally:

@@ -5,7 +5,7 @@ its pure, in-place and ``update`` forms over fused and generic inner optimizers,
 and with ``accumulate``; the five primitives by hand, pure and in place; the torch.amp-style
 ``GradScaler`` facade) and injects faults from a *plan*: NaN, +inf or -inf written at random
 leaves and positions of the gradients, or multiplied into the loss, in bursts of consecutive
-steps. After every step it asserts the invariants of issue 10:
+steps. After every step it asserts these invariants:
 
 * no non-finite value in any state (params, master, optimizer state, loss scale);
 * a step is skipped exactly when the gradients it was given are not all finite, and a skipped
@@ -26,7 +26,6 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.func import functional_call
 
 import ampfunc as af
 from ampfunc import ops
@@ -193,7 +192,7 @@ class MixedPrecisionPath(Path):
     def __init__(self, dtype, config, inner: Callable[[], Any], mode: str):
         super().__init__(dtype, config)
         self.tx = af.mixed_precision(inner(), loss_scale=config.loss_scale())
-        self.params = af.tree_cast(init_params(), dtype)
+        self.params = af.tree.tree_cast(init_params(), dtype)
         self.opt_state = self.tx.init(self.params)
         self.mode = mode
 
@@ -247,14 +246,14 @@ class PrimitivesPath(Path):
 
     def apply(self, grads):
         if self.inplace:
-            grads, finite = af.unscale_and_check_(grads, self.ls)
+            grads, finite = af.mixed.unscale_and_check_(grads, self.ls)
         else:
             grads, finite = af.unscale_and_check(grads, self.ls)
         updates, new_opt = self.opt.update(grads, self.opt_state, self.params)
         new_params = af.apply_updates(self.params, updates)
         if self.inplace:
-            af.skip_or_apply_(finite, (new_params, new_opt), (self.params, self.opt_state))
-            af.update_scale_(self.ls, finite)
+            af.mixed.skip_or_apply_(finite, (new_params, new_opt), (self.params, self.opt_state))
+            af.mixed.update_scale_(self.ls, finite)
         else:
             self.params, self.opt_state = af.skip_or_apply(finite, (new_params, new_opt),
                                                            (self.params, self.opt_state))

@@ -17,7 +17,7 @@ class Trajectory:
 
     def grads_at(self, params, k):
         g = torch.Generator().manual_seed(self.seed + k)
-        return af.tree_map(lambda p: self.pull * p + torch.randn(p.shape, generator=g), params)
+        return af.tree.tree_map(lambda p: self.pull * p + torch.randn(p.shape, generator=g), params)
 
     def run_pure(self, tx, params, steps=None, state=None, start=0):
         """``steps`` updates of the pure transform ``tx``; returns ``(params, state)``."""
@@ -29,7 +29,7 @@ class Trajectory:
 
     def run_torch(self, cls, params, steps=None, lr_at=None, **kw):
         """The same trajectory through ``cls(params, **kw)``; returns ``(params, optimizer)``."""
-        params = af.tree_map(lambda p: p.clone(), params)
+        params = af.tree.tree_map(lambda p: p.clone(), params)
         leaves = tree_leaves(params)
         opt = cls(leaves, **kw)
         for k in range(self.steps if steps is None else steps):
@@ -45,16 +45,16 @@ class Trajectory:
     def run_both_on(self, device, tx, cls, params, state=None, **kw):
         """The trajectory on ``device`` through the pure ``tx`` and through ``cls(**kw)`` side by
         side (gradients drawn on the CPU, then moved); returns ``(ours, theirs)``."""
-        params = af.tree_map(lambda p: p.to(device), params)
+        params = af.tree.tree_map(lambda p: p.to(device), params)
         state = tx.init(params) if state is None else state
-        ours, theirs = params, af.tree_map(lambda p: p.clone(), params)
+        ours, theirs = params, af.tree.tree_map(lambda p: p.clone(), params)
         leaves = tree_leaves(theirs)
         opt = cls(leaves, **kw)
         for k in range(self.steps):
-            grads = self.grads_at(af.tree_map(lambda p: p.cpu(), ours), k)
-            updates, state = tx.update(af.tree_map(lambda g: g.to(device), grads), state, ours)
+            grads = self.grads_at(af.tree.tree_map(lambda p: p.cpu(), ours), k)
+            updates, state = tx.update(af.tree.tree_map(lambda g: g.to(device), grads), state, ours)
             ours = af.apply_updates(ours, updates)
-            for p, g in zip(leaves, tree_leaves(self.grads_at(af.tree_map(lambda p: p.cpu(), theirs), k))):
+            for p, g in zip(leaves, tree_leaves(self.grads_at(af.tree.tree_map(lambda p: p.cpu(), theirs), k))):
                 p.grad = g.to(device)
             opt.step()
         return ours, theirs

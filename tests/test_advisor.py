@@ -74,6 +74,30 @@ def test_before_sm80_fp16_with_dynamic_loss_scale(capability):
     assert stable.loss_scale.hysteresis == 2
 
 
+@pytest.mark.parametrize("capability", [(5, 2), (5, 0), (3, 5), (1, 0)])
+def test_before_sm60_fp32_since_there_is_no_fast_fp16(capability):
+    rec = recommend_policy("cuda", capability=capability, n_params=10**9)
+    assert rec.precision == "fp32" and rec.policy.compute_dtype == torch.float32
+    assert isinstance(rec.loss_scale, af.NoOpLossScale) and rec.capability == capability
+    sm = f"sm{capability[0]}{capability[1]}"
+    assert f"{sm} has neither bf16 nor fast fp16" in rec.reason
+    assert any(">= 6.0 for fast fp16" in r for r in rec.requirements)
+    # the first capability with fast fp16 gets it
+    assert recommend_policy("cuda", capability=(6, 0)).precision == "fp16"
+
+
+@pytest.mark.parametrize("capability", [(0, 0), (0, 5), (-1, 0), (8, -1), (8, 10), (-7, -7)])
+def test_impossible_capabilities_are_refused_naming_the_setting(capability):
+    with pytest.raises(ValueError, match=r"capability=\(.*\) is no CUDA compute capability \(major >= 1, minor 0-9"):
+        recommend_policy("cuda", capability=capability)
+
+
+@pytest.mark.parametrize("capability", [(8.0, 0), (8, 0.5), ("8", "0"), (True, 0), "80", 80])
+def test_non_integer_capabilities_are_refused_naming_the_setting(capability):
+    with pytest.raises(TypeError, match="capability must be a \\(major, minor\\) pair of ints"):
+        recommend_policy("cuda", capability=capability)
+
+
 def test_the_advice_trains():
     rec = recommend_policy("cuda", capability=(7, 0), n_params=10)
     assert any("MiB" in r for r in rec.requirements)

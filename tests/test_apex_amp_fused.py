@@ -2,11 +2,11 @@
 
 Under O2 the master grads are written after every backward as before (unscaled, accumulated,
 clippable through ``amp.master_params``). When the optimizer is one the kernels follow, the
-patched ``step`` hands :func:`ampfunc.engine.torch_step_` one pass per param group, segment
+patched ``step`` hands :func:`ampfunc.compat._torch_step.torch_step_` one pass per param group, segment
 (masters with their fp16 model params; the fp32 params of the kept-fp32 batchnorm) and device,
 reading the master grads and writing the masters, torch's own state and the fp16 params,
 instead of ``optimizer.step()`` + the copy back. These specs compare it with the same facade
-forced onto that old path (``engine.torch_step_`` answering False).
+forced onto that old path (``_torch_step.torch_step_`` answering False).
 
 Same numbers means bit for bit where the same arithmetic runs: SGD with either backend. Adam,
 compiled or reference, takes a correctly rounded square root (ops.sqrt_rounded) where torch's
@@ -23,29 +23,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_same, assert_states_same, exact
+from _helpers import assert_same, assert_states_same, exact
 
-from ampfunc import engine
+from ampfunc.compat import _torch_step
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
 
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_amp_state():
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
+# apex amp keeps process-wide state: every test here starts from a fresh one.
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
 
 @pytest.fixture
 def old_path(monkeypatch):
     """Call ``old_path(True)`` to force the patched step onto ``optimizer.step()`` + the copy back."""
-    real = engine.torch_step_
+    real = _torch_step.torch_step_
 
     def force(on: bool):
-        monkeypatch.setattr(engine, "torch_step_", (lambda *a, **k: False) if on else real)
+        monkeypatch.setattr(_torch_step, "torch_step_", (lambda *a, **k: False) if on else real)
     return force
 
 
@@ -397,8 +394,8 @@ def test_fused_o2_step_on_cuda_matches_the_old_path(old_path, monkeypatch, name,
     for force in (False, True):
         old_path(force)
         if not force:
-            real = engine.torch_step_
-            monkeypatch.setattr(engine, "torch_step_", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+            real = _torch_step.torch_step_
+            monkeypatch.setattr(_torch_step, "torch_step_", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
         model = Net().cuda()
         opt = two_groups(model, cls, first, second)
         model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)

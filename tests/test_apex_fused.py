@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from conftest import assert_same, assert_states_same, exact, fp16_optimizer_loop
-
+from _helpers import assert_same, assert_states_same, exact, fp16_optimizer_loop
 from ampfunc import ops
 from ampfunc.compat.apex.fp16_utils import FP16_Optimizer
 

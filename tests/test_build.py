@@ -1,6 +1,6 @@
 """The build cache (ampfunc/_build.py): keyed by content, shared across paths, one build at a time.
 
-Only the subprocess test loads the real extension (from the cache this session already built);
+Only the subprocess test loads the real extension (from the cache this test run already built);
 the others replace the compiler with a stand-in, so nothing here compiles.
 """
 
@@ -285,7 +285,8 @@ def test_a_damaged_cache_entry_is_rebuilt_and_replaced_not_loaded(tmp_path, monk
 # The shape of torch's exception when ninja fails: the compiler commands first, the cause later.
 _TORCH_ERROR = (
     "Error building extension 'ampfunc_ext': [1/3] c++ -MMD -MF bindings.o.d -DTORCH_EXTENSION_NAME=ampfunc_ext "
-    "-isystem /site-packages/torch/include -fPIC -std=c++20 -O3 -fopenmp -march=foo -c /ext/bindings.cpp -o bindings.o \n"
+    "-isystem /site-packages/torch/include -fPIC -std=c++20 -O3 -fopenmp -march=foo "
+    "-c /ext/bindings.cpp -o bindings.o \n"
     "FAILED: bindings.o \n"
     "c++ -MMD -MF bindings.o.d -fPIC -std=c++20 -O3 -fopenmp -march=foo -c /ext/bindings.cpp -o bindings.o \n"
     "cc1plus: error: bad value 'foo' for '-march=' switch\n"
@@ -452,8 +453,8 @@ def test_a_misspelt_switch_is_refused_before_anything_is_built_or_loaded(tmp_pat
                   "AMPFUNC_EXT_VERBOSE", "AMPFUNC_DIRECT", "AMPFUNC_CPU_POOL_MB"):
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, "maybe")
-    monkeypatch.setattr(ops, "_BACKEND", [None, None])
-    monkeypatch.setattr(ops, "_DIRECT", [None])
+    monkeypatch.setattr(ops._loading, "_BACKEND", [None, None])
+    monkeypatch.setattr(ops._loading, "_DIRECT", [None])
     with pytest.raises(ValueError, match=f"{name}='maybe'"):
         ops.load()
     assert compiler.builds == 0 and loaded == [] and not cache.exists()
@@ -463,15 +464,15 @@ def test_a_misspelt_switch_is_refused_before_anything_is_built_or_loaded(tmp_pat
 def test_AMPFUNC_DIRECT_is_off_for_every_off_spelling(monkeypatch, off):
     # It took only "0": AMPFUNC_DIRECT=false left the direct door on.
     monkeypatch.setenv("AMPFUNC_DIRECT", off)
-    monkeypatch.setattr(ops, "_BACKEND", [None, None])
-    monkeypatch.setattr(ops, "_DIRECT", [None])
+    monkeypatch.setattr(ops._loading, "_BACKEND", [None, None])
+    monkeypatch.setattr(ops._loading, "_DIRECT", [None])
     monkeypatch.setattr(_build, "load", lambda: ("cpu", None))
     monkeypatch.setattr(_build, "direct_module", lambda: "the direct door")
-    assert ops.load() == "cpu" and ops._DIRECT[0] is None
-    monkeypatch.setattr(ops, "_BACKEND", [None, None])
+    assert ops.load() == "cpu" and ops._loading._DIRECT[0] is None
+    monkeypatch.setattr(ops._loading, "_BACKEND", [None, None])
     monkeypatch.setenv("AMPFUNC_DIRECT", "on")
     ops.load()
-    assert ops._DIRECT[0] == "the direct door"
+    assert ops._loading._DIRECT[0] == "the direct door"
 
 
 def test_AMPFUNC_CPU_POOL_MB_is_a_whole_number_of_megabytes(tmp_path, monkeypatch):

@@ -18,13 +18,8 @@ from torch.nn import Parameter
 from ampfunc.compat.apex import amp
 from ampfunc.compat.apex.amp import _amp_state
 
-
-@pytest.fixture(autouse=True)
-def _fresh_amp_state():
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
-    _amp_state.allow_incoming_model_not_fp32 = False
+# apex amp keeps process-wide state: every test here starts from a fresh one.
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
 
 class MyModel(nn.Module):

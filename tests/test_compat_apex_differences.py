@@ -1,4 +1,4 @@
-"""The six places where the apex facades differed from apex's own code (issue 9, section 3).
+"""The six places where the apex facades differed from apex's own code.
 
 apex cannot be installed here. Each test states the behaviour of apex's last ``fp16_utils`` /
 ``amp`` Python sources as a fact and checks the facade against it; where apex stores objects in
@@ -21,12 +21,8 @@ from ampfunc.compat.apex import amp, checkpoint
 from ampfunc.compat.apex.amp import _amp_state
 from ampfunc.compat.apex.fp16_utils import DynamicLossScaler, FP16_Optimizer
 
-
-@pytest.fixture(autouse=True)
-def _fresh_amp_state():
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
+# apex amp keeps process-wide state: every test here starts from a fresh one.
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
 
 class ApexAmpLossScaler:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _helpers import fp16_optimizer_loop
 from ampfunc.compat.apex.fp16_utils import (
     BN_convert_float,
     DynamicLossScaler,
@@ -29,7 +30,6 @@ from ampfunc.compat.apex.fp16_utils import (
     prep_param_lists,
     to_python_float,
 )
-from conftest import fp16_optimizer_loop
 
 
 class ApexDynamicRule:
@@ -179,7 +179,8 @@ def reference_run(data, rule, split=False, clip=None, with_fp32=True):
         scale = rule.cur_scale
         (F.mse_loss(model(x), y).float() * scale).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        overflow = isinstance(rule, (ApexDynamicRule, AmpDynamicRule)) and not all(g.isfinite().all() for g in grads.values())
+        overflow = (isinstance(rule, (ApexDynamicRule, AmpDynamicRule))
+                    and not all(g.isfinite().all() for g in grads.values()))
         rule.update_scale(overflow)
         scales.append(rule.cur_scale)
         if overflow:
@@ -457,7 +458,8 @@ def test_loss_scale_property_zero_grad_and_promoted_attributes():
     opt.backward(F.mse_loss(model(x), y))
     assert model.fc1.weight.grad is not None and opt.param_groups[0]["params"][0].grad is not None
     opt.zero_grad()
-    assert float(model.fc1.weight.grad.abs().sum()) == 0 and float(opt.param_groups[0]["params"][0].grad.abs().sum()) == 0
+    assert float(model.fc1.weight.grad.abs().sum()) == 0
+    assert float(opt.param_groups[0]["params"][0].grad.abs().sum()) == 0
     opt.zero_grad(set_grads_to_None=True)
     assert model.fc1.weight.grad is None and all(p.grad is None for p in opt.param_groups[0]["params"])
     assert opt.state is opt.optimizer.state

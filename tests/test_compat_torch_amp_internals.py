@@ -166,7 +166,8 @@ def test_check_inf_per_device_leaves_grads_and_feeds_update():
         out = scaler._check_inf_per_device(opt)
         assert out is scaler._found_inf_per_device(opt)
         assert scaler._per_optimizer_states[id(opt)]["stage"] is TorchOptState.READY
-        results.append(({d: t.clone() for d, t in out.items()}, [p.grad.clone() for p in opt.param_groups[0]["params"]]))
+        grads = [p.grad.clone() for p in opt.param_groups[0]["params"]]
+        results.append(({d: t.clone() for d, t in out.items()}, grads))
         scaler.update()  # the recorded check is what update() backs off on
         results[-1] += (scaler.get_scale(),)
     (a, ga, sa), (b, gb, sb) = results

@@ -58,7 +58,7 @@ def run(step, state, batches):
 
 
 def assert_states_close(a, b, rtol, atol):
-    for (path, x), (_, y) in zip(af.leaves_with_paths(a), af.leaves_with_paths(b)):
+    for (path, x), (_, y) in zip(af.tree.leaves_with_paths(a), af.tree.leaves_with_paths(b)):
         if torch.is_floating_point(x):
             assert torch.allclose(x, y, rtol=rtol, atol=atol), path
         else:

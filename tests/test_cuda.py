@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampfunc as af
+from _helpers import bits
 from ampfunc import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,8 @@ int run(const std::vector<int64_t>& numels) {
       const int leaf = meta.leaf[slot];
       int ptrs_ok = 1;
       for (int d = 0; d < D; ++d) ptrs_ok &= meta.ptr[d][slot] == store[d][leaf];
-      printf("B %d %d %lld %lld %d\n", slot, leaf, (long long)meta.block_chunk[b], (long long)meta.numel[slot], ptrs_ok);
+      printf("B %d %d %lld %lld %d\n", slot, leaf, (long long)meta.block_chunk[b], (long long)meta.numel[slot],
+             ptrs_ok);
     }
     return cudaSuccess;
   });
@@ -189,7 +191,7 @@ def test_multi_tensor_apply_visits_every_chunk_once_in_order(layout_harness, dep
         assert 0 < launch["nb"] <= max_blocks
         slots = {slot for slot, *_ in launch["blocks"]}
         assert max(slots) < max_tensors
-        for slot, leaf, chunk, numel, ptrs_ok in launch["blocks"]:
+        for _slot, leaf, chunk, numel, ptrs_ok in launch["blocks"]:
             assert ptrs_ok and numel == numels[leaf]
             seen.append((leaf, chunk))
         base += launch["nb"]
@@ -352,9 +354,14 @@ extern "C" cudaError_t cudaGetLastError(void) {
   emu::last_error = cudaSuccess;
   return e;
 }
-extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return cudaSuccess; }
+extern "C" cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
 extern "C" const char* cudaGetErrorString(cudaError_t e) {
-  return e == cudaSuccess ? "no error" : e == cudaErrorLaunchOutOfResources ? "emulation: no threads" : "emulated error";
+  return e == cudaSuccess                     ? "no error"
+         : e == cudaErrorLaunchOutOfResources ? "emulation: no threads"
+                                              : "emulated error";
 }
 #endif
 """
@@ -926,14 +933,9 @@ def _nan_like(ts, dtype=None):
     return [torch.full(t.shape, float("nan"), dtype=dtype or t.dtype) for t in ts]
 
 
-def _bits(t):
-    """The storage bits of a tensor (NaN payloads and signed zeros included)."""
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
 def _same_storage_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(bits(a), bits(b))
 
 
 def _clones(ts):
@@ -1098,7 +1100,7 @@ def test_emulated_pure_skipped_step_returns_the_inputs_bit_for_bit(emu):
     step_upd = torch.full((), -1.0)
     assert emu.adam_update(grads, p, m, v, vmax, upd, step, step_upd, gs, no, amsgrad=True) == 0
     for d in upd[0]:
-        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))  # +0: apply_updates keeps the params
+        assert torch.equal(bits(d), torch.zeros_like(bits(d)))  # +0: apply_updates keeps the params
     for got, want in zip([t for ts in upd[1:] for t in ts] + [step_upd], m + v + vmax + [step]):
         _same_storage_bits(got, want)
 
@@ -1110,7 +1112,7 @@ def test_emulated_pure_skipped_step_returns_the_inputs_bit_for_bit(emu):
     supd = (_nan_like(p), _nan_like(m))
     assert emu.sgd_update(grads, p, m, supd, step, step_out, gs, no, momentum=0.9) == 0
     for d in supd[0]:
-        assert torch.equal(_bits(d), torch.zeros_like(_bits(d)))
+        assert torch.equal(bits(d), torch.zeros_like(bits(d)))
     for got, want in zip(supd[1] + [step_out], m + [step]):
         _same_storage_bits(got, want)
     for t, b in zip(inputs, before):
@@ -1692,15 +1694,15 @@ def test_make_train_step_outputs_live_on_the_params_device(cuda_backend, loss_sc
 def test_the_monitor_readers_sync_once_each():
     import warnings
     mon = af.TrainingMonitor({"a": torch.ones(3, device="cuda"), "b": torch.ones(2, device="cuda")}, window=8)
-    stats = af.init_stats("cuda")
+    stats = af.monitor.init_stats("cuda")
     for ok in (True, False, True):
         flag = torch.tensor(ok, device="cuda")
         mon = mon.record(flag, 1024.0, loss=torch.tensor(0.5, device="cuda"),
                          leaf_nonfinite=torch.tensor([not ok, False], device="cuda"))
-        stats = af.record(stats, flag, 1024.0)
+        stats = af.monitor.record(stats, flag, 1024.0)
     torch.cuda.synchronize()
     readers = {"check_health": mon.check_health, "as_dict": mon.as_dict, "history": mon.history,
-               "summary": lambda: af.monitor.summary(stats), "health": lambda: af.health(stats)}
+               "summary": lambda: af.monitor.summary(stats), "health": lambda: af.monitor.health(stats)}
     previous = torch.cuda.get_sync_debug_mode()
     try:
         for name, read in readers.items():
@@ -1820,7 +1822,7 @@ def _gpu_leaves(shapes, gen, dtypes, scale=1.0, positive=False):
 def _gpu_same_bits(got, want):
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device.type == "cuda"
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
 
 
 GRAD_MIXES = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "mixed": DTYPES}  # mixed: several dtype groups
@@ -2057,7 +2059,8 @@ def test_cuda_validation_refuses_before_writing_with_the_cpu_message():
     m = [torch.zeros(3, 4, device="cuda"), torch.zeros(5, device="cuda")]
     v = [torch.zeros(3, 4, device="cuda"), m[1]]  # aliases exp_avgs[1]
     args = (p, [torch.ones(3, 4, device="cuda"), torch.ones(5, device="cuda")], m, v, None, None,
-            torch.zeros((), device="cuda"), torch.ones((), device="cuda"), torch.ones((), dtype=torch.bool, device="cuda"))
+            torch.zeros((), device="cuda"), torch.ones((), device="cuda"),
+            torch.ones((), dtype=torch.bool, device="cuda"))
     with pytest.raises(ValueError, match=r"^ampfunc: exp_avgs\[1\] and exp_avg_sqs\[1\] overlap in memory"):
         ops.adam_step_(*args, lr=0.1)
     assert all(bool((x == 1).all()) for x in p) and all(bool((x == 0).all()) for x in m)

@@ -399,7 +399,7 @@ def test_sgd_step_checked_is_check_then_sgd_step_bit_for_bit(poison, momentum, f
 @pytest.mark.parametrize("door", [True, False], ids=["direct", "torch"])
 def test_bump_versions_and_requires_grad_changed_on_both_doors(door, monkeypatch):
     if not door:
-        monkeypatch.setattr(ops, "_DIRECT", [None])
+        monkeypatch.setattr(ops._loading, "_DIRECT", [None])
     ts = [torch.zeros(2, requires_grad=True), torch.zeros(3), torch.zeros(1, requires_grad=True)]
     before = [t._version for t in ts]
     ops.bump_versions(ts)

@@ -174,6 +174,15 @@ def test_sharded_state_saves_per_rank_and_resumes_bit_for_bit(tmp_path):
         assert out["scales"][0] == out["scales"][1]
         for k, p in out["uninterrupted"].items():
             assert torch.equal(out["resumed"][k], p), (out["rank"], k)
+        # mixed_precision on DTensor params: the state is per rank, plain tensors of the local
+        # shards (16 rows over 2 ranks: 8), and it resumes bit for bit (an inf on rank 1 after
+        # the resume skipped on both ranks, in both runs)
+        assert out["state_leaf_types"] == ["Tensor"] and out["exp_avg_local_shape"] == (8, 6)
+        assert out["mp_skipped"] == (1, 1)
+        for k, p in out["mp_uninterrupted"].items():
+            assert torch.equal(out["mp_resumed"][k], p), (out["rank"], k)
+        for a, b in zip(out["mp_state"], out["mp_state_resumed"]):
+            assert torch.equal(a, b)
 
 
 @slow
@@ -192,6 +201,77 @@ def test_misuse_across_ranks_is_refused_by_name_on_every_rank(tmp_path):
     assert outs[0]["nonmember_error"] is None and outs[0]["nonmember_flag_error"] is None
     assert "not a member of the group" in outs[1]["nonmember_error"]
     assert "not a member of the group" in outs[1]["nonmember_flag_error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every path x (DDP, FSDP2 with DTensor params, FSDP2's local shards), one spawn for all
+# ----------------------------------------------------------------------------------------------
+
+PATHS = [(s, p) for s in ("ddp", "fsdp2", "local") for p in ("update", "step", "step_", "ModuleTrainer")] + \
+    [(s, p) for s in ("ddp", "fsdp2") for p in ("make_train_step", "make_train_step.step_")]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return launch("paths", tmp_path_factory.mktemp("paths"))
+
+
+@slow
+@pytest.mark.parametrize("setting,path", PATHS, ids=[f"{s}-{p}" for s, p in PATHS])
+def test_every_path_equals_one_process_of_torch_on_the_whole_batch(paths, setting, path):
+    # torch.optim.AdamW + clip_grad_norm_ on the concatenated batch, the injected step skipped;
+    # the clip is active, so a norm taken over one rank's shards only would differ.
+    ref = paths[0]["reference"]
+    for out in paths:
+        rec = out["table"][(setting, path)]
+        for step in range(len(ref)):
+            for k, want in ref[step].items():
+                got = rec["params"][step][k]
+                assert (got - want).abs().max() <= 1e-5, (out["rank"], step, k)
+
+
+@slow
+@pytest.mark.parametrize("setting,path", PATHS, ids=[f"{s}-{p}" for s, p in PATHS])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(paths, setting, path):
+    a, b = (out["table"][(setting, path)] for out in paths)
+    assert a["finite"] == b["finite"] == EXPECTED_FINITE
+    assert a["scale"] == b["scale"] and a["scale"][INJECT_STEP] < a["scale"][INJECT_STEP - 1]
+    # nothing written at the skipped step, and the ranks hold the same params after every step
+    for k in a["params"][INJECT_STEP]:
+        assert torch.equal(a["params"][INJECT_STEP][k], a["params"][INJECT_STEP - 1][k]), k
+    for pa, pb in zip(a["params"], b["params"]):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@slow
+def test_dtensor_params_run_the_fused_kernels_on_their_local_shards(paths):
+    for out in paths:
+        for (setting, path), calls in out["kernel_calls"].items():
+            if setting == "local":  # clip_by_global_norm(group=) is not kernel-backed: generic path
+                assert calls == 0, (setting, path)
+            else:
+                assert calls == len(EXPECTED_FINITE), (setting, path, calls)
+
+
+@slow
+def test_bad_sharded_input_is_refused_naming_the_leaf(paths):
+    for out in paths:
+        err = out["refusals"]
+        assert "params leaf 'b' is a plain tensor but leaf 'a' is a DTensor" in err["mixed_init"]
+        assert "params leaf 'b' is a plain tensor" in err["mixed_step_"]
+        assert "grads leaf 'a' is a plain tensor but its param is a DTensor" in err["plain_grad"]
+        assert "grads leaf 'b' is a DTensor but the params are plain tensors" in err["dtensor_grad_plain_param"]
+        assert "params leaf 'c' is a DTensor on mesh" in err["two_meshes"] and "leaf 'a'" in err["two_meshes"]
+        assert "ModuleTrainer: params leaf 'extra' is a plain tensor" in err["trainer_mixed"]
+        assert "make_train_step" in err["fsdp2_module"] and "fully_shard" in err["fsdp2_module"]
+        assert "params leaf 'p'" in err["partial"] and "Partial" in err["partial"]
+        assert err["untouched"]
+
+
+@slow
+def test_leaves_sharded_and_replicated_in_one_step_count_each_whole_tensor_once(paths):
+    for out in paths:  # fused and generic clip, against the single-process clip of the full tensors
+        assert max(out["refusals"]["mixed_layout_diffs"]) <= 1e-6, out["refusals"]["mixed_layout_diffs"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +299,7 @@ def test_load_sharded_refuses_a_tree_of_another_shape(tmp_path):
 
 def test_sharded_clip_without_a_group_is_clip_grad_norm():
     grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
-    clipped, _ = af.dist.clip_by_global_norm(1.0).update(grads, af.EmptyState())
+    clipped, _ = af.clip_by_global_norm(1.0, group=None).update(grads, af.transform.EmptyState())
     assert torch.allclose(clipped["a"], torch.tensor([0.6, 0.0])) and torch.allclose(clipped["b"], torch.tensor([0.8]))
     with pytest.raises(ValueError, match="max_norm"):
-        af.dist.clip_by_global_norm(0.0)
+        af.clip_by_global_norm(0.0, group=None)

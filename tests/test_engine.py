@@ -8,14 +8,15 @@ import torch
 import torch.nn.functional as F
 
 import ampfunc as af
+from _helpers import OVERFLOW_STEPS, assert_trees_equal, clone_tree, grads_at, make_params, unregistered
 from ampfunc import ops
-from conftest import OVERFLOW_STEPS, assert_trees_equal, clone_tree, grads_at, make_params, unregistered
 
 INNERS = {
     "adamw": lambda: af.adamw(1e-2, weight_decay=0.05),
     "clip+adam": lambda: af.chain(af.clip_by_global_norm(0.5), af.adam(1e-2, amsgrad=True)),
     "sgd": lambda: af.sgd(0.05, momentum=0.9, nesterov=True),
-    "named clip+adamw": lambda: af.named_chain(("clip", af.clip_by_global_norm(0.5)), ("opt", af.adamw(1e-2))),
+    "named clip+adamw": lambda: af.transform.named_chain(("clip", af.clip_by_global_norm(0.5)),
+                                                         ("opt", af.adamw(1e-2))),
 }
 
 
@@ -96,13 +97,14 @@ def test_module_trainer_and_make_train_step_give_the_in_place_fused_numbers(name
     train = af.make_train_step(_Net(), _loss, INNERS[name](), loss_scale=ls)
     tstate = train.init()
     tx = af.mixed_precision(INNERS[name](), ls)
-    params = af.tree_map(lambda p: p.detach().clone(), af.params_of(_Net()))
+    params = af.tree.tree_map(lambda p: p.detach().clone(), af.params_of(_Net()))
     state = tx.init(params)
     kernel = "adam" if "adam" in name else "sgd"
     calls = {f"{kernel}_step_": 0, f"{kernel}_step": 0, f"{kernel}_step_checked": 0}
     for fn in calls:
         real = getattr(ops, fn)
-        monkeypatch.setattr(ops, fn, lambda *a, _r=real, _n=fn, **k: (calls.__setitem__(_n, calls[_n] + 1), _r(*a, **k))[1])
+        monkeypatch.setattr(ops, fn,
+                            lambda *a, _r=real, _n=fn, **k: (calls.__setitem__(_n, calls[_n] + 1), _r(*a, **k))[1])
     for step in range(6):
         x, y = _batch(step)
         loss = F.cross_entropy(model(x), y)
@@ -257,12 +259,12 @@ def test_fp64_params_keep_an_fp64_master_never_a_narrower_one():
 
 def test_skip_or_apply_in_place_writes_parameters_and_refuses_aliases_before_writing():
     old = {"a": torch.zeros(3), "b": torch.nn.Parameter(torch.zeros(3))}
-    af.skip_or_apply_(torch.tensor(True), {"a": torch.ones(3), "b": torch.ones(3)}, old)
+    af.mixed.skip_or_apply_(torch.tensor(True), {"a": torch.ones(3), "b": torch.ones(3)}, old)
     assert torch.equal(old["b"].detach(), torch.ones(3)) and torch.equal(old["a"], torch.ones(3))
     t = torch.zeros(3)
     aliased = {"a": torch.zeros(3), "x": t, "y": t}
     with pytest.raises(ValueError, match=r"'x'.*'y'"):
-        af.skip_or_apply_(torch.tensor(True), {k: torch.ones(3) for k in aliased}, aliased)
+        af.mixed.skip_or_apply_(torch.tensor(True), {k: torch.ones(3) for k in aliased}, aliased)
     assert torch.equal(aliased["a"], torch.zeros(3))
 
 
@@ -366,7 +368,8 @@ def test_each_init_owns_its_loss_scale_tensors():
     a, b = tx.init(params), tx.init(params)
     params, a = tx.step_(params, {"w": torch.full((3,), float("inf"), dtype=torch.float16)}, a)
     assert float(a.loss_scale.loss_scale) == 2.0 ** 9
-    assert float(b.loss_scale.loss_scale) == float(ls.loss_scale) == float(tx.init(params).loss_scale.loss_scale) == 2.0 ** 10
+    fresh = tx.init(params).loss_scale
+    assert float(b.loss_scale.loss_scale) == float(ls.loss_scale) == float(fresh.loss_scale) == 2.0 ** 10
     t1 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
     t2 = af.ModuleTrainer(torch.nn.Linear(2, 2), af.adamw(1e-3), loss_scale=ls)
     assert t1.loss_scale.loss_scale.data_ptr() not in (t2.loss_scale.loss_scale.data_ptr(), ls.loss_scale.data_ptr())
@@ -378,7 +381,8 @@ def test_a_pure_steps_params_never_alias_its_masters_so_step_takes_its_state(gen
     # master itself on the generic path, and step_ then refused the state as aliased
     inner = unregistered(af.adamw(1e-3)) if generic else af.adamw(1e-3)
     tx = af.mixed_precision(inner, af.DynamicLossScale(2.0**4))
-    params = {"w": torch.randn(4, dtype=torch.float16), "norm": torch.randn(4), "x": torch.randn(2, dtype=torch.float64)}
+    params = {"w": torch.randn(4, dtype=torch.float16), "norm": torch.randn(4),
+              "x": torch.randn(2, dtype=torch.float64)}
     grads = {k: torch.ones_like(v) for k, v in params.items()}
     params, state = tx.step(params, grads, tx.init(params))
     master = af.tree.tree_leaves(state.master)

@@ -1,4 +1,4 @@
-"""Fault injection (issue 10): NaN/+inf/-inf in gradients and losses, in bursts, on every path,
+"""Fault injection: NaN/+inf/-inf in gradients and losses, in bursts, on every path,
 fp16/bf16/fp32, compiled kernels and plain-torch reference. The invariants are asserted after
 every step by the harness (tests/_faults.py); here the two backends' skip and scale sequences
 must also be equal.

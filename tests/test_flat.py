@@ -46,15 +46,15 @@ def test_flatten_copies_so_the_original_tree_is_left_alone():
 def test_flatten_refuses_a_tensor_listed_twice_rather_than_untie_it():
     w = torch.randn(4, 3)
     with pytest.raises(ValueError, match=r"'emb\.weight' and 'head\.weight' share memory"):
-        af.flatten({"emb.weight": w, "head.weight": w})
+        af.flat.flatten({"emb.weight": w, "head.weight": w})
     with pytest.raises(ValueError, match=r"'a' and 'b' share memory"):
-        af.flatten({"a": w, "b": w.t()})
+        af.flat.flatten({"a": w, "b": w.t()})
     # views that share no element are distinct leaves
     cols = torch.randn(5, 2)
-    flat = af.flatten({"q": cols[:, 0], "k": cols[:, 1]})
+    flat = af.flat.flatten({"q": cols[:, 0], "k": cols[:, 1]})
     assert torch.equal(flat.tree["q"], cols[:, 0]) and torch.equal(flat.tree["k"], cols[:, 1])
     # meta tensors hold no memory (every data_ptr is 0): nothing is shared
-    meta = af.flatten({"a": torch.empty(3, device="meta"), "b": torch.empty(2, 2, device="meta")})
+    meta = af.flat.flatten({"a": torch.empty(3, device="meta"), "b": torch.empty(2, 2, device="meta")})
     assert meta.buffers[0].device.type == "meta" and meta.buffers[0].numel() == 7
 
 

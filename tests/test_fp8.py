@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, grad_and_value
+from torch.func import functional_call, grad
 
 import ampfunc as af
 from ampfunc import fp8 as f8
@@ -93,14 +93,14 @@ def test_most_recent_current_and_power_of_two():
     meta = f8.Fp8Meta(torch.tensor([8.0, 0.0]), torch.tensor(56.0))
     _, m = f8.advance_meta(meta, torch.tensor(2.0), 448.0, f8.DelayedScaling(2, amax_compute="most_recent"))
     assert m.scale.item() == 224.0
-    used, m = f8.advance_meta(meta, torch.tensor(3.0), 448.0, f8.CurrentScaling())
+    used, m = f8.advance_meta(meta, torch.tensor(3.0), 448.0, f8.CurrentScaling(2))
     assert used.item() == pytest.approx(448.0 / 3.0) and m.scale.item() == used.item()
-    used, _ = f8.advance_meta(meta, torch.tensor(3.0), 448.0, f8.CurrentScaling(power_of_2=True))
+    used, _ = f8.advance_meta(meta, torch.tensor(3.0), 448.0, f8.CurrentScaling(2, power_of_2=True))
     assert used.item() == 128.0
-    used, _ = f8.advance_meta(meta, torch.tensor(0.0), 448.0, f8.CurrentScaling())
+    used, _ = f8.advance_meta(meta, torch.tensor(0.0), 448.0, f8.CurrentScaling(2))
     assert used.item() == 1.0
     # A subnormal amax gives fp32's max, not inf.
-    used, _ = f8.advance_meta(meta, torch.tensor(1e-45), 57344.0, f8.CurrentScaling())
+    used, _ = f8.advance_meta(meta, torch.tensor(1e-45), 57344.0, f8.CurrentScaling(2))
     assert used.item() == torch.finfo(torch.float32).max
 
 
@@ -112,14 +112,92 @@ def test_recipe_and_policy_errors():
     model = mlp()
     with pytest.raises(ValueError, match="'nope' names no module"):
         f8.fp8_policy(model, exclude=("nope",))
-    with pytest.raises(ValueError, match="no nn.Linear"):
-        f8.fp8_policy(model, include=("1",))
     with pytest.raises(ValueError, match="backend"):
         f8.fp8_policy(model, backend="cuda")
     pol = f8.fp8_policy(model, exclude=("5",))
     assert pol.layers == ("0", "3")
     with pytest.raises(ValueError, match=r"one Fp8LinearState per layer \['0', '3'\], got \['0'\]"):
         pol.apply(model, af.params_of(model), {"0": pol.init()["0"]}, torch.randn(2, 32))
+
+
+def test_a_model_with_no_linear_to_convert_runs_unchanged_with_a_warning():
+    model = mlp()
+    x, y = data(1)[0]
+    params = af.params_of(model)
+    # Nothing left after exclude / include, or no Linear at all: a warning, and the model runs as it is.
+    cases = [(model, {"include": ("1",)}), (model, {"exclude": ("0", "3", "5")}),
+             (nn.Sequential(nn.LayerNorm(32), nn.GELU()), {})]
+    for net, kw in cases:
+        with pytest.warns(UserWarning, match="no nn.Linear layer to run in FP8"):
+            pol = f8.fp8_policy(net, backend="emulate", **kw)
+        assert pol.layers == () and pol.init() == {}
+        p = af.params_of(net)
+        assert torch.equal(pol.apply(net, p, pol.init(), x), functional_call(net, p, (x,)))
+    # It composes with make_train_step as a policy with no layers (the state has no FP8 entries).
+    with pytest.warns(UserWarning):
+        pol = f8.fp8_policy(model, exclude=("",))
+    train = af.make_train_step(model, lambda fwd, x, y: F.cross_entropy(fwd(x), y), af.sgd(0.1), "p=f32,c=f32,o=f32",
+                               fp8=pol)
+    state = train.init()
+    assert state.fp8 == {}
+    state, out = train.step(state, x, y)
+    ref = F.cross_entropy(functional_call(model, params, (x,)), y)
+    assert torch.equal(out.loss, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_a_non_floating_input_is_refused_naming_the_layer(dtype):
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",), backend="emulate")
+    x = (torch.randn(4, 32) * 3).to(dtype)
+    with pytest.raises(TypeError, match=f"layer '0': the input must be a floating tensor.*got {dtype}"):
+        pol.apply(model, af.params_of(model), pol.init(), x)
+    with pytest.raises(TypeError, match=f"layer '0': the input must be a floating tensor.*got {dtype}"), \
+            pol.autocast(model, pol.init()):
+        model(x)
+    w = model[0].weight
+    with pytest.raises(TypeError, match=f"fp8_linear: the input must be a floating tensor.*got {dtype}"):
+        f8.fp8_linear(x, w, None, pol.init()["0"])
+    with pytest.raises(TypeError, match="fp8_linear: the weight must be a floating tensor.*got torch.int64"):
+        f8.fp8_linear(torch.randn(4, 32), w.long(), None, pol.init()["0"])
+
+
+def test_a_state_of_another_history_length_is_refused_by_name_and_resized_as_te_does():
+    model = mlp()
+    long_pol = f8.fp8_policy(model, exclude=("5",), recipe=f8.DelayedScaling(history_len=8), backend="emulate")
+    short_pol = f8.fp8_policy(model, exclude=("5",), recipe=f8.DelayedScaling(history_len=2), backend="emulate")
+    params = af.params_of(model)
+    x = torch.randn(4, 32)
+    saved = long_pol.init()
+    # Record input amaxes 8, 1, 1, 1 on layer '0' under the long recipe.
+    meta = saved["0"].input
+    for a in (8.0, 1.0, 1.0, 1.0):
+        _, meta = f8.advance_meta(meta, torch.tensor(a), 448.0, long_pol.recipe)
+    saved["0"] = saved["0"]._replace(input=meta)
+    assert meta.scale.item() == 56.0  # the window of 8 still holds the 8
+    # Resumed under history_len=2: refused by name on every door (nothing runs on the stale window).
+    with pytest.raises(ValueError, match=r"state\['0'\]\.input\.amax_history has shape \(8,\) but the recipe's "
+                                         r"history_len is 2.*resize_history"):
+        short_pol.apply(model, params, saved, x)
+    with pytest.raises(ValueError, match=r"state\['0'\]\.input\.amax_history has shape \(8,\)"), \
+            short_pol.autocast(model, short_pol.track(saved)):
+        model(x)
+    with pytest.raises(ValueError, match=r"fp8_linear: state\.input\.amax_history has shape \(8,\)"):
+        f8.fp8_linear(x, model[0].weight, None, saved["0"], short_pol.recipe)
+    with pytest.raises(ValueError, match=r"advance_meta: meta\.amax_history has shape \(8,\)"):
+        f8.advance_meta(meta, torch.tensor(1.0), 448.0, short_pol.recipe)
+    # Transformer Engine's adjust_amax_history_length: the newest entries kept, zeros appended.
+    resized = short_pol.resize_history(saved)
+    assert resized["0"].input.amax_history.tolist() == [1.0, 1.0]
+    assert torch.equal(resized["0"].input.scale, saved["0"].input.scale)
+    _, m = f8.advance_meta(resized["0"].input, torch.tensor(1.0), 448.0, short_pol.recipe)
+    assert m.scale.item() == 448.0  # the window of 2 no longer holds the 8
+    grown = long_pol.resize_history(short_pol.init())
+    assert all(m.amax_history.shape == (8,) for st in grown.values() for m in st)
+    _, new8 = grad(lambda p, s: short_pol.apply(model, p, s, x).sum(), argnums=(0, 1))(params, resized)
+    assert all(m.amax_history.shape == (2,) for st in new8.values() for m in st)
+    with pytest.raises(TypeError, match=r"resize_history: state\['0'\] must be an Fp8LinearState"):
+        short_pol.resize_history({"0": (1, 2)})
 
 
 # -- the matmul and the linear against the emulation ------------------------------------------------
@@ -390,7 +468,7 @@ def _dist_worker(outdir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     group = dist.group.WORLD
     model = mlp()
     pol = f8.fp8_policy(model, exclude=("5",), group=group)

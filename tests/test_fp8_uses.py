@@ -72,7 +72,8 @@ def test_compiled_step_runs_the_fp8_backward_of_a_directly_differentiated_first_
     assert eager_flags == comp_flags == [True] * 4
     expected = max(float(x.bfloat16().abs().max()) for x, _ in data)
     assert float(comp.fp8["0"].input.amax_history.max()) == expected  # not the zeros of a skipped backward
-    for a, b in zip(leaves((eager.params, eager.fp8, eager.opt_state)), leaves((comp.params, comp.fp8, comp.opt_state))):
+    for a, b in zip(leaves((eager.params, eager.fp8, eager.opt_state)),
+                    leaves((comp.params, comp.fp8, comp.opt_state))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -151,8 +152,10 @@ def test_compiled_make_train_step_forwarding_twice_equals_eager():
     torch._dynamo.reset()
     model = one_layer_model()
     pol = f8.fp8_policy(model, exclude=("2",), backend="emulate")
-    train = af.make_train_step(model, lambda fwd, x1, x2, y1, y2: F.cross_entropy(fwd(x1), y1) + F.cross_entropy(fwd(x2), y2),
-                               af.sgd(0.0), "p=f32,c=f32,o=f32", fp8=pol)
+    def two_batch_loss(fwd, x1, x2, y1, y2):
+        return F.cross_entropy(fwd(x1), y1) + F.cross_entropy(fwd(x2), y2)
+
+    train = af.make_train_step(model, two_batch_loss, af.sgd(0.0), "p=f32,c=f32,o=f32", fp8=pol)
     (x1, y1), (x2, y2) = batches(2, batch=8)
     eager, _ = train.step(train.init(), x1, x2, y1, y2)
     comp, _ = torch.compile(train.step, fullgraph=True, backend="aot_eager")(train.init(), x1, x2, y1, y2)

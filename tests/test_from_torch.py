@@ -55,7 +55,7 @@ def test_from_torch_matches_the_optimizer_run_natively(cls, kw):
     assert_rel_close(ours, theirs, initial=params)
     # The state is torch's state, and its structure was fixed at init.
     assert tree_structure(state) == tree_structure(state0)
-    for path, p in af.leaves_with_paths(theirs):
+    for path, p in af.tree.leaves_with_paths(theirs):
         for key, value in opt.state[p].items():
             slot = state.state.get(key, state.step_state.get(key))
             mine = slot if path == "<root>" else _get(slot, path)
@@ -122,7 +122,7 @@ def test_works_as_the_inner_optimizer_of_mixed_precision_and_chain():
     params = make_params()
     tx = af.chain(af.clip_by_global_norm(1.0), af.from_torch(torch.optim.Adam, lr=0.01))
     ours, _ = run_pure(tx, params, steps=5)
-    theirs = af.tree_map(lambda p: p.clone(), params)
+    theirs = af.tree.tree_map(lambda p: p.clone(), params)
     leaves = tree_leaves(theirs)
     opt = torch.optim.Adam(leaves, lr=0.01)
     for k in range(5):
@@ -153,7 +153,7 @@ def test_not_an_optimizer_class_and_schedule_lr_are_refused():
     with pytest.raises(TypeError, match="Optimizer subclass"):
         af.from_torch(torch.optim.Adam([torch.zeros(2)]))
     with pytest.raises(TypeError, match="lr must be a number"):
-        af.from_torch(torch.optim.Adam, lr=af.constant_schedule(1e-3))
+        af.from_torch(torch.optim.Adam, lr=af.optim.constant_schedule(1e-3))
 
 
 def test_mismatched_trees_and_non_float_leaves_name_the_leaf():
@@ -176,6 +176,6 @@ def test_mismatched_trees_and_non_float_leaves_name_the_leaf():
 @pytest.mark.parametrize("cls, kw", [(torch.optim.SGD, dict(lr=0.05, momentum=0.9)), (torch.optim.Adam, dict(lr=0.01)),
                                      (torch.optim.Adam, dict(lr=0.01, capturable=True))])
 def test_from_torch_on_cuda_matches_the_optimizer_run_natively(cls, kw):
-    params = af.tree_map(lambda p: p.cuda(), make_params())
+    params = af.tree.tree_map(lambda p: p.cuda(), make_params())
     ours, theirs = _TRAJECTORY.run_both_on("cuda", af.from_torch(cls, **kw), cls, params, **kw)
     assert_rel_close(ours, theirs, initial=params)

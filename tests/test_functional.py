@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import ampfunc as af
-from conftest import clone_tree
+from _helpers import clone_tree
 
 
 def mlp(seed=0, dropout=0.0, batchnorm=True):
@@ -45,9 +45,9 @@ def batches(n, size=8, seed=1):
 
 def test_apply_module_returns_the_output_and_new_buffers_and_leaves_its_inputs_untouched():
     model = mlp()
-    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    params, buffers = clone(af.params_of(model)), clone(af.policy.buffers_of(model))
     x, _ = batches(1)[0]
-    out, new_buffers = af.apply_module(model, params, buffers, x)
+    out, new_buffers = af.functional.apply_module(model, params, buffers, x)
     model.train()
     assert torch.allclose(out, model(x))
     for k, b in model.named_buffers():
@@ -99,11 +99,11 @@ def test_fp16_grads_that_overflow_under_a_large_scale_are_flagged_and_fine_under
 
 def test_value_and_grad_has_aux_hands_back_functionally_updated_batchnorm_buffers():
     model = mlp()
-    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    params, buffers = clone(af.params_of(model)), clone(af.policy.buffers_of(model))
     x, y = batches(1)[0]
 
     def loss_fn(p, b, x, y):
-        out, new_b = af.apply_module(model, p, b, x)
+        out, new_b = af.functional.apply_module(model, p, b, x)
         return F.cross_entropy(out, y), new_b
 
     (loss, new_buffers), grads, finite = af.value_and_grad(loss_fn, has_aux=True)(
@@ -182,7 +182,7 @@ def test_vmap_value_and_grad_flags_an_invalid_scale_and_keeps_fp64_grads_as_unba
                                            torch.tensor(1, dtype=torch.int32), af.DynamicLossScale().config)
     _, _, finite = torch.vmap(vg, in_dims=(None, None, 0, 0))(bad, params, x, y)
     assert not bool(finite.any()) and not bool(vg(bad, params, x[0], y[0])[2])  # scale 0 set by hand: skip
-    wide = af.tree_map(lambda p: p.double(), params)
+    wide = af.tree.tree_map(lambda p: p.double(), params)
     vg64 = af.value_and_grad(lambda p, xi, yi: loss_fn(af.cast_params(p, torch.float16), xi, yi))
     _, grads, _ = torch.vmap(vg64, in_dims=(None, None, 0, 0))(af.DynamicLossScale(2.0 ** 10), wide, x, y)
     assert all(g.dtype == torch.float64 for g in grads.values())
@@ -195,7 +195,7 @@ def test_clip_per_example_equals_clip_grad_norm_per_example_then_the_mean():
     assert bool(finite.all())
     max_norm = 0.05
 
-    clipped, norms = af.clip_per_example(grads, max_norm)
+    clipped, norms = af.functional.clip_per_example(grads, max_norm)
 
     per_example = []
     for i in range(6):
@@ -209,15 +209,15 @@ def test_clip_per_example_equals_clip_grad_norm_per_example_then_the_mean():
     for k in grads:
         expected = torch.stack([g[k] for g in per_example]).mean(0)
         assert torch.allclose(clipped[k], expected, rtol=1e-5, atol=1e-7), k
-    summed, _ = af.clip_per_example(grads, max_norm, reduce="sum")
+    summed, _ = af.functional.clip_per_example(grads, max_norm, reduce="sum")
     assert all(torch.allclose(summed[k], clipped[k] * 6, rtol=1e-5, atol=1e-7) for k in grads)
 
 
 def test_clip_per_example_needs_the_example_index_on_every_leaf():
     with pytest.raises(ValueError, match="'b'"):
-        af.clip_per_example({"a": torch.ones(4, 2), "b": torch.ones(3, 2)}, 1.0)
+        af.functional.clip_per_example({"a": torch.ones(4, 2), "b": torch.ones(3, 2)}, 1.0)
     with pytest.raises(ValueError, match="reduce"):
-        af.clip_per_example({"a": torch.ones(4, 2)}, 1.0, reduce="max")
+        af.functional.clip_per_example({"a": torch.ones(4, 2)}, 1.0, reduce="max")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,13 +237,13 @@ def test_func_grad_with_batchnorm_and_dropout_matches_the_gradscaler_loop():
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
-    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    params, buffers = clone(af.params_of(model)), clone(af.policy.buffers_of(model))
     tx = af.sgd(0.1, momentum=0.9)
     opt_state = tx.init(params)
     ls = af.DynamicLossScale(2.0**10, growth_interval=2, min_scale=0.0, max_scale=math.inf)
 
     def loss_fn(p, b, x, y, w):
-        out, new_b = af.apply_module(model, p, b, x)
+        out, new_b = af.functional.apply_module(model, p, b, x)
         return F.cross_entropy(out, y) * w, new_b
 
     vg = af.value_and_grad(loss_fn, has_aux=True)
@@ -289,11 +289,11 @@ def test_make_train_step_is_the_primitive_loop_packaged():
 
     train = af.make_train_step(model, loss_fn, tx, loss_scale=ls)
     state = train.init()
-    params, buffers = clone(af.params_of(model)), clone(af.buffers_of(model))
+    params, buffers = clone(af.params_of(model)), clone(af.policy.buffers_of(model))
     opt_state = tx.init(params)
 
     def manual_loss(p, b, x, y, w):
-        b = af.tree_map(torch.clone, b)
+        b = af.tree.tree_map(torch.clone, b)
         return F.cross_entropy(functional_call(model, (p, b), (x,)), y) * w, b
 
     for step, (x, y) in enumerate(batches(6)):
@@ -312,7 +312,7 @@ def test_make_train_step_is_the_primitive_loop_packaged():
     assert torch.equal(state.loss_scale.loss_scale, ls.loss_scale)
     # The module itself is untouched until copied back.
     assert not torch.equal(model[0].weight, state.params["0.weight"])
-    af.copy_to_module(model, state.params, state.buffers)
+    af.functional.copy_to_module(model, state.params, state.buffers)
     assert torch.equal(model[0].weight, state.params["0.weight"])
     assert torch.equal(model[1].running_var, state.buffers["1.running_var"])
 
@@ -452,7 +452,7 @@ def test_copy_to_module_names_unknown_paths_and_writes_nothing():
     model = mlp()
     before = model[0].weight.detach().clone()
     with pytest.raises(KeyError, match="encoder.weight"):
-        af.copy_to_module(model, {"0.weight": torch.zeros(16, 6), "encoder.weight": torch.zeros(1)})
+        af.functional.copy_to_module(model, {"0.weight": torch.zeros(16, 6), "encoder.weight": torch.zeros(1)})
     assert torch.equal(model[0].weight, before)
 
 
@@ -585,6 +585,7 @@ def test_value_and_grad_takes_negative_argnums_as_torch_func_does():
         _, grads, finite = af.value_and_grad(loss_fn, argnums)(af.StaticLossScale(1024.0), w, b, x)
         want = torch.func.grad(loss_fn, argnums)(w, b, x)
         assert bool(finite)
-        for g, t in zip(grads if isinstance(argnums, tuple) else (grads,), want if isinstance(argnums, tuple) else (want,)):
+        several = isinstance(argnums, tuple)
+        for g, t in zip(grads if several else (grads,), want if several else (want,)):
             assert isinstance(g, torch.Tensor)  # never the loss scale's gradient
             torch.testing.assert_close(g, t)

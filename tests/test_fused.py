@@ -4,12 +4,11 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import OVERFLOW_STEPS, grads_at, make_params, unregistered
+from _tolerance import assert_compiled_close
 from ampfunc import ops
 from ampfunc.flat import flatten
 from ampfunc.fused import FusedPlan, plan_for
-from conftest import OVERFLOW_STEPS, SHAPES, grads_at, make_params, unregistered
-
-from _tolerance import assert_compiled_close
 
 _params = make_params
 _scaled_grads = grads_at
@@ -24,7 +23,7 @@ def test_plan_for_recognises_the_fusable_optimizers_and_nothing_else():
     assert isinstance(p, FusedPlan) and p.max_norm == 1.0 and p.kind == "adamw"
     assert plan_for(af.chain(af.adam(1e-3))).kind == "adam"
     assert plan_for(af.from_torch(torch.optim.RMSprop, lr=1e-3)) is None
-    assert plan_for(af.adamw(af.linear_schedule(1e-3, 0.0, 100))).kind == "adamw"  # schedules too
+    assert plan_for(af.adamw(af.optim.linear_schedule(1e-3, 0.0, 100))).kind == "adamw"  # schedules too
     assert plan_for(af.chain(af.adamw(1e-3), af.clip_by_global_norm(1.0))) is None
     assert plan_for(af.chain(af.clip_by_global_norm(1.0), af.clip_by_global_norm(2.0), af.sgd(0.1))) is None
     assert plan_for(af.identity()) is None
@@ -64,8 +63,8 @@ def test_fused_step_tracks_torch_adamw_with_grad_scaler_and_clip_grad_norm(clip)
     lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2)),
     lambda: af.adam(1e-2, weight_decay=0.01, amsgrad=True),
     lambda: af.sgd(0.05, momentum=0.9, nesterov=True),
-    lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(af.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 12))),
-    lambda: af.sgd(af.linear_schedule(0.1, 0.01, 10), momentum=0.5),
+    lambda: af.chain(af.clip_by_global_norm(1.0), af.adamw(af.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 12))),
+    lambda: af.sgd(af.optim.linear_schedule(0.1, 0.01, 10), momentum=0.5),
 ])
 def test_fused_step_with_master_weights_matches_the_generic_path(param_dtype, inner):
     inner = inner()
@@ -174,7 +173,7 @@ PURE_CASES = [
     lambda: af.sgd(0.05),
     lambda: af.adam(1e-2, weight_decay=0.01, amsgrad=True),
     lambda: af.chain(af.clip_by_global_norm(0.5), af.adamw(1e-2, weight_decay=0.05)),
-    lambda: af.adamw(af.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10), amsgrad=True),
+    lambda: af.adamw(af.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10), amsgrad=True),
 ]
 
 
@@ -191,7 +190,7 @@ def test_pure_step_equals_the_in_place_step_bit_for_bit_over_steps_with_a_skip(i
     shape = (lambda t: t) if layout == "dict" else _nested
     pure_p = shape(_params(param_dtype))
     pure_s = tx.init(pure_p)
-    inplace_p, inplace_s = af.tree_map(torch.clone, pure_p), af.tree_map(torch.clone, pure_s)
+    inplace_p, inplace_s = af.tree.tree_map(torch.clone, pure_p), af.tree.tree_map(torch.clone, pure_s)
     for step in range(5):  # OVERFLOW_STEPS holds 3: that step is skipped
         grads = shape(_scaled_grads(step, af.loss_scale_of(pure_s).loss_scale, param_dtype))
         inputs = af.tree.tree_leaves((pure_p, pure_s))

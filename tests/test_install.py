@@ -1,5 +1,5 @@
 """A normal (non-editable) install has the kernels: the sdist and the wheel carry ext/'s sources,
-and the installed package builds (or, from this session's cache, loads) them exactly as a
+and the installed package builds (or, from this test run's cache, loads) them exactly as a
 checkout does. ``.ci/run`` goes further: a truly fresh virtual environment, torch from the wheel
 on disk, and the whole suite against the installed package (AMPFUNC_EXPECT_INSTALLED=1)."""
 
@@ -103,6 +103,9 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     assert shipped == expected
     licenses = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" in n and n.endswith("/LICENSE")]
     assert licenses and zipfile.ZipFile(wheel).read(licenses[0]) == (CHECKOUT / "LICENSE").read_bytes()
+    # One version source (ampfunc.__version__, read by setuptools), and PEP 561's marker.
+    assert wheel.name.startswith(f"ampfunc-{ampfunc.__version__}-")
+    assert "ampfunc/py.typed" in zipfile.ZipFile(wheel).namelist()
 
     # Reuses this interpreter's torch (the truly fresh path is .ci/run's); outside the checkout.
     # A .pth line puts this environment's site-packages after the new venv's own, whether this
@@ -115,9 +118,10 @@ def test_sdist_and_wheel_carry_the_sources_and_an_installed_wheel_runs_the_compi
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     (Path(purelib) / "_this_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
-         if _pip_has_python_option() else [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
-    # This session's cache: the same sources give the same entry, so the install loads the build
+    install = ["install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
+    _run([sys.executable, "-m", "pip", "--python", str(python), *install] if _pip_has_python_option()
+         else [str(python), "-m", "pip", *install])
+    # This test run's cache: the same sources give the same entry, so the install loads the build
     # this process uses instead of compiling again (one build shared by checkout and wheel).
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AMPFUNC_DISABLE_EXT")}
     env.update(AMPFUNC_REQUIRE_EXT="1", AMPFUNC_EXT_CUDA="0")

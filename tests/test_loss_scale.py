@@ -61,21 +61,21 @@ def test_growth_that_would_overflow_fp32_is_not_applied_like_grad_scaler():
 def test_torch_reference_sequence_from_its_test_suite():
     # growth 2, backoff .25, interval 2, scale 4: two clean steps -> 8, then an overflow -> 2.
     ls = af.DynamicLossScale(4.0, growth_factor=2.0, backoff_factor=0.25, growth_interval=2, min_scale=0.0)
-    ls = ls.adjust(torch.tensor(True))
+    ls = af.update_scale(ls, torch.tensor(True))
     assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (4.0, 1)
-    ls = ls.adjust(torch.tensor(True))
+    ls = af.update_scale(ls, torch.tensor(True))
     assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (8.0, 0)
-    ls = ls.adjust(torch.tensor(False))
+    ls = af.update_scale(ls, torch.tensor(False))
     assert (ls.loss_scale.item(), ls.growth_tracker.item()) == (2.0, 0)
 
 
 def test_min_and_max_scale_clamp_the_sequence():
     ls = af.DynamicLossScale(4.0, growth_interval=1, min_scale=1.0, max_scale=16.0)
     for _ in range(5):
-        ls = ls.adjust(torch.tensor(True))
+        ls = af.update_scale(ls, torch.tensor(True))
     assert ls.loss_scale.item() == 16.0
     for _ in range(10):
-        ls = ls.adjust(torch.tensor(False))
+        ls = af.update_scale(ls, torch.tensor(False))
     assert ls.loss_scale.item() == 1.0
 
 
@@ -83,7 +83,7 @@ def test_hysteresis_tolerates_k_minus_one_consecutive_overflows_and_refills_on_f
     ls = af.DynamicLossScale(1024.0, hysteresis=3, growth_interval=100)
     seq = []
     for finite in [False, False, True, False, False, False, False]:
-        ls = ls.adjust(torch.tensor(finite))
+        ls = af.update_scale(ls, torch.tensor(finite))
         seq.append((ls.loss_scale.item(), ls.hysteresis_tracker.item()))
     assert seq == [(1024.0, 2), (1024.0, 1), (1024.0, 3),  # refilled by the finite step
                    (1024.0, 2), (1024.0, 1), (512.0, 1), (256.0, 1)]
@@ -92,7 +92,7 @@ def test_hysteresis_tolerates_k_minus_one_consecutive_overflows_and_refills_on_f
 def test_overflow_resets_growth_progress():
     ls = af.DynamicLossScale(8.0, growth_interval=3)
     for finite in [True, True, False, True, True]:
-        ls = ls.adjust(torch.tensor(finite))
+        ls = af.update_scale(ls, torch.tensor(finite))
     assert ls.loss_scale.item() == 4.0 and ls.growth_tracker.item() == 2
 
 
@@ -124,7 +124,7 @@ def test_static_scale_rejects_non_positive_and_never_changes():
     with pytest.raises(ValueError, match="loss_scale"):
         af.StaticLossScale(0.0)
     ls = af.StaticLossScale(128.0)
-    assert ls.adjust(torch.tensor(False)).loss_scale.item() == 128.0
+    assert af.update_scale(ls, torch.tensor(False)).loss_scale.item() == 128.0
     assert af.scale_loss(torch.tensor(2.0, dtype=torch.float16), ls).dtype == torch.float32
 
 
@@ -140,7 +140,7 @@ def test_loss_scale_is_a_pytree_with_named_leaves_and_static_config():
     ls = af.DynamicLossScale(hysteresis=2)
     assert [p for p, _ in leaves_with_paths({"ls": ls})] == [
         "ls.loss_scale", "ls.growth_tracker", "ls.hysteresis_tracker"]
-    new = ls.adjust(torch.tensor(False))
+    new = af.update_scale(ls, torch.tensor(False))
     kept = select_tree(torch.tensor(False), new, ls)
     assert isinstance(kept, af.DynamicLossScale) and kept.config == ls.config
     assert kept.hysteresis_tracker.item() == 2
@@ -154,7 +154,7 @@ def test_loss_scale_flows_through_torch_pytree():
 
 
 def test_save_and_load_with_weights_only_round_trips():
-    ls = af.DynamicLossScale(512.0, growth_interval=7, hysteresis=2).adjust(torch.tensor(False))
+    ls = af.update_scale(af.DynamicLossScale(512.0, growth_interval=7, hysteresis=2), torch.tensor(False))
     buf = io.BytesIO()
     torch.save({"ls": ls, "static": af.StaticLossScale(4.0), "noop": af.NoOpLossScale()}, buf)
     buf.seek(0)
@@ -170,13 +170,13 @@ def test_update_scale_over_a_dict_of_per_loss_scales():
     assert scales["a"].loss_scale.item() == 8.0 and scales["b"].loss_scale.item() == 4.0
 
 
-def test_adjust_in_place_matches_pure_adjust():
+def test_update_scale_in_place_matches_pure():
     a = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
     b = af.DynamicLossScale(64.0, growth_interval=2, hysteresis=2)
     for finite in [True, False, False, True, True, True, False]:
         f = torch.tensor(finite)
-        a = a.adjust(f)
-        assert b.adjust_(f) is b
+        a = af.update_scale(a, f)
+        assert af.mixed.update_scale_(b, f) is b
         assert torch.equal(a.loss_scale, b.loss_scale)
         assert torch.equal(a.growth_tracker, b.growth_tracker)
         assert torch.equal(a.hysteresis_tracker, b.hysteresis_tracker)
@@ -194,7 +194,7 @@ def test_gradscaler_parity_setting_never_underflows_to_zero(inplace):
     # torch's GradScaler reaches 0 after ~150 overflowing steps from 2**16; ours stops at 2**-126.
     ls = af.DynamicLossScale(2.0**16, min_scale=0.0, max_scale=math.inf)
     for _ in range(300):
-        ls = ls.adjust_(torch.tensor(False)) if inplace else ls.adjust(torch.tensor(False))
+        ls = af.mixed.update_scale_(ls, torch.tensor(False)) if inplace else af.update_scale(ls, torch.tensor(False))
     assert ls.loss_scale.item() == LO
     assert math.isfinite(ls.inv_scale.item()) and ls.inv_scale.item() > 0
     assert ls.is_valid().item()
@@ -205,7 +205,7 @@ def test_gradscaler_parity_holds_until_the_floor():
     ours = af.DynamicLossScale(2.0**16, min_scale=0.0, max_scale=math.inf)
     theirs = _grad_scaler_sequence(overflows)
     for i, overflow in enumerate(overflows):
-        ours = ours.adjust(torch.tensor(not overflow))
+        ours = af.update_scale(ours, torch.tensor(not overflow))
         assert ours.loss_scale.item() == max(theirs[i], LO), i
     assert theirs[-1] == 0.0  # what torch does: the next finite step writes inf
 
@@ -259,7 +259,7 @@ def test_hand_set_invalid_scale_skips_every_step_instead_of_poisoning():
     # unscale_and_check says "not finite", and the composed step is skipped.
     for bad in (0.0, float("inf"), float("nan"), 1e-45):
         ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
-                                              torch.ones((), dtype=torch.int32), af.DynamicConfig())
+                                              torch.ones((), dtype=torch.int32), af.loss_scale.DynamicConfig())
         assert not ls.is_valid().item()
         assert math.isnan(ls.inv_scale.item())
         _, finite = af.unscale_and_check({"w": torch.ones(3)}, ls)
@@ -277,7 +277,7 @@ def test_update_scale_refuses_non_bool_or_shaped_flags(flag, ls):
     with pytest.raises((TypeError, ValueError), match="finite"):
         af.update_scale(ls, flag)
     with pytest.raises((TypeError, ValueError), match="finite"):
-        af.update_scale_(ls, flag)
+        af.mixed.update_scale_(ls, flag)
     assert all(torch.equal(a, b) for a, b in zip(before, af.tree.tree_leaves(ls)))
 
 
@@ -301,7 +301,7 @@ def test_non_number_settings_are_refused_naming_them(name, value):
 def test_hand_set_invalid_scale_skips_the_composed_step(bad, inner, method):
     params = {"w": torch.ones(3, dtype=torch.float16)}
     ls = af.DynamicLossScale.from_tensors(torch.tensor(bad), torch.zeros((), dtype=torch.int32),
-                                          torch.ones((), dtype=torch.int32), af.DynamicConfig())
+                                          torch.ones((), dtype=torch.int32), af.loss_scale.DynamicConfig())
     tx = af.mixed_precision(inner(), loss_scale=ls)
     state = tx.init(params)
     new_params, new_state = getattr(tx, method)(params, {"w": torch.ones(3, dtype=torch.float16)}, state)

@@ -80,13 +80,13 @@ def test_unscale_serves_gradient_penalties_and_the_penalty_backpropagates(ls):
     x = torch.randn(4, requires_grad=True)
     scaled = af.scale_loss((x ** 2).sum(), ls)
     (g,) = torch.autograd.grad(scaled, x, create_graph=True)
-    unscaled = af.unscale({"x": g}, ls)["x"]
+    unscaled = af.mixed.unscale({"x": g}, ls)["x"]
     torch.testing.assert_close(unscaled, 2 * x)
     assert unscaled.requires_grad  # the kernels have no backward: plain ops serve this case
     unscaled.square().sum().backward()
     torch.testing.assert_close(x.grad, 8 * x.detach())
     with torch.no_grad():  # the same numbers as the kernel's unscale, bit for bit
-        kernel = af.unscale({"x": g.detach()}, ls)["x"]
+        kernel = af.mixed.unscale({"x": g.detach()}, ls)["x"]
     assert torch.equal(unscaled.detach(), kernel)
 
 
@@ -161,7 +161,8 @@ def _ampfunc_run(opt, steps):
     ls = af.DynamicLossScale(2.0**16, growth_interval=5, min_scale=0.0, max_scale=float("inf"))
     scales, trajectory, flags = [], [], []
     for i, (x, y) in enumerate(_data(steps)):
-        grads = torch.func.grad(lambda p: af.scale_loss(F.cross_entropy(functional_call(model, p, (x,)), y), ls))(params)
+        grads = torch.func.grad(
+            lambda p: af.scale_loss(F.cross_entropy(functional_call(model, p, (x,)), y), ls))(params)
         if i in INF_STEPS:
             grads["2.bias"] = grads["2.bias"].clone()
             grads["2.bias"][1] = float("inf")
@@ -312,7 +313,7 @@ def test_unscale_and_check_in_place_gives_the_pure_numbers_in_the_grads_own_dtyp
     grads = {"w": (torch.randn(9, 4) * 4096).to(dtype), "b": (torch.randn(4) * 4096).to(dtype)}
     pure, finite = af.unscale_and_check(grads, ls)
     w = grads["w"]
-    out, finite_ = af.unscale_and_check_(grads, ls)
+    out, finite_ = af.mixed.unscale_and_check_(grads, ls)
     assert out is grads and out["w"] is w and out["w"].dtype == dtype
     for k in grads:
         assert torch.equal(out[k], pure[k].to(dtype))
@@ -321,12 +322,12 @@ def test_unscale_and_check_in_place_gives_the_pure_numbers_in_the_grads_own_dtyp
 
 def test_unscale_and_check_in_place_refuses_fp16_naming_the_leaf():
     with pytest.raises(TypeError, match=r"'enc\.w'.*float16"):
-        af.unscale_and_check_({"enc": {"w": torch.ones(2, dtype=torch.float16)}}, af.DynamicLossScale())
+        af.mixed.unscale_and_check_({"enc": {"w": torch.ones(2, dtype=torch.float16)}}, af.DynamicLossScale())
 
 
 def test_unscale_and_check_in_place_flags_non_finite():
     g = {"w": torch.tensor([1.0, float("nan")])}
-    _, finite = af.unscale_and_check_(g, af.DynamicLossScale())
+    _, finite = af.mixed.unscale_and_check_(g, af.DynamicLossScale())
     assert not bool(finite)
 
 
@@ -336,7 +337,7 @@ def test_skip_or_apply_in_place_writes_the_pure_choice_into_old(flag):
     new = {"w": torch.ones(3), "s": af.DynamicLossScale(16.0)}
     expected = af.skip_or_apply(torch.tensor(flag), new, old)
     w = old["w"]
-    out = af.skip_or_apply_(torch.tensor(flag), new, old)
+    out = af.mixed.skip_or_apply_(torch.tensor(flag), new, old)
     assert out is old and out["w"] is w
     for a, b in zip(af.tree.tree_leaves(out), af.tree.tree_leaves(expected)):
         assert torch.equal(a, b)
@@ -348,10 +349,10 @@ def test_update_scale_in_place_follows_the_pure_sequence():
     for finite in [True, True, False, False, True]:
         f = torch.tensor(finite)
         pure = af.update_scale(pure, f)
-        assert af.update_scale_(donated, f) is donated
+        assert af.mixed.update_scale_(donated, f) is donated
         assert torch.equal(pure.loss_scale, donated.loss_scale)
     static = af.StaticLossScale(4.0)
-    assert af.update_scale_(static, torch.tensor(False)).loss_scale.item() == 4.0
+    assert af.mixed.update_scale_(static, torch.tensor(False)).loss_scale.item() == 4.0
 
 
 def test_mixed_precision_runs_any_torch_optimizer_through_the_generic_path():

@@ -146,7 +146,7 @@ def test_many_small_params_are_one_tensor_to_the_engine():
     b = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in a])
     flat, plain = af.ModuleTrainer(a, af.adamw(1e-2), flat=True), af.ModuleTrainer(b, af.adamw(1e-2))
     assert [t.shape for t in flat.state.opt_state.exp_avg.values()] == [(1500,)]
-    for step in range(3):
+    for _ in range(3):
         for model, trainer in ((a, flat), (b, plain)):
             sum((p * (i % 7)).sum() for i, p in enumerate(model)).backward()
             trainer.step()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampfunc as af
-from ampfunc.monitor import StepStats, health, init_stats, nonfinite_leaves, record, skip_rate, summary
+from ampfunc.monitor import StepStats, health, init_stats, nonfinite_paths, record, skip_rate, summary
 
 T, F = True, False
 
@@ -136,18 +136,18 @@ def test_nonfinite_leaves_names_the_paths_holding_inf_or_nan():
         "step": torch.tensor(7),
         "unused": None,
     }
-    assert nonfinite_leaves(grads) == ["encoder.layers.1.weight", "head.weight"]
+    assert nonfinite_paths(grads) == ["encoder.layers.1.weight", "head.weight"]
 
 
 def test_nonfinite_leaves_of_finite_or_empty_trees_is_empty():
-    assert nonfinite_leaves({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
-    assert nonfinite_leaves({}) == []
-    assert nonfinite_leaves({"n": torch.arange(3)}) == []
+    assert nonfinite_paths({"w": torch.ones(2, dtype=torch.bfloat16)}) == []
+    assert nonfinite_paths({}) == []
+    assert nonfinite_paths({"n": torch.arange(3)}) == []
 
 
 # -- TrainingMonitor: history, health alerts, scaler statistics, per-leaf overflow counts ------
 
-from ampfunc.monitor import MonitorConfig, TrainingMonitor, leaf_nonfinite  # noqa: E402
+from ampfunc.monitor import TrainingMonitor, leaf_nonfinite  # noqa: E402
 
 
 def healthy_run(steps=60, window=20):
@@ -382,3 +382,161 @@ def test_leaf_flags_must_be_bools(flags):
     mon = af.TrainingMonitor({"a": torch.ones(2), "b": torch.ones(2)})
     with pytest.raises(ValueError, match=r"leaf_nonfinite must be a bool vector of 2 flags .*dtype"):
         mon.record(torch.tensor(True), 1.0, leaf_nonfinite=flags)
+
+
+# -- thresholds compared exactly: a value at a threshold never trips it by a float rounding -------------
+
+
+def test_the_skip_rate_alert_does_not_fire_at_exactly_its_threshold():
+    # 3 skips in a window of 10 is 30%, not above a 30% threshold (1 - 7/10 is 0.30000000000000004)
+    mon = TrainingMonitor(window=10, max_skip_rate=0.3)
+    for ok in [T] * 7 + [F] * 3:
+        mon = mon.record(torch.tensor(ok), 1.0, loss=1.0)
+    h = mon.check_health()
+    assert not h["checks"]["skip_rate_high"] and h["status"] == "healthy", h
+    assert h["skip_rate"] == 0.3
+    # one more skip in the window (4 of 10) is above it
+    mon = mon.record(torch.tensor(F), 1.0, loss=1.0)
+    h = mon.check_health()
+    assert h["checks"]["skip_rate_high"] and "40.0% of the last 10 steps skipped (above 30%)" in h["alerts"][0], h
+    # a threshold written with more digits is shown with them
+    mon = TrainingMonitor(window=200, max_skip_rate=0.055)
+    for ok in [T] * 188 + [F] * 12:
+        mon = mon.record(torch.tensor(ok), 1.0, loss=1.0)
+    assert "(above 5.5%)" in mon.check_health()["alerts"][0]
+
+
+def test_health_skip_rate_at_its_threshold_is_quiet():
+    # 3 of 10 steps skipped against max_skip_rate=0.3: at the threshold, not above it
+    assert health(run([T] * 7 + [F] * 3, [2.0 ** 16] * 10), max_skip_rate=0.3, max_consecutive_skips=10) == []
+    warnings = health(run([T] * 6 + [F] * 4), max_skip_rate=0.3, max_consecutive_skips=10)
+    assert len(warnings) == 1 and "above 30%" in warnings[0]
+    # 7 of 100 against 0.07 (100 * 0.07 is 7.000000000000001, 7 / 100 is not 0.07 in binary)
+    assert health(run([T] * 93 + [F] * 7), max_skip_rate=0.07, max_consecutive_skips=10) == []
+
+
+def test_the_loss_alert_does_not_fire_at_exactly_explode_factor_times_the_median():
+    # median 45, last loss 63 = 1.4 * 45 exactly (the float 1.4 * 45 is 62.99999999999999)
+    mon = TrainingMonitor(window=4, explode_factor=1.4)
+    for loss in (45.0, 45.0, 45.0, 63.0):
+        mon = mon.record(torch.tensor(T), 1.0, loss=loss)
+    assert not mon.check_health()["checks"]["loss_exploding"]
+    mon = mon.record(torch.tensor(T), 1.0, loss=64.0)
+    assert mon.check_health()["checks"]["loss_exploding"]
+
+
+def test_the_scale_alert_fires_at_exactly_scale_drop_factor():
+    # from 55 to 50 is a drop of exactly 1.1 (the float 1.1 * 50 is 55.00000000000001)
+    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
+    for s in (55.0, 50.0):
+        mon = mon.record(torch.tensor(T), s, loss=1.0)
+    h = mon.check_health()
+    assert h["checks"]["scale_falling"] and "fell 1.1x within 2 steps" in h["alerts"][0], h
+    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
+    for s in (55.0, 50.5):
+        mon = mon.record(torch.tensor(T), s, loss=1.0)
+    assert not mon.check_health()["checks"]["scale_falling"]
+
+
+# -- a second moment that overflowed to inf in an applied step: reported from the state, when you log --------
+
+
+BIG = 1e21  # finite in fp32; its square (1e42) is not
+
+
+def _moment_params():
+    return {"enc.w": torch.ones(3), "head.b": torch.ones(2)}
+
+
+def _big_grads(scale=1.0):
+    return {"enc.w": torch.tensor([BIG, 1.0, 1.0]) * scale, "head.b": torch.ones(2) * scale}
+
+
+def _pure(tx):
+    p = _moment_params()
+    _, state = tx.update(_big_grads(), tx.init(p), p)
+    return state
+
+
+def _mixed(inner, how, dtype=torch.float32):
+    tx = af.mixed_precision(inner, loss_scale=af.StaticLossScale(256.0))
+    p = {k: v.to(dtype) for k, v in _moment_params().items()}
+    state = tx.init(p)
+    g = _big_grads(256.0)  # fp32 gradients (fp16 cannot hold 1e21), for fp16 params too
+    if how == "update":
+        _, state = tx.update(g, state, p)
+    else:
+        _, state = getattr(tx, how)(p, g, state)
+    assert bool(state.finite)  # the gradient was finite: the step was applied
+    return state
+
+
+MOMENT_PATHS = {
+    "adam.update": lambda: _pure(af.adam(1e-3)),
+    "adamw.update": lambda: _pure(af.adamw(1e-3)),
+    "adam-amsgrad.update": lambda: _pure(af.adam(1e-3, amsgrad=True)),
+    "chain-adamw.update": lambda: _pure(af.chain(af.identity(), af.adamw(1e-3))),
+    "from_torch-Adam.update": lambda: _pure(af.from_torch(torch.optim.Adam, lr=1e-3)),
+    "from_torch-RMSprop.update": lambda: _pure(af.from_torch(torch.optim.RMSprop, lr=1e-3)),
+    "mp-adamw.update": lambda: _mixed(af.adamw(1e-3), "update"),
+    "mp-adamw.step": lambda: _mixed(af.adamw(1e-3), "step"),
+    "mp-adamw.step_": lambda: _mixed(af.adamw(1e-3), "step_"),
+    "mp-adamw-f16-master.step_": lambda: _mixed(af.adamw(1e-3), "step_", torch.float16),
+    "mp-from_torch-Adam.step_": lambda: _mixed(af.from_torch(torch.optim.Adam, lr=1e-3), "step_"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(MOMENT_PATHS))
+def test_a_second_moment_overflowed_in_an_applied_step_is_reported_naming_the_leaf(path):
+    state = MOMENT_PATHS[path]()
+    assert af.monitor.moment_overflows(state) == ["enc.w"]
+    warnings = health(run([T]), state=state)
+    assert len(warnings) == 1 and "overflowed to inf for 'enc.w'" in warnings[0] and "clip_by_global_norm" in warnings[0]
+    mon = TrainingMonitor(_moment_params()).record(torch.tensor(T), 256.0, loss=1.0)
+    h = mon.check_health(state)
+    assert h["status"] == "unhealthy" and h["checks"]["moment_overflow"] and h["moment_overflows"] == ["enc.w"]
+    assert sum("second moment" in a for a in h["alerts"]) == 1  # once, however many moments the leaf has
+    assert mon.as_dict(state)["status"] == "unhealthy"
+    # without the state (or with a healthy one) nothing is reported
+    assert mon.check_health()["status"] == "healthy" and not mon.check_health()["checks"]["moment_overflow"]
+
+
+def test_the_overflowed_param_no_longer_moves_and_the_report_persists_through_a_checkpoint():
+    tx = af.mixed_precision(af.adam(1e-3), loss_scale=af.StaticLossScale(1.0))  # no weight decay to move it
+    params = _moment_params()
+    state = tx.init(params)
+    params, state = tx.step_(params, _big_grads(), state)
+    frozen = params["enc.w"].clone()
+    for _ in range(3):  # ordinary gradients afterwards: the leaf's first element never moves again
+        params, state = tx.step_(params, {"enc.w": torch.ones(3), "head.b": torch.ones(2)}, state)
+    assert params["enc.w"][0] == frozen[0] and not torch.equal(params["enc.w"][1:], frozen[1:])
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert af.monitor.moment_overflows(torch.load(buf)) == ["enc.w"]
+
+
+def test_make_train_step_and_module_trainer_states_report_the_overflowed_leaf():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    train = af.make_train_step(model, lambda fwd, x: (fwd(x) * BIG).sum(), af.adamw(1e-3), "p=f32,c=f32,o=f32")
+    state, out = train.step(train.init(), torch.ones(4, 3))
+    assert bool(out.finite) and sorted(af.monitor.moment_overflows(state)) == ["0.bias", "0.weight"]
+    trainer = af.ModuleTrainer(model, af.adamw(1e-3))
+    (model(torch.ones(4, 3)) * BIG).sum().backward()
+    assert bool(trainer.step())
+    assert sorted(af.monitor.moment_overflows(trainer.state)) == ["0.bias", "0.weight"]
+    mon = TrainingMonitor(af.params_of(model)).record_state(trainer.state, loss=1.0)
+    assert sorted(mon.check_health(trainer.state)["moment_overflows"]) == ["0.bias", "0.weight"]
+
+
+def test_healthy_states_and_states_without_second_moments_report_nothing():
+    p = _moment_params()
+    for tx in (af.adamw(1e-3), af.sgd(0.1, momentum=0.9), af.from_torch(torch.optim.RMSprop, lr=1e-3)):
+        _, state = tx.update({k: torch.full_like(v, 1e3) for k, v in p.items()}, tx.init(p), p)
+        assert af.monitor.moment_overflows(state) == []
+        assert health(run([T]), state=state) == []
+    assert af.monitor.moment_overflows({}) == [] and af.monitor.moment_overflows(None) == []
+    # a state alone, before any step is recorded, still tells
+    h = TrainingMonitor().check_health(_pure(af.adamw(1e-3)))
+    assert h["status"] == "unhealthy" and h["moment_overflows"] == ["enc.w"]

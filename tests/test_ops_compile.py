@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-from ampfunc import ops
-
 from _tolerance import assert_compiled_close
+from ampfunc import ops
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _helpers import bits
 from ampfunc import ops
 
 BACKENDS = ["reference"] + (["compiled"] if ops.backend() != "reference" else [])
@@ -390,8 +391,8 @@ def test_first_sgd_step_after_a_skipped_one_still_starts_the_buffer_from_the_gra
 def test_compiled_step_refuses_mismatched_lists_naming_the_index_and_writes_nothing():
     params = [torch.ones(3), torch.ones(4)]
     m, v = [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)]
-    with pytest.raises(ValueError, match=r"^ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] has shape \(4,\) "
-                                         r"\(adam_step_\)$"):
+    with pytest.raises(ValueError, match=r"^ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] "
+                                         r"has shape \(4,\) \(adam_step_\)$"):
         ops.adam_step_(params, [torch.ones(3), torch.ones(4)], m, v, None, None, torch.zeros(()), torch.ones(()),
                        torch.ones((), dtype=torch.bool), lr=0.1)
     assert all(bool((p == 1).all()) for p in params) and all(bool((x == 0).all()) for x in m)
@@ -433,15 +434,11 @@ def _ours_out(kind, backend, params, grads, state, step, h, grad_scale, finite, 
     return p, [m1, m2, vmax if h["amsgrad"] else state[2]], m, s
 
 
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-
-
 def _assert_bits_equal(actual, expected, what):
     assert len(actual) == len(expected), what
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert a.dtype == e.dtype and a.shape == e.shape, f"{what}[{i}]"
-        assert torch.equal(_bits(a), _bits(e)), f"{what}[{i}]"
+        assert torch.equal(bits(a), bits(e)), f"{what}[{i}]"
 
 
 def _written_slots(kind, h, state):
@@ -507,7 +504,7 @@ def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(ki
     state, step = _fresh_state(kind, params), torch.zeros(())
     model = [p.to(model_dtype) for p in params] if model_dtype else None
     yes = torch.ones((), dtype=torch.bool)
-    for k in range(2):
+    for _ in range(2):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
         saved = [t.clone() for t in params + (model or [])]
         new_p, new_state, new_model, new_step = _ours_out(kind, "compiled", params, grads, state, step, h,
@@ -524,7 +521,8 @@ def test_out_of_place_step_of_over_a_million_elements_gives_the_in_place_bits(ki
 @pytest.mark.skipif("compiled" not in BACKENDS, reason="compiled kernels not built")
 def test_compiled_out_of_place_step_names_the_mismatched_list_and_index():
     params, grads = [torch.ones(3), torch.ones(4)], [torch.ones(3), torch.ones(4)]
-    with pytest.raises(ValueError, match=r"ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] .*\(adam_step\)$"):
+    with pytest.raises(ValueError,
+                       match=r"ampfunc: exp_avg_sqs\[1\] has shape \(5,\) but params\[1\] .*\(adam_step\)$"):
         ops.adam_step(params, grads, [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(5)], None, None,
                       torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool), lr=0.1)
     with pytest.raises(TypeError, match=r"ampfunc: momentum_buffers\[0\] has dtype torch.float16.*\(sgd_step\)$"):
@@ -601,10 +599,6 @@ def test_a_failed_build_falls_back_with_one_warning_or_raises_when_required(monk
 # ---------------------------------------------------------------------------------------------
 
 
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t
-
-
 def _same_bits(a, b):
     """Bit for bit, except that any NaN equals any NaN (payloads and signs of NaN are not
     specified by the ops)."""
@@ -641,7 +635,7 @@ def test_check_norm_is_the_norm_of_the_unscaled_values(backend, tensors, inv_sca
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_norm_does_not_overflow_while_every_element_is_finite(backend):
-    # issue 10 item 5: fp32 gradients of 1e20 under a loss scale of 2**16
+    # fp32 gradients of 1e20 under a loss scale of 2**16: the sum of squares leaves fp32's range
     scaled = [torch.full((20,), 1e20) * 2.0**16, torch.full((1 << 20,), 3e19)]
     finite, norm = _check_norm(backend, scaled, torch.tensor(2.0**-16))
     want = math.sqrt(20 * 1e40 + (1 << 20) * (3e19 * 2.0**-16) ** 2)
@@ -853,7 +847,8 @@ def _bad_adam_cases():
                               r"^ampfunc: tensors\[0\] and tensors\[1\] overlap in memory; .* \(unscale_\)$")
     p, g, m, v = _fresh()
     cols = torch.zeros(6, 2)
-    cases["column_twice"] = ("unscale_", dict(tensors=[cols[:, 0], cols[:, 1], cols.t()[0]], inv_scale=torch.tensor(0.5)),
+    cases["column_twice"] = ("unscale_",
+                             dict(tensors=[cols[:, 0], cols[:, 1], cols.t()[0]], inv_scale=torch.tensor(0.5)),
                              ValueError, r"^ampfunc: tensors\[0\] and tensors\[2\] overlap in memory; .* \(unscale_\)$")
     p, g, m, v = _fresh()
     halves = torch.zeros(8)
@@ -901,7 +896,8 @@ def test_interleaved_views_that_share_no_element_are_written_on_both_backends():
     for backend in BACKENDS:
         cols = torch.arange(1.0, 13.0).view(6, 2)
         evens_odds = torch.arange(1.0, 9.0)
-        finite = _validated_unscale_(backend, [cols[:, 0], cols[:, 1], evens_odds[0::2], evens_odds[1::2]], torch.tensor(0.5))
+        views = [cols[:, 0], cols[:, 1], evens_odds[0::2], evens_odds[1::2]]
+        finite = _validated_unscale_(backend, views, torch.tensor(0.5))
         assert bool(finite)
         assert torch.equal(cols, torch.arange(1.0, 13.0).view(6, 2) * 0.5), backend
         assert torch.equal(evens_odds, torch.arange(1.0, 9.0) * 0.5), backend

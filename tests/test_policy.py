@@ -266,7 +266,7 @@ def test_params_of_is_a_dict_of_plain_tensors_sharing_storage_with_the_module():
 
 
 def test_buffers_of_lists_running_stats():
-    buffers = af.buffers_of(ConvNet())
+    buffers = af.policy.buffers_of(ConvNet())
     assert set(buffers) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
     assert buffers["bn.num_batches_tracked"].dtype == torch.int64
 
@@ -274,7 +274,7 @@ def test_buffers_of_lists_running_stats():
 def test_params_of_feeds_functional_call_and_grad():
     torch.manual_seed(0)
     model = ConvNet().eval()
-    params, buffers = af.params_of(model), af.buffers_of(model)
+    params, buffers = af.params_of(model), af.policy.buffers_of(model)
     x = torch.randn(2, 1, 4, 4)
     torch.testing.assert_close(functional_call(model, {**params, **buffers}, (x,)), model(x))
     g = grad(lambda p: functional_call(model, {**p, **buffers}, (x,)).sum())(params)
@@ -331,7 +331,7 @@ def test_norm_layers_counts_subclasses_and_custom_types():
 
 
 def test_norm_layers_with_batch_norm_types_keeps_only_what_apex_o2_keeps():
-    assert af.norm_layers(ConvNet(), types=af.BATCH_NORM_TYPES) == {
+    assert af.norm_layers(ConvNet(), types=af.policy.BATCH_NORM_TYPES) == {
         "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
 
 
@@ -346,7 +346,7 @@ def test_norm_layers_of_a_model_without_norms_is_empty():
 
 def test_cast_params_keeps_norm_layers_fp32_and_casts_the_rest():
     model = ConvNet()
-    tree = {**af.params_of(model), **af.buffers_of(model)}
+    tree = {**af.params_of(model), **af.policy.buffers_of(model)}
     out = af.cast_params(tree, F16, keep=af.norm_layers(model))
     for path, leaf in out.items():
         if path == "bn.num_batches_tracked":
@@ -394,7 +394,7 @@ def test_cast_params_returns_leaves_already_in_dtype_as_is_and_does_not_mutate()
 def test_cast_params_inside_grad_gives_fp32_grads_for_fp32_params():
     torch.manual_seed(0)
     model = ConvNet().eval()
-    params, buffers = af.params_of(model), af.buffers_of(model)
+    params, buffers = af.params_of(model), af.policy.buffers_of(model)
     keep = af.norm_layers(model)
     x = torch.randn(2, 1, 4, 4)
 
@@ -414,7 +414,7 @@ def test_cast_params_inside_grad_gives_fp32_grads_for_fp32_params():
 def test_cast_params_kept_batchnorm_buffers_receive_running_stat_updates_under_grad():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    params, buffers = af.params_of(model), af.buffers_of(model)
+    params, buffers = af.params_of(model), af.policy.buffers_of(model)
 
     def loss_fn(p, b, x):
         p = af.cast_params({**p, **b}, BF16, keep=af.norm_layers(model))
@@ -430,7 +430,8 @@ def test_cast_params_of_params_and_buffers_keeps_each_parts_norm_paths():
     # The (params, buffers) pair functional_call takes: "1.weight" names the norm weight in the
     # params dict, not "0.1.weight" in the pair.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    p, b = af.cast_params((af.params_of(model), af.buffers_of(model)), torch.bfloat16, keep=af.norm_layers(model))
+    p, b = af.cast_params((af.params_of(model), af.policy.buffers_of(model)), torch.bfloat16,
+                          keep=af.norm_layers(model))
     assert p["0.weight"].dtype == torch.bfloat16 and p["1.weight"].dtype == torch.float32
     assert b["1.running_var"].dtype == torch.float32
     # a list of tensors keeps its index paths

@@ -32,29 +32,29 @@ def _same(a, b) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 _BAD_SCHEDULES = [
-    ("exponential_decay", "decay_rate", lambda: af.exponential_decay(1e-3, transition_steps=10, decay_rate=-0.5)),
-    ("exponential_decay", "decay_rate", lambda: af.exponential_decay(1e-3, 10, 1e39)),
-    ("exponential_decay", "init_value", lambda: af.exponential_decay(-1e-3, 10, 0.5)),
-    ("exponential_decay", "end_value", lambda: af.exponential_decay(1e-3, 10, 0.5, end_value=-1.0)),
-    ("exponential_decay", "transition_steps", lambda: af.exponential_decay(1e-3, 10**40, 0.5)),
-    ("exponential_decay", "staircase", lambda: af.exponential_decay(1e-3, 10, 0.5, staircase=1)),
-    ("cosine_decay_schedule", "exponent", lambda: af.cosine_decay_schedule(1e-3, decay_steps=2, exponent=-1.0)),
-    ("cosine_decay_schedule", "exponent", lambda: af.cosine_decay_schedule(1e-3, 2, exponent=0.0)),
-    ("cosine_decay_schedule", "alpha", lambda: af.cosine_decay_schedule(1e-3, 2, alpha=-0.5)),
-    ("cosine_decay_schedule", "alpha", lambda: af.cosine_decay_schedule(1e30, 2, alpha=1e10)),
-    ("cosine_decay_schedule", "init_value", lambda: af.cosine_decay_schedule(INF, 2)),
-    ("cosine_decay_schedule", "decay_steps", lambda: af.cosine_decay_schedule(1.0, 10**40)),
-    ("linear_schedule", "end_value", lambda: af.linear_schedule(1e-3, -1e-3, 2)),
-    ("linear_schedule", "init_value", lambda: af.linear_schedule(1e39, 0.0, 2)),
-    ("linear_schedule", "transition_begin", lambda: af.linear_schedule(1.0, 0.0, 2, transition_begin=2**63)),
-    ("constant_schedule", "value", lambda: af.constant_schedule(1e39)),
-    ("constant_schedule", "value", lambda: af.constant_schedule(-0.1)),
-    ("warmup_cosine_decay_schedule", "peak_value", lambda: af.warmup_cosine_decay_schedule(0.0, -1.0, 2, 10)),
-    ("warmup_cosine_decay_schedule", "end_value", lambda: af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, 1e39)),
-    ("warmup_cosine_decay_schedule", "exponent", lambda: af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10,
+    ("exponential_decay", "decay_rate", lambda: af.optim.exponential_decay(1e-3, transition_steps=10, decay_rate=-0.5)),
+    ("exponential_decay", "decay_rate", lambda: af.optim.exponential_decay(1e-3, 10, 1e39)),
+    ("exponential_decay", "init_value", lambda: af.optim.exponential_decay(-1e-3, 10, 0.5)),
+    ("exponential_decay", "end_value", lambda: af.optim.exponential_decay(1e-3, 10, 0.5, end_value=-1.0)),
+    ("exponential_decay", "transition_steps", lambda: af.optim.exponential_decay(1e-3, 10**40, 0.5)),
+    ("exponential_decay", "staircase", lambda: af.optim.exponential_decay(1e-3, 10, 0.5, staircase=1)),
+    ("cosine_decay_schedule", "exponent", lambda: af.optim.cosine_decay_schedule(1e-3, decay_steps=2, exponent=-1.0)),
+    ("cosine_decay_schedule", "exponent", lambda: af.optim.cosine_decay_schedule(1e-3, 2, exponent=0.0)),
+    ("cosine_decay_schedule", "alpha", lambda: af.optim.cosine_decay_schedule(1e-3, 2, alpha=-0.5)),
+    ("cosine_decay_schedule", "alpha", lambda: af.optim.cosine_decay_schedule(1e30, 2, alpha=1e10)),
+    ("cosine_decay_schedule", "init_value", lambda: af.optim.cosine_decay_schedule(INF, 2)),
+    ("cosine_decay_schedule", "decay_steps", lambda: af.optim.cosine_decay_schedule(1.0, 10**40)),
+    ("linear_schedule", "end_value", lambda: af.optim.linear_schedule(1e-3, -1e-3, 2)),
+    ("linear_schedule", "init_value", lambda: af.optim.linear_schedule(1e39, 0.0, 2)),
+    ("linear_schedule", "transition_begin", lambda: af.optim.linear_schedule(1.0, 0.0, 2, transition_begin=2**63)),
+    ("constant_schedule", "value", lambda: af.optim.constant_schedule(1e39)),
+    ("constant_schedule", "value", lambda: af.optim.constant_schedule(-0.1)),
+    ("warmup_cosine_decay_schedule", "peak_value", lambda: af.optim.warmup_cosine_decay_schedule(0.0, -1.0, 2, 10)),
+    ("warmup_cosine_decay_schedule", "end_value", lambda: af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, 1e39)),
+    ("warmup_cosine_decay_schedule", "exponent", lambda: af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10,
                                                                                          exponent=-2.0)),
     ("warmup_cosine_decay_schedule", "end_value / peak_value",
-     lambda: af.warmup_cosine_decay_schedule(0.0, 1e-40, 2, 10, end_value=1e30)),
+     lambda: af.optim.warmup_cosine_decay_schedule(0.0, 1e-40, 2, 10, end_value=1e30)),
 ]
 
 
@@ -68,20 +68,20 @@ def test_schedule_bad_setting_is_refused_naming_it(schedule, setting, make):
 
 def test_constant_schedule_1e39_names_float32():
     with pytest.raises(ValueError, match=r"constant_schedule: value .*float32"):
-        af.constant_schedule(1e39)
+        af.optim.constant_schedule(1e39)
 
 
 def test_valid_optax_style_schedules_still_work():
-    grow = af.exponential_decay(1.0, transition_steps=2, decay_rate=2.0, end_value=3.0)  # growth, capped
+    grow = af.optim.exponential_decay(1.0, transition_steps=2, decay_rate=2.0, end_value=3.0)  # growth, capped
     assert [float(grow(c)) for c in (0, 2, 4, 9)] == [1.0, 2.0, 3.0, 3.0]
-    to_zero = af.linear_schedule(1.0, 0.0, transition_steps=4)  # an end value of 0
+    to_zero = af.optim.linear_schedule(1.0, 0.0, transition_steps=4)  # an end value of 0
     assert [float(to_zero(c)) for c in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
-    assert float(af.linear_schedule(0.5, 0.0, transition_steps=0)(7)) == 0.5  # optax: constant
-    up = af.cosine_decay_schedule(1.0, 4, alpha=2.0)  # alpha > 1 grows
+    assert float(af.optim.linear_schedule(0.5, 0.0, transition_steps=0)(7)) == 0.5  # optax: constant
+    up = af.optim.cosine_decay_schedule(1.0, 4, alpha=2.0)  # alpha > 1 grows
     assert float(up(4)) == 2.0
-    assert float(af.constant_schedule(float(torch.finfo(torch.float32).max))(0)) == float(
+    assert float(af.optim.constant_schedule(float(torch.finfo(torch.float32).max))(0)) == float(
         torch.finfo(torch.float32).max)
-    warm = af.warmup_cosine_decay_schedule(0.0, 1.0, 2, 6, end_value=0.0)
+    warm = af.optim.warmup_cosine_decay_schedule(0.0, 1.0, 2, 6, end_value=0.0)
     assert all(math.isfinite(float(warm(c))) and float(warm(c)) >= 0 for c in range(10))
 
 
@@ -189,7 +189,8 @@ def test_from_torch_foreign_state_is_refused_naming_the_key(key, cls, made_by, u
     assert _same(state, state0) and _same(params, params0)
 
     # In place: nothing is written before the error.
-    tx_a, tx_b = af.mixed_precision(made_by(), af.DynamicLossScale()), af.mixed_precision(used_by(), af.DynamicLossScale())
+    tx_a = af.mixed_precision(made_by(), af.DynamicLossScale())
+    tx_b = af.mixed_precision(used_by(), af.DynamicLossScale())
     mp_state = tx_a.init(params)
     mp_state0 = tree_clone(mp_state)
     with pytest.raises(ValueError, match="different optimizer or configuration"):

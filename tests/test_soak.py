@@ -1,4 +1,4 @@
-"""A 10,000-step soak with overflow bursts (issue 10): the loss scale stays within its bounds,
+"""A 10,000-step soak with overflow bursts: the loss scale stays within its bounds,
 memory stays flat, every state stays finite, and the compiled kernels and the plain-torch
 reference skip the same steps with the same scales.
 
@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-import ampfunc as af
 import _faults as F
+import ampfunc as af
 
 FULL = os.environ.get("AMPFUNC_FAULTS_FULL", "") not in ("", "0")
 STEPS = int(os.environ.get("AMPFUNC_SOAK_STEPS", "10000" if FULL else "3000"))

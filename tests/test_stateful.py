@@ -36,7 +36,7 @@ def test_a_state_built_with_the_three_old_fields_loads_and_the_next_step_counts_
     _step(model, trainer)
     _step(model, trainer, overflow=True)  # one skipped step: finite False, skipped 1
     st = trainer.state
-    old = af.TrainerState(st.master, st.opt_state, st.loss_scale)  # finite, skipped: None
+    old = af.stateful.TrainerState(st.master, st.opt_state, st.loss_scale)  # finite, skipped: None
     buf = io.BytesIO()
     torch.save({"trainer": old}, buf)
     buf.seek(0)
@@ -58,7 +58,7 @@ def test_a_four_field_state_keeps_its_finite_flag_and_gets_a_fresh_skip_count():
     model, trainer = _trainer()
     _step(model, trainer, overflow=True)
     st = trainer.state
-    trainer.state = af.TrainerState(st.master, st.opt_state, st.loss_scale, st.finite.clone())
+    trainer.state = af.stateful.TrainerState(st.master, st.opt_state, st.loss_scale, st.finite.clone())
     assert not bool(trainer.state.finite) and int(trainer.state.skipped) == 0
 
 
@@ -69,7 +69,7 @@ def test_an_old_field_state_of_another_model_is_refused_and_the_trainer_keeps_it
     _, other = _trainer(width=5)  # another first-layer shape
     ost = other.state
     with pytest.raises(ValueError, match=r"leaf '.*0\.weight.*' is torch.float32 \(4, 5\)"):
-        trainer.state = af.TrainerState(ost.master, ost.opt_state, ost.loss_scale)
+        trainer.state = af.stateful.TrainerState(ost.master, ost.opt_state, ost.loss_scale)
     assert trainer.state is before
     _step(model, trainer)
     assert bool(trainer.finite) and int(trainer.skipped) == 0

@@ -18,7 +18,7 @@ def scale_by(c):
         return CountState(torch.zeros((), dtype=torch.int32))
 
     def update(updates, state, params=None):
-        return af.tree_map(lambda u: u * c, updates), CountState(state.count + 1)
+        return af.tree.tree_map(lambda u: u * c, updates), CountState(state.count + 1)
 
     return af.GradientTransformation(init, update)
 
@@ -36,11 +36,11 @@ def test_chain_rejects_non_transforms_by_position():
 
 
 def test_named_chain_exposes_states_by_name():
-    tx = af.named_chain(("clip", scale_by(1.0)), ("opt", scale_by(-0.1)))
+    tx = af.transform.named_chain(("clip", scale_by(1.0)), ("opt", scale_by(-0.1)))
     state = tx.init({"w": torch.ones(1)})
     assert set(state) == {"clip", "opt"}
     with pytest.raises(ValueError, match="unique"):
-        af.named_chain(("a", scale_by(1.0)), ("a", scale_by(1.0)))
+        af.transform.named_chain(("a", scale_by(1.0)), ("a", scale_by(1.0)))
 
 
 def test_masked_applies_inner_only_to_selected_leaves():
@@ -88,10 +88,10 @@ def test_chains_of_registered_transforms_are_registered_as_typed_specs():
     spec = kernel_spec(af.chain(clip, opt))
     assert isinstance(spec, ChainSpec) and spec.specs == (clip.fused, opt.fused) and spec.names is None
     assert isinstance(spec.specs[1], FusedSpec) and spec.specs[1].hparams["weight_decay"] == 1e-2
-    named = kernel_spec(af.named_chain(("clip", clip), ("opt", opt)))
+    named = kernel_spec(af.transform.named_chain(("clip", clip), ("opt", opt)))
     assert named.names == ("clip", "opt") and named.specs == spec.specs
     # one unregistered member: the chain is not registered (the generic path runs it)
-    assert kernel_spec(af.chain(af.scale(0.5), opt)) is None
+    assert kernel_spec(af.chain(af.optim.scale(0.5), opt)) is None
     assert kernel_spec(af.from_torch(torch.optim.SGD, lr=0.1)) is None
     # the registry is keyed by the update function: rebuilding the pair keeps it
     init, update = opt
@@ -110,17 +110,18 @@ def test_optax_options_add_decayed_weights_mask_and_scale_by_learning_rate_flip_
         tx = af.add_decayed_weights(0.5, mask=mask)
         updates, _ = tx.update(zeros, tx.init(params), params)
         assert updates["w"].tolist() == [0.5, 0.5] and updates["b"].tolist() == [0.0, 0.0]
-    for lr in (0.25, af.constant_schedule(0.25)):
-        up, _ = af.scale_by_learning_rate(lr, flip_sign=False).update(params, af.scale_by_learning_rate(lr).init(params))
-        down, _ = af.scale_by_learning_rate(lr).update(params, af.scale_by_learning_rate(lr).init(params))
+    for lr in (0.25, af.optim.constant_schedule(0.25)):
+        tx = af.optim.scale_by_learning_rate(lr, flip_sign=False)
+        up, _ = tx.update(params, tx.init(params))
+        down, _ = af.optim.scale_by_learning_rate(lr).update(params, af.optim.scale_by_learning_rate(lr).init(params))
         assert up["w"].tolist() == [0.25, 0.25] and down["w"].tolist() == [-0.25, -0.25]
     with pytest.raises(TypeError, match="flip_sign"):
-        af.scale_by_learning_rate(0.1, flip_sign=1)
+        af.optim.scale_by_learning_rate(0.1, flip_sign=1)
 
 
 def test_masked_takes_a_prefix_mask_as_optax_does():
     params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}, "dec": {"w": torch.ones(2)}}
-    grads = af.tree_map(torch.ones_like, params)
+    grads = af.tree.tree_map(torch.ones_like, params)
     tx = af.masked(af.sgd(0.5), {"enc": False, "dec": True})  # a bool for each whole subtree
     updates, _ = tx.update(grads, tx.init(params), params)
     assert updates["dec"]["w"].tolist() == [-0.5, -0.5] and updates["enc"]["w"].tolist() == [1.0, 1.0]
@@ -132,7 +133,7 @@ def test_partition_takes_prefix_labels_as_optax_multi_transform_does():
     # optax.multi_transform: param_labels "the same shape or a prefix" of the params, or a
     # function returning one.
     params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}, "head": {"w": torch.ones(2)}}
-    grads = af.tree_map(torch.ones_like, params)
+    grads = af.tree.tree_map(torch.ones_like, params)
     for labels in ({"enc": "fast", "head": "slow"}, lambda p: {"enc": "fast", "head": "slow"}):
         tx = af.partition({"fast": af.sgd(1.0), "slow": af.sgd(0.25)}, labels)  # a label per subtree
         updates, _ = tx.update(grads, tx.init(params), params)

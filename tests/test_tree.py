@@ -13,9 +13,9 @@ from ampfunc.tree import check_same_structure, float_leaves_with_paths, tree_cas
 def test_leaf_paths_are_dotted_and_printable():
     Pair = collections.namedtuple("Pair", "mu nu")
     tree = {"encoder": {"layers": [{"weight": torch.zeros(1)}, None]}, "opt": Pair(torch.ones(1), torch.ones(1))}
-    assert [p for p, _ in af.leaves_with_paths(tree)] == [
+    assert [p for p, _ in af.tree.leaves_with_paths(tree)] == [
         "encoder.layers.0.weight", "opt.mu", "opt.nu"]
-    assert af.leaves_with_paths(torch.ones(1))[0][0] == "<root>"
+    assert af.tree.leaves_with_paths(torch.ones(1))[0][0] == "<root>"
 
 
 def test_none_leaves_survive_maps():
@@ -25,10 +25,10 @@ def test_none_leaves_survive_maps():
 
 
 def test_all_finite_ignores_integer_and_bool_leaves_and_is_true_for_empty_trees():
-    assert bool(af.all_finite({}))
-    assert bool(af.all_finite({"steps": torch.tensor(3), "mask": torch.tensor([True]), "w": torch.ones(2)}))
-    assert not bool(af.all_finite({"w": torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)}))
-    assert af.all_finite({"w": torch.ones(1)}).dtype == torch.bool
+    assert bool(af.tree.all_finite({}))
+    assert bool(af.tree.all_finite({"steps": torch.tensor(3), "mask": torch.tensor([True]), "w": torch.ones(2)}))
+    assert not bool(af.tree.all_finite({"w": torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)}))
+    assert af.tree.all_finite({"w": torch.ones(1)}).dtype == torch.bool
 
 
 def test_select_tree_picks_on_the_device_and_checks_python_leaves():

@@ -16,17 +16,7 @@ Every facade is a stateful shell over the pure core (:mod:`ampfunc.loss_scale`,
 pytrees and replace them each step; none re-implements the scale-update rule.
 """
 
-from ampfunc.compat import torch_amp  # noqa: F401
-from ampfunc.compat.torch_amp import GradScaler, autocast, custom_bwd, custom_fwd  # noqa: F401
-
-
-def __getattr__(name):
-    # apex's facades are imported on first use: torch.amp users do not pay for them.
-    if name == "apex":
-        import importlib
-
-        return importlib.import_module("ampfunc.compat.apex")
-    raise AttributeError(f"module 'ampfunc.compat' has no attribute {name!r}")
-
+from ampfunc.compat import apex, torch_amp
+from ampfunc.compat.torch_amp import GradScaler, autocast, custom_bwd, custom_fwd
 
 __all__ = ["GradScaler", "autocast", "custom_fwd", "custom_bwd", "torch_amp", "apex"]

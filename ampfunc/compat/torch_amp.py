@@ -370,6 +370,16 @@ class GradScaler:
     @staticmethod
     def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
         grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        # torch unscales dense and sparse COO gradients; a compressed layout (CSR, CSC, BSR, BSC)
+        # has no values view to unscale: refused by name before any gradient is touched.
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                grad = getattr(param, "grad", None)
+                if isinstance(grad, torch.Tensor) and grad.layout not in (torch.strided, torch.sparse_coo):
+                    raise TypeError(f"GradScaler: the gradient of optimizer.param_groups[{g}]['params'][{i}] (shape "
+                                    f"{tuple(param.shape)}) has layout {grad.layout}; gradients are unscaled dense or "
+                                    "sparse COO (as torch's GradScaler), not in a compressed layout (densify it with "
+                                    ".to_dense(), or keep the param in the COO layout with .to_sparse())")
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if not isinstance(param, torch.Tensor):
@@ -551,7 +561,8 @@ class GradScaler:
         return self._scale_t
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads, leaving them as they are.
+        """torch's hook: records (and returns) ``{device: found_inf}`` for the optimizer's grads,
+        leaving them as they are.
 
         A read-only pass per device (:func:`ampfunc.ops.all_finite`; torch multiplies by 1
         instead); fp16 grads are allowed. A scale outside ``SCALE_RANGE`` (set by hand) is

@@ -23,8 +23,8 @@ import ampfunc as af
 import ampfunc.fp8  # noqa: F401  (af.fp8)
 from ampfunc.monitor import TrainingMonitor
 
-__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs", "format_table",
-           "count_zeros", "state_bytes"]
+__all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs",
+           "format_table", "count_zeros", "state_bytes"]
 
 
 class ExampleConfig(NamedTuple):
@@ -38,7 +38,7 @@ class ExampleConfig(NamedTuple):
     """
 
     policy: str
-    loss_scale: Callable[[], af.LossScale]
+    loss_scale: Callable[[], af.loss_scale.LossScale]
     setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     about: str = ""
     fp8: Optional[Callable[..., Any]] = None  # (model, group=None) -> af.fp8.Fp8Policy; None: no fp8

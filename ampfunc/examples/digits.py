@@ -36,7 +36,15 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-from ampfunc.examples.common import CONFIGS, LiveLog, add_run_args, configs_from_args, count_zeros, format_table, plot_runs
+from ampfunc.examples.common import (
+    CONFIGS,
+    LiveLog,
+    add_run_args,
+    configs_from_args,
+    count_zeros,
+    format_table,
+    plot_runs,
+)
 from ampfunc.monitor import LeafFlagsHook
 
 
@@ -114,7 +122,7 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
             ls = af.loss_scale_of(state)
             (grads, state8), loss = grad_fn(params, state8, x_tr[idx], y_tr[idx], ls)
             if group is not None:  # average in fp32: a sum of scaled fp16 grads could overflow
-                grads = af.dist.all_reduce_mean(af.tree_cast(grads, torch.float32), group)
+                grads = af.dist.all_reduce_mean(af.tree.tree_cast(grads, torch.float32), group)
             zero_grads = zero_grads + count_zeros(grads)
             grad_elems += sum(g.numel() for g in grads.values())
             params, state = tx.step(params, grads, state)
@@ -171,7 +179,8 @@ def main(argv=None):
         for r in rows:
             if r["status"] != "healthy" or r["overflows"]:
                 worst = ", ".join(f"{p} ({c})" for p, c in list(r["overflows"].items())[:3])
-                print(f"{r['config']}: monitor says {r['status']}" + (f"; overflowing leaves: {worst}" if worst else ""))
+                print(f"{r['config']}: monitor says {r['status']}"
+                      + (f"; overflowing leaves: {worst}" if worst else ""))
         if args.plot:
             plot_runs(histories, args.plot, title=f"digits: {args.epochs} epochs, batch {args.batch}")
             print(f"plot: {args.plot}")

@@ -32,9 +32,17 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import ampfunc as af
-from ampfunc.examples.common import CONFIGS, LiveLog, add_run_args, configs_from_args, count_zeros, format_table, plot_runs, state_bytes
+from ampfunc.examples.common import (
+    CONFIGS,
+    LiveLog,
+    add_run_args,
+    configs_from_args,
+    count_zeros,
+    format_table,
+    plot_runs,
+    state_bytes,
+)
 from ampfunc.monitor import LeafFlagsHook
-
 
 # ---------------------------------------------------------------------------------------------
 # data: the standard library's sources as bytes

@@ -1,13 +1,15 @@
 """Optimizers and gradient transforms: native pure optimizers with torch.optim's math, an adapter
 for any torch.optim optimizer, clipping, gradient accumulation and learning-rate schedules.
 
-Every name here is a :class:`~ampfunc.transform.GradientTransformation` factory (or a schedule)
-and is re-exported at the top level: ``af.adamw(1e-3)``, ``af.from_torch(torch.optim.RMSprop)``.
+Every function here is a :class:`~ampfunc.transform.GradientTransformation` factory or a
+schedule, and every class a state. The optimizers and the common transforms are also at the top
+level (``af.adamw(1e-3)``, ``af.from_torch(torch.optim.RMSprop)``, ``af.clip_by_global_norm``);
+the building blocks (``scale_by_adam``, ``scale``, ``scale_by_learning_rate``,
+``scale_by_schedule``, ``global_norm``), the schedules and the states live here only.
 """
 
 from ampfunc.optim.accumulate import AccumulateState, accumulate
 from ampfunc.optim.adam import AdamState, adam, adamw, scale_by_adam
-from ampfunc.transform import FusedSpec
 from ampfunc.optim.clip import clip_by_global_norm, global_norm
 from ampfunc.optim.from_torch import TorchOptimizerState, from_torch
 from ampfunc.optim.schedule import (
@@ -25,6 +27,7 @@ from ampfunc.optim.transforms import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from ampfunc.transform import FusedSpec
 
 __all__ = [
     "FusedSpec",

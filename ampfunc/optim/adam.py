@@ -16,9 +16,9 @@ import torch
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
+    ScalarOrSchedule,
     arithmetic_groups,
     as_dtype,
-    ScalarOrSchedule,
     check_lr,
     check_nonneg,
     checked_inputs,
@@ -28,8 +28,15 @@ from ampfunc.optim.base import (
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import (PyTree, arithmetic_dtype, flatten_together, float_leaves_with_paths, tree_flatten, tree_map,
-                          tree_structure, tree_unflatten)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    flatten_together,
+    float_leaves_with_paths,
+    tree_flatten,
+    tree_structure,
+    tree_unflatten,
+)
 
 __all__ = ["AdamState", "adam", "adamw", "scale_by_adam"]
 
@@ -193,14 +200,14 @@ def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled:
     return register_kernel(GradientTransformation(init, update), FusedSpec(kind, hparams))
 
 
-def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` computes it (L2 weight decay added to the gradient).
 
     Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param) and ``t`` the new step
-    count: ``g = -g`` if ``maximize``; ``g += weight_decay * p``; ``m = lerp(m, g, 1 - beta1)``;
-    ``v = beta2 * v + (1 - beta2) * g^2``; the update is
-    ``-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, with
+    count: ``g = -g`` if ``maximize``; ``g += weight_decay * p``; ``m = lerp(m, g, 1 - b1)``;
+    ``v = b2 * v + (1 - b2) * g^2``; the update is
+    ``-lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``, with
     ``vmax = max(vmax, v)`` in place of ``v`` in the denominator under ``amsgrad``. It is
     returned as the delta ``new_p - p`` so that :func:`ampfunc.apply_updates` lands on torch's
     in-place result (the step term alone when ``params`` is not passed). The bias corrections
@@ -208,10 +215,10 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
 
     Args:
       lr: the learning rate, a float or a schedule (a callable of the step count, see
-        :func:`ampfunc.linear_schedule` and co.), evaluated at the number of steps applied
+        :func:`ampfunc.optim.linear_schedule` and co.), evaluated at the number of steps applied
         before this one.
-      betas: ``(beta1, beta2)``, the decay rates of the first and second moments, each in
-        ``[0, 1)``.
+      b1: the decay rate of the first moment (torch's ``betas[0]``), in ``[0, 1)``.
+      b2: the decay rate of the second moment (torch's ``betas[1]``), in ``[0, 1)``.
       eps: added to the denominator for numerical stability.
       weight_decay: the L2 penalty coefficient (added to the gradient); when non-zero
         ``update`` needs ``params``.
@@ -239,10 +246,10 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
     the new moments; otherwise a generic path of about ten ``torch._foreach`` ops per device
     computes the same arithmetic. No host sync.
     """
-    return _make("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _make("adam", lr, (b1, b2), eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
-def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it: :func:`adam` with decoupled weight decay.
 
@@ -253,8 +260,8 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
     Args:
       lr: the learning rate, a float or a schedule (a callable of the step count), evaluated at
         the number of steps applied before this one.
-      betas: ``(beta1, beta2)``, the decay rates of the first and second moments, each in
-        ``[0, 1)``.
+      b1: the decay rate of the first moment (torch's ``betas[0]``), in ``[0, 1)``.
+      b2: the decay rate of the second moment (torch's ``betas[1]``), in ``[0, 1)``.
       eps: added to the denominator for numerical stability.
       weight_decay: the decoupled decay coefficient (default ``1e-2``, torch's); when non-zero
         ``update`` needs ``params``.
@@ -280,7 +287,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
     writes new updates and moments) when the compiled kernels take the tree, else the generic
     ``torch._foreach`` path with the same arithmetic. No host sync.
     """
-    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _make("adamw", lr, (b1, b2), eps, weight_decay, amsgrad, maximize, decoupled=True)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -290,8 +297,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     ``chain(scale_by_adam(), masked(add_decayed_weights(wd), mask), scale_by_learning_rate(lr))``
     is AdamW with decay on selected leaves only. Per leaf, with ``t`` the new step count:
     ``m = lerp(m, g, 1 - b1)``, ``v = b2 * v + (1 - b2) * g^2``, output
-    ``m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps)`` in fp32. The numbers are close to, not bit-identical with, :func:`adamw`'s (a different
-    order of operations, and torch's own ``sqrt``).
+    ``m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps)`` in fp32. The numbers are close to,
+    not bit-identical with, :func:`adamw`'s (a different order of operations, and torch's own
+    ``sqrt``).
 
     Args:
       b1: the decay rate of the first moment, in ``[0, 1)``.
@@ -305,12 +313,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     Example:
       >>> params = {"w": torch.ones(3)}
       >>> grads = {"w": torch.tensor([1.0, -2.0, 0.0])}
-      >>> tx = af.scale_by_adam()
+      >>> tx = af.optim.scale_by_adam()
       >>> state = tx.init(params)
       >>> direction, state = tx.update(grads, state)
       >>> torch.allclose(direction["w"], torch.tensor([1.0, -1.0, 0.0]))  # first step: ~sign(g)
       True
-      >>> opt = af.chain(af.scale_by_adam(), af.scale_by_learning_rate(1e-3))  # Adam, composed
+      >>> opt = af.chain(af.optim.scale_by_adam(), af.optim.scale_by_learning_rate(1e-3))  # Adam, composed
 
     Cost: ``init`` allocates two fp32 zero trees like the params (one buffer per device each) and
     a 0-d step. ``update`` has no fused kernel: about eight ``torch._foreach`` ops per device

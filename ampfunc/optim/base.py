@@ -1,8 +1,7 @@
 """Shared pieces of the optimizer family: learning-rate handling and input checks.
 
 (:class:`~ampfunc.transform.FusedSpec`, the spec a native optimizer registers so that the
-engine runs it with the fused kernels, lives in :mod:`ampfunc.transform` beside the registry;
-its old spelling here, ``ampfunc.optim.base.FusedSpec``, warns for one release.)
+engine runs it with the fused kernels, lives in :mod:`ampfunc.transform` beside the registry.)
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ampfunc.transform import FusedSpec as _FusedSpec
 from ampfunc.tree import (
     PyTree,
     arithmetic_dtype,
@@ -33,7 +31,7 @@ _WARNED_LOW_PRECISION: set = set()
 
 
 def warn_low_precision_params(params: PyTree, where: str) -> None:
-    """Warns once per process and optimizer when a param leaf is fp16/bf16 (issue 10, item 14).
+    """Warns once per process and optimizer when a param leaf is fp16/bf16.
 
     Without an fp32 master copy (:func:`ampfunc.mixed_precision` and ``ModuleTrainer`` keep
     one; ``make_train_step`` has the policy's params dtype for its params), updates smaller
@@ -179,11 +177,3 @@ def arithmetic_groups(grads: list, params: list | None, slot: list | None) -> di
 def as_dtype(tensors: list, dtype: torch.dtype) -> list:
     """The tensors in ``dtype`` (no copy for those already in it)."""
     return [t.to(dtype) for t in tensors]
-
-
-def __getattr__(name: str):
-    if name == "FusedSpec":  # moved to ampfunc.transform (README "Names that changed")
-        warnings.warn("ampfunc.optim.base.FusedSpec is deprecated and will be removed in the next release: use "
-                      "ampfunc.transform.FusedSpec (or af.FusedSpec)", DeprecationWarning, stacklevel=2)
-        return _FusedSpec
-    raise AttributeError(f"module 'ampfunc.optim.base' has no attribute {name!r}")

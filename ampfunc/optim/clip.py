@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ampfunc import dist, ops
+from ampfunc import dist, ops, shards
 from ampfunc.optim.base import device_groups
 from ampfunc.transform import EmptyState, FusedSpec, GradientTransformation, register_kernel
 from ampfunc.tree import float_leaves_with_paths, tree_structure, tree_unflatten
@@ -34,15 +34,17 @@ def global_norm(tree, group=None) -> torch.Tensor:
 
     Example:
       >>> grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
-      >>> af.global_norm(grads).item()
+      >>> af.optim.global_norm(grads).item()
       5.0
-      >>> af.global_norm({"x": torch.full((4,), 300.0, dtype=torch.float16)}).item()  # fp32 sum
+      >>> af.optim.global_norm({"x": torch.full((4,), 300.0, dtype=torch.float16)}).item()  # fp32 sum
       600.0
 
     Cost: one read pass, no writes (plus one all-reduce of one float with ``group`` or
     DTensors); no host sync.
     """
     _, leaves = float_leaves_with_paths(tree, "tree")
+    if group is None and shards.active() is not None:  # inside a step on DTensors' local shards
+        return shards.active().reduce(None, leaves)[1]
     if group is not None or dist.any_dtensor(leaves):
         return dist.sharded_global_norm(tree, group)
     # check_norm: squares summed so that the sum cannot overflow while every value is finite.
@@ -64,7 +66,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         ``group`` runs on the generic path (a collective sits between the norm and the update).
 
     Returns:
-      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; without ``group``
+      A stateless (:class:`~ampfunc.transform.EmptyState`) ``GradientTransformation``; without ``group``
       it is registered with the fused kernels, which fold the scaling into the optimizer pass
       when it precedes ``sgd``/``adam``/``adamw`` in a ``chain``.
 
@@ -73,7 +75,7 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
       >>> tx = af.clip_by_global_norm(1.0)
       >>> state = tx.init(grads)
       >>> clipped, state = tx.update(grads, state)
-      >>> round(af.global_norm(clipped).item(), 4)
+      >>> round(af.optim.global_norm(clipped).item(), 4)
       1.0
       >>> opt = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-3))  # fused under mixed_precision
 
@@ -93,8 +95,11 @@ def clip_by_global_norm(max_norm: float, *, group=None) -> GradientTransformatio
         _, leaves = float_leaves_with_paths(updates, "clip_by_global_norm: updates")
         if not leaves:
             return updates, state
-        if group is not None or dist.any_dtensor(leaves):
-            norm = dist.sharded_global_norm(updates, group)
+        sharding = shards.active() if group is None else None
+        if group is not None or sharding is not None or dist.any_dtensor(leaves):
+            # local shards inside a step on DTensors: the norm of the whole tensors (ampfunc.shards)
+            norm = sharding.reduce(None, leaves)[1] if sharding is not None else \
+                dist.sharded_global_norm(updates, group)
             return dist.scale_tree(updates, (max_norm / (norm + 1e-6)).clamp(max=1.0)), state
         _, norm = ops.check_norm(leaves)  # cannot overflow while every element is finite
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

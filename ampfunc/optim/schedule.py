@@ -95,7 +95,7 @@ def constant_schedule(value: float) -> Schedule:
       to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
 
     Example:
-      >>> sched = af.constant_schedule(0.5)
+      >>> sched = af.optim.constant_schedule(0.5)
       >>> float(sched(torch.tensor(3))), float(sched(100))
       (0.5, 0.5)
 
@@ -130,7 +130,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
       to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
 
     Example:
-      >>> sched = af.linear_schedule(1.0, 0.0, transition_steps=4)
+      >>> sched = af.optim.linear_schedule(1.0, 0.0, transition_steps=4)
       >>> [float(sched(c)) for c in (0, 2, 4, 9)]
       [1.0, 0.5, 0.0, 0.0]
       >>> tx = af.sgd(sched)  # the optimizer evaluates it at its own step count
@@ -177,7 +177,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
       to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
 
     Example:
-      >>> sched = af.cosine_decay_schedule(1.0, decay_steps=4, alpha=0.5)
+      >>> sched = af.optim.cosine_decay_schedule(1.0, decay_steps=4, alpha=0.5)
       >>> [float(sched(c)) for c in (0, 2, 4, 9)]
       [1.0, 0.75, 0.5, 0.5]
 
@@ -219,7 +219,7 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
       to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
 
     Example:
-      >>> sched = af.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
+      >>> sched = af.optim.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
       >>> [float(sched(c)) for c in (0, 1, 2, 6, 9)]
       [0.0, 0.5, 1.0, 0.0, 0.0]
 
@@ -276,7 +276,7 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
       to a float32 tensor of its shape (0-d for an optimizer's count) on its device.
 
     Example:
-      >>> sched = af.exponential_decay(1.0, transition_steps=2, decay_rate=0.5, staircase=True,
+      >>> sched = af.optim.exponential_decay(1.0, transition_steps=2, decay_rate=0.5, staircase=True,
       ...                              end_value=0.25)
       >>> [float(sched(c)) for c in range(7)]
       [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.25]

@@ -13,9 +13,9 @@ import torch
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
 from ampfunc.optim.base import (
+    ScalarOrSchedule,
     arithmetic_groups,
     as_dtype,
-    ScalarOrSchedule,
     check_lr,
     check_nonneg,
     checked_inputs,
@@ -25,8 +25,15 @@ from ampfunc.optim.base import (
     warn_low_precision_params,
 )
 from ampfunc.transform import FusedSpec, GradientTransformation, register_kernel
-from ampfunc.tree import (PyTree, arithmetic_dtype, flatten_together, float_leaves_with_paths, tree_flatten, tree_map,
-                          tree_structure, tree_unflatten)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    flatten_together,
+    float_leaves_with_paths,
+    tree_flatten,
+    tree_structure,
+    tree_unflatten,
+)
 
 __all__ = ["SgdState", "sgd"]
 
@@ -84,15 +91,16 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     """SGD as ``torch.optim.SGD`` computes it, as a pure transform.
 
     Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param): ``g = -g`` if
-    ``maximize``; ``g += weight_decay * p``; with momentum ``buf = g`` on the first step and ``buf = momentum * buf + (1 - dampening) * g``
-    after (decided on the device from ``state.step``, no host sync); ``g = g + momentum * buf``
-    with ``nesterov`` else ``g = buf``; the update is ``-lr * g``, returned as the delta
-    ``(p - lr * g) - p`` so that :func:`ampfunc.apply_updates` lands on torch's in-place result
-    (as ``-lr * g`` when ``params`` is not passed).
+    ``maximize``; ``g += weight_decay * p``; with momentum ``buf = g`` on the first step and
+    ``buf = momentum * buf + (1 - dampening) * g`` after (decided on the device from
+    ``state.step``, no host sync); ``g = g + momentum * buf`` with ``nesterov`` else
+    ``g = buf``; the update is ``-lr * g``, returned as the delta ``(p - lr * g) - p`` so that
+    :func:`ampfunc.apply_updates` lands on torch's in-place result (as ``-lr * g`` when
+    ``params`` is not passed).
 
     Args:
       lr: the learning rate, a float or a schedule (a callable of the step count, see
-        :func:`ampfunc.linear_schedule` and co.), evaluated at the number of steps applied
+        :func:`ampfunc.optim.linear_schedule` and co.), evaluated at the number of steps applied
         before this one.
       momentum: the momentum factor; 0 keeps no buffer.
       dampening: the dampening of the momentum's gradient term.

@@ -4,7 +4,6 @@ decoupled weight decay."""
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
@@ -17,7 +16,18 @@ __all__ = ["ScaleByScheduleState", "scale", "scale_by_schedule", "scale_by_learn
 
 
 class ScaleByScheduleState(NamedTuple):
-    """``count``: 0-d float32, the number of updates seen (the schedule's argument)."""
+    """The state of :func:`scale_by_schedule`.
+
+    Attributes:
+      count: 0-d float32, the number of updates seen (the schedule's argument).
+
+    Example:
+      >>> tx = af.optim.scale_by_schedule(af.optim.linear_schedule(1.0, 0.0, 10))
+      >>> state = tx.init({"w": torch.ones(2)})
+      >>> _, state = tx.update({"w": torch.ones(2)}, state)
+      >>> float(state.count)
+      1.0
+    """
 
     count: torch.Tensor
 
@@ -29,12 +39,12 @@ def scale(step_size: float) -> GradientTransformation:
       step_size: the factor, a finite number (negative to turn a direction into a descent step).
 
     Returns:
-      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; updates keep their
+      A stateless (:class:`~ampfunc.transform.EmptyState`) ``GradientTransformation``; updates keep their
       dtype and ``update`` does not need ``params``.
 
     Example:
       >>> grads = {"w": torch.full((2, 3), 0.5)}
-      >>> tx = af.scale(-0.5)
+      >>> tx = af.optim.scale(-0.5)
       >>> state = tx.init(grads)
       >>> updates, state = tx.update(grads, state)
       >>> updates["w"][0, 0].item()
@@ -66,7 +76,7 @@ def scale_by_schedule(schedule) -> GradientTransformation:
 
     Args:
       schedule: a callable of the 0-d float32 count returning a float or a 0-d tensor (e.g.
-        :func:`ampfunc.linear_schedule`).
+        :func:`ampfunc.optim.linear_schedule`).
 
     Returns:
       A ``GradientTransformation`` whose state is a ``ScaleByScheduleState`` (``count``, 0-d
@@ -74,7 +84,7 @@ def scale_by_schedule(schedule) -> GradientTransformation:
 
     Example:
       >>> grads = {"w": torch.full((2, 3), 0.5)}
-      >>> tx = af.scale_by_schedule(af.linear_schedule(1.0, 0.0, transition_steps=2))
+      >>> tx = af.optim.scale_by_schedule(af.optim.linear_schedule(1.0, 0.0, transition_steps=2))
       >>> state = tx.init(grads)
       >>> updates, state = tx.update(grads, state)
       >>> updates["w"][0, 0].item(), state.count.item()
@@ -118,17 +128,17 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         already negated).
 
     Returns:
-      A ``GradientTransformation``: stateless (:class:`~ampfunc.EmptyState`) for a float, with
+      A ``GradientTransformation``: stateless (:class:`~ampfunc.transform.EmptyState`) for a float, with
       a ``ScaleByScheduleState`` (the count) for a schedule; ``update`` does not need ``params``.
 
     Example:
       >>> grads = {"w": torch.full((2, 3), 0.5)}
-      >>> tx = af.scale_by_learning_rate(0.5)
+      >>> tx = af.optim.scale_by_learning_rate(0.5)
       >>> state = tx.init(grads)
       >>> updates, state = tx.update(grads, state)
       >>> updates["w"][0, 0].item()
       -0.25
-      >>> opt = af.chain(af.scale_by_adam(), af.scale_by_learning_rate(af.constant_schedule(1e-3)))
+      >>> opt = af.chain(af.optim.scale_by_adam(), af.optim.scale_by_learning_rate(af.optim.constant_schedule(1e-3)))
 
     Cost: that of :func:`scale` (float) or :func:`scale_by_schedule` (schedule): one read and
     one new tensor per update, plus the schedule's few 0-d ops. No host sync.
@@ -158,7 +168,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         weight_decay), mask)``). ``None``: every leaf.
 
     Returns:
-      A stateless (:class:`~ampfunc.EmptyState`) ``GradientTransformation``; updates keep their
+      A stateless (:class:`~ampfunc.transform.EmptyState`) ``GradientTransformation``; updates keep their
       dtype (params are cast to it).
 
     Example:
@@ -169,8 +179,8 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
       >>> updates, state = tx.update(grads, state, params)
       >>> updates["w"][0, 0].item()  # 0.5 + 0.5 * 1
       1.0
-      >>> adamw = af.chain(af.scale_by_adam(), af.add_decayed_weights(1e-2),
-      ...                  af.scale_by_learning_rate(1e-3))
+      >>> adamw = af.chain(af.optim.scale_by_adam(), af.add_decayed_weights(1e-2),
+      ...                  af.optim.scale_by_learning_rate(1e-3))
 
     Cost: ``init`` allocates nothing; ``update`` reads each update and param once and writes a
     new tensor of the update's size (plus a cast copy of a param whose dtype differs); nothing

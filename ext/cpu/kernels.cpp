@@ -468,11 +468,6 @@ void sgd_update(const Tensors& params, const Tensors& grads,
 // ---- Adam / AdamW ----
 
 namespace {
-struct AdamScalars {
-  float grad_scale, wd, decay, w1, b2, c2, bc2_sqrt, eps, neg_step_size;
-  bool l2, decoupled, amsgrad, maximize, lerp_small;
-};
-
 // The source and destination pointers of one segment (equal in place).
 struct AdamPtrs {
   const float *p, *m1, *m2, *vmax;  // vmax null without amsgrad; p null for an update without params
@@ -483,11 +478,12 @@ struct AdamPtrs {
 // kCheck: also whether every gradient element read is finite (check()'s flag, of the raw
 // values), folded into the same pass; returns true when one is not. Without it, returns false.
 template <bool kCheck = false, typename G, typename M>
-bool adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const AdamScalars& c, const Streams& st) {
-  const fVec gs(c.grad_scale), wd(c.wd), decay(c.decay), b2(c.b2), c2(c.c2), bc2(c.bc2_sqrt), eps(c.eps),
+bool adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const ampfunc::AdamScalars& c, const Streams& st) {
+  const fVec gs(c.grad_scale), wd(c.weight_decay), decay(c.decay), b2(c.beta2), c2(c.one_minus_beta2),
+      bc2(c.bc2_sqrt), eps(c.eps),
       nss(c.neg_step_size);
   // torch's lerp: weight < 0.5 ? start + w * (end - start) : end + (w - 1) * (end - start), fused.
-  const fVec lw(c.lerp_small ? c.w1 : c.w1 - 1.f);
+  const fVec lw(c.lerp_small ? c.lerp_weight : c.lerp_weight - 1.f);
   const fVec zero(0.f);
   fVec nf(0.f);  // x * 0 is 0 for a finite x and NaN for an infinity or a NaN
   for (int64_t j = 0; j < n; j += kW) {
@@ -552,32 +548,15 @@ bool adam_segment(const AdamPtrs& x, const G* g, M* model, int64_t n, const Adam
 }
 }  // namespace
 
-static AdamScalars adam_scalars(const AdamHyper& h) {
-  AdamScalars c;
-  c.grad_scale = h.grad_scale;
-  c.wd = static_cast<float>(h.weight_decay);
-  c.decay = h.fp32_decay ? 1.f - static_cast<float>(h.lr) * static_cast<float>(h.weight_decay)
-                         : static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.w1 = static_cast<float>(1.0 - h.beta1);
-  c.lerp_small = std::abs(c.w1) < 0.5f;
-  c.b2 = static_cast<float>(h.beta2);
-  c.c2 = static_cast<float>(1.0 - h.beta2);
-  const double bc1 = 1.0 - std::pow(h.beta1, h.step);
-  const double bc2 = 1.0 - std::pow(h.beta2, h.step);
-  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
-  c.neg_step_size = static_cast<float>(-(h.lr / bc1));
-  c.eps = static_cast<float>(h.eps);
-  c.l2 = h.weight_decay != 0.0 && !h.decoupled_weight_decay;
-  c.decoupled = h.weight_decay != 0.0 && h.decoupled_weight_decay;
-  c.amsgrad = h.amsgrad;
-  c.maximize = h.maximize;
-  return c;
+static ampfunc::AdamScalars adam_scalars(const AdamHyper& h) {
+  return ampfunc::adam_scalars(h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.amsgrad,
+                               h.decoupled_weight_decay, h.maximize, h.fp32_decay);
 }
 
 template <bool kCheck>
 static void adam_step_impl(const AdamLists& in, const Tensors& grads, const AdamLists& out,
                            const Tensors& model_params, const AdamHyper& h, bool* nonfinite) {
-  const AdamScalars c = adam_scalars(h);
+  const ampfunc::AdamScalars c = adam_scalars(h);
   const Ranges r(in.params);
   const bool has_model = !model_params.empty();
   const bool big = r.total >= kStreamMin;
@@ -624,7 +603,7 @@ void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
 
 void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out,
                  const Tensors& updates, const AdamHyper& h) {
-  const AdamScalars c = adam_scalars(h);
+  const ampfunc::AdamScalars c = adam_scalars(h);
   const Ranges r(grads);
   const bool has_p = !in.params.empty();
   const bool big = r.total >= kStreamMin;

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "../optim_scalars.h"
+
 namespace ampfunc {
 
 // Vectors recycled per thread. A 10,000-leaf step builds a dozen lists of 10,000-40,000 entries
@@ -227,16 +229,8 @@ CheckResult check(const Tensors& tensors, uint8_t* per_leaf_nonfinite, bool scal
 // (in place). Returns whether every input element was finite.
 bool unscale(const Tensors& ins, const Tensors& outs, float inv_scale);
 
-struct SgdHyper {
-  float grad_scale;
-  float lr;
-  float weight_decay;
-  float momentum;
-  float one_minus_dampening;  // fp32(1 - dampening), the difference taken in double as torch does
-  bool nesterov;
-  bool maximize;
-  bool first_step;  // momentum buffer is initialised to the gradient (torch's `buf is None`)
-};
+// SGD's scalars (ext/optim_scalars.h: shared with the CUDA kernels).
+using SgdHyper = ampfunc::SgdScalars;
 
 // One pass: g = grad * grad_scale; torch.optim.SGD's update of params (fp32) and momentum
 // buffers (fp32, empty list when momentum == 0), read from `params` / `momentum_buffers` and

@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include "mta.cuh"
+#include "../optim_scalars.h"
 
 namespace ampfunc {
 namespace cuda {
@@ -103,34 +104,10 @@ static_assert(fits_kernel_params<AdamLayout<Dest::kOut>::kDepth, AdamArgs>(), "A
 static_assert(fits_kernel_params<AdamLayout<Dest::kDelta>::kDepth, AdamArgs>(), "Adam arguments too large");
 static_assert(fits_kernel_params<AdamLayout<Dest::kInPlace>::kDepth, AdamArgs>(), "Adam arguments too large");
 
-struct AdamScalars {
-  float grad_scale;
-  float decay;          // 1 - lr*wd (AdamW)
-  float weight_decay;   // wd (Adam, L2)
-  float lerp_weight;    // 1 - beta1
-  float beta2;
-  float one_minus_beta2;
-  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t), as torch's CUDA division by a scalar
-  float eps;
-  float neg_step_size;  // -lr / (1 - beta1^t)
-};
-
 __device__ AdamScalars adam_scalars(const AdamArgs& a) {
-  AdamScalars s;
   const double lr = a.lr_tensor ? static_cast<double>(*a.lr_tensor) : a.lr;
-  const double t = static_cast<double>(*a.step) + 1.0;
-  const double bc1 = 1.0 - pow(a.beta1, t);
-  const double bc2 = 1.0 - pow(a.beta2, t);
-  s.grad_scale = a.grad_scale ? *a.grad_scale : 1.0f;
-  s.decay = static_cast<float>(1.0 - lr * a.weight_decay);
-  s.weight_decay = static_cast<float>(a.weight_decay);
-  s.lerp_weight = static_cast<float>(1.0 - a.beta1);
-  s.beta2 = static_cast<float>(a.beta2);
-  s.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
-  s.inv_bc2_sqrt = 1.0f / static_cast<float>(sqrt(bc2));
-  s.eps = static_cast<float>(a.eps);
-  s.neg_step_size = static_cast<float>(-(lr / bc1));
-  return s;
+  return ampfunc::adam_scalars(a.grad_scale ? *a.grad_scale : 1.0f, lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+                               static_cast<double>(*a.step) + 1.0, a.amsgrad != 0, a.adamw != 0, a.maximize != 0);
 }
 
 // torch.lerp's formula (ATen/native/Lerp.h): exact at both ends of the weight range.
@@ -275,15 +252,6 @@ struct SgdArgs {
 
 static_assert(fits_kernel_params<SgdLayout<Dest::kOut>::kDepth, SgdArgs>(), "SGD arguments too large");
 
-struct SgdScalars {
-  float grad_scale;
-  float weight_decay;
-  float momentum;
-  float one_minus_dampening;
-  float neg_lr;
-  int first;  // the momentum buffers are filled with the gradient, not blended
-};
-
 template <bool kMomentum>
 __device__ __forceinline__ void sgd_element(float g, float& p, float& b, int maximize, int nesterov, bool has_wd,
                                             const SgdScalars& s) {
@@ -291,7 +259,7 @@ __device__ __forceinline__ void sgd_element(float g, float& p, float& b, int max
   if (maximize) g = -g;
   if (has_wd) g = __fmaf_rn(s.weight_decay, p, g);               // grad.add(param, alpha=wd)
   if (kMomentum) {
-    b = s.first ? g : __fmaf_rn(s.one_minus_dampening, g, __fmul_rn(b, s.momentum));
+    b = s.first_step ? g : __fmaf_rn(s.one_minus_dampening, g, __fmul_rn(b, s.momentum));
     g = nesterov ? __fmaf_rn(s.momentum, b, g) : b;              // grad.add(buf, alpha=mom)
   }
   p = __fmaf_rn(s.neg_lr, g, p);                                  // param.add_(grad, alpha=-lr)
@@ -313,15 +281,10 @@ sgd_kernel(const __grid_constant__ TensorListMeta<SgdLayout<kDest>::kDepth> meta
     return;
   }
   if (threadIdx.x == 0) {
-    SgdScalars s;
     const double lr = args.lr_tensor ? static_cast<double>(*args.lr_tensor) : args.lr;
-    s.grad_scale = args.grad_scale ? *args.grad_scale : 1.0f;
-    s.weight_decay = static_cast<float>(args.weight_decay);
-    s.momentum = static_cast<float>(args.momentum);
-    s.one_minus_dampening = static_cast<float>(1.0 - args.dampening);
-    s.neg_lr = static_cast<float>(-lr);
-    s.first = args.step != nullptr && *args.step == 0.0f;
-    shared_scalars = s;
+    shared_scalars = ampfunc::sgd_scalars(args.grad_scale ? *args.grad_scale : 1.0f, lr, args.weight_decay,
+                                          args.momentum, args.dampening, args.nesterov != 0, args.maximize != 0,
+                                          args.step != nullptr && *args.step == 0.0f);
   }
   __syncthreads();
   const SgdScalars s = shared_scalars;
@@ -345,7 +308,7 @@ sgd_kernel(const __grid_constant__ TensorListMeta<SgdLayout<kDest>::kDepth> meta
       float g[kVec], p[kVec] = {0.f, 0.f, 0.f, 0.f}, b[kVec] = {0.f, 0.f, 0.f, 0.f};
       load4(gp + o, g);
       if (!kDelta || pp) load4(pp + o, p);
-      if (kMomentum && !s.first) load4(bp + o, b);  // a first step never reads the buffer
+      if (kMomentum && !s.first_step) load4(bp + o, b);  // a first step never reads the buffer
       float p0[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -361,7 +324,7 @@ sgd_kernel(const __grid_constant__ TensorListMeta<SgdLayout<kDest>::kDepth> meta
   }
   for (int j = j0 + threadIdx.x; j < w.len; j += kBlock) {
     const float p0 = (!kDelta || pp) ? pp[j] : 0.f;
-    float p = p0, b = (kMomentum && !s.first) ? bp[j] : 0.f;
+    float p = p0, b = (kMomentum && !s.first_step) ? bp[j] : 0.f;
     sgd_element<kMomentum>(to_float(gp[j]), p, b, maximize, nesterov, has_wd, s);
     po[j] = kDelta ? __fsub_rn(p, p0) : p;
     if (kMomentum) bo[j] = b;

@@ -8,20 +8,13 @@ Importing this package registers the loss-scaler classes that the facades' check
 (``FP16_Optimizer.state_dict()["loss_scaler"]``, ``fp16_utils.LossScaler`` /
 ``DynamicLossScaler``) with ``torch.serialization.add_safe_globals``, so a fresh process loads
 such a checkpoint with ``torch.load`` (``weights_only=True``, torch's default) after
-``import ampfunc.compat.apex``. Cost: a few milliseconds of import (the ``fp16_utils`` modules).
+``import ampfunc.compat.apex``. Cost: a few tens of milliseconds of import.
 """
-
-import importlib
 
 # Registers the checkpoint classes as torch.load safe globals (each module does so on import).
 from ampfunc.compat.apex import _scaler as _scaler  # noqa: F401
+from ampfunc.compat.apex import amp, checkpoint, fp16_utils
 from ampfunc.compat.apex.fp16_utils import loss_scaler as _fp16_loss_scaler  # noqa: F401
 
 __all__ = ["amp", "fp16_utils", "checkpoint"]
 
-
-def __getattr__(name):
-    # Submodules load on first use (``ampfunc.compat.apex.amp`` works without an explicit import).
-    if name in __all__:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,7 @@ to fp32), turns the model's scaled low-precision gradients into unscaled fp32 ma
 in one pass per device (:func:`ampfunc.ops.unscale`, which also yields the finiteness flag), and
 copies the updated masters back into the model (one ``_foreach_copy_`` per call). For a fused
 step it checks the model grads without writing master grads (:meth:`MasterWeights.check_model_grads`)
-and lists what :func:`ampfunc.engine.torch_step_` updates in one pass (:meth:`MasterWeights.step_lists`
+and lists what :func:`ampfunc.compat._torch_step.torch_step_` updates in one pass (:meth:`MasterWeights.step_lists`
 from the model grads, ``FP16_Optimizer``; :meth:`MasterWeights.master_grad_step_lists` from the
 master grads, amp O2).
 """
@@ -127,7 +127,7 @@ class MasterWeights:
         return all_finite_flags(flags), inv_scales
 
     def step_lists(self, inv_scales: dict) -> list | None:
-        """Per param group, the segments :func:`ampfunc.engine.torch_step_` takes: the masters
+        """Per param group, the segments :func:`ampfunc.compat._torch_step.torch_step_` takes: the masters
         whose model param has a grad (the model grads, scaled by ``inv_scales``, and the model
         params to write) and the fp32 params with a grad (already unscaled). None when the
         optimizer's groups are not the ones ingested, or when a master holds a grad while its
@@ -155,7 +155,7 @@ class MasterWeights:
         return out
 
     def master_grad_step_lists(self) -> list | None:
-        """Per param group, the segments :func:`ampfunc.engine.torch_step_` takes to step on the
+        """Per param group, the segments :func:`ampfunc.compat._torch_step.torch_step_` takes to step on the
         master grads as they are now (amp O2: unscaled, maybe clipped): the masters with a grad
         (their grads, and their model params to write) and the fp32 params with a grad. None
         when the optimizer's groups are not the ones ingested or a grad is not fp32 (what

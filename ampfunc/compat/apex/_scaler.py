@@ -48,7 +48,7 @@ def check_unskipped(value, dynamic: bool, name: str) -> int:
 
 
 def checked_scale(value, name: str) -> float:
-    """``value`` as a float, refused unless it lies in :data:`ampfunc.SCALE_RANGE` once stored in
+    """``value`` as a float, refused unless it lies in :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in
     fp32 (NaN, inf, 0, negative, subnormal and fp32-overflowing values such as ``1e39`` are: the
     next step would write NaN/inf into the params). ``TypeError`` for a bool or a non-number."""
     if isinstance(value, bool):
@@ -78,9 +78,9 @@ class LossScaler:
 
     Args:
       loss_scale: ``"dynamic"`` or a positive number (a static scale) in
-        :data:`ampfunc.SCALE_RANGE` once stored in fp32.
+        :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32.
       init_scale: first dynamic scale (capped at ``max_loss_scale``), likewise in
-        :data:`ampfunc.SCALE_RANGE` (NaN, inf and ``1e39`` are refused, not capped).
+        :data:`ampfunc.loss_scale.SCALE_RANGE` (NaN, inf and ``1e39`` are refused, not capped).
       scale_factor: accepted for apex's signature; apex ignores it (factor 2 is fixed).
       scale_window: clean steps before the dynamic scale doubles.
       min_loss_scale: floor of the halving (``None`` or ``0``: no floor). As in apex it may lie
@@ -187,7 +187,7 @@ class LossScaler:
     def set_loss_scale(self, value: float, name: str = "LossScaler._loss_scale") -> None:
         """Sets the current scale (apex's ``_loss_scale = value``), dynamic or static.
 
-        ``value`` must lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32; anything else
+        ``value`` must lie in :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32; anything else
         (0, negative, NaN, inf, ``1e39``) raises ``ValueError`` naming ``name`` and changes nothing.
         """
         value = checked_scale(value, name)

@@ -84,7 +84,7 @@ def load(f, map_location=None, **kwargs):
       :class:`ampfunc.compat.apex.amp.LossScaler` (or :class:`ApexRecord` for older ones).
 
     Example:
-      >>> ckpt = load("apex_checkpoint.pt", map_location="cpu")
+      >>> ckpt = load("apex_checkpoint.pt", map_location="cpu")  # doctest: +SKIP
 
     Cost: as ``torch.load``. Unpickles arbitrary objects (``weights_only=False``): trusted files only.
     """
@@ -141,7 +141,7 @@ def save_for_apex(obj, f, **kwargs) -> None:
       **kwargs: passed to ``torch.save``.
 
     Example:
-      >>> save_for_apex({"optimizer": optimizer.state_dict()}, "for_apex.pt")
+      >>> save_for_apex({"optimizer": optimizer.state_dict()}, "for_apex.pt")  # doctest: +SKIP
 
     Cost: as ``torch.save``, with Python's (slower) pickler for the non-tensor objects. The file
     loads where apex is installed (``torch.load(..., weights_only=False)``), and with :func:`load`.

@@ -22,7 +22,7 @@ Opt levels, as apex defines them:
   ``model.state_dict()`` returns fp32 tensors (apex's hook). The master grads are written after
   each backward as apex writes them; ``step`` of a ``torch.optim.SGD``/``Adam``/``AdamW`` runs
   torch's update, its state and the copy into the model as one fused pass per param group
-  (:func:`ampfunc.engine.torch_step_`; other optimizers: their own ``step``).
+  (:func:`ampfunc.compat._torch_step.torch_step_`; other optimizers: their own ``step``).
 * ``O3``: model cast to fp16, no master weights, static loss scale 1.
 
 The numbers are ampfunc's: each loss has an apex-semantics :class:`LossScaler` holding an

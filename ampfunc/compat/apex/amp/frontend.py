@@ -68,7 +68,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     check_models(model_list)
     for i, opt in enumerate(opt_list):
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"amp.initialize: optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
+            raise TypeError(f"amp.initialize: optimizers[{i}] is a {type(opt).__name__}, "
+                            "expected a torch.optim.Optimizer")
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError(f"amp.initialize: optimizers[{i}] was already processed by amp.initialize")
         if any(opt is other for other in opt_list[:i]):  # apex: "should only be passed through once"
@@ -193,7 +194,7 @@ def load_state_dict(state_dict: dict) -> None:
     """Restores :func:`state_dict`; extra scalers are skipped with a message, unknown keys raise ``RuntimeError``.
 
     Every entry is checked before any is loaded: a ``loss_scale`` outside
-    :data:`ampfunc.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
+    :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32 (0, negative, NaN, inf) or an ``unskipped``
     that is not an int ``>= 0`` (``<= 2**31 - 1`` for a dynamic scaler, whose counter is int32)
     raises ``ValueError`` naming the entry, and no scaler changes.
 
@@ -205,7 +206,7 @@ def load_state_dict(state_dict: dict) -> None:
       None.
 
     Example:
-      >>> amp.load_state_dict(checkpoint["amp"])
+      >>> amp.load_state_dict(checkpoint["amp"])  # doctest: +SKIP
 
     Cost: host-side checks, then one 0-d tensor write per scaler.
     """

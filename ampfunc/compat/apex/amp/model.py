@@ -23,6 +23,9 @@ def _device_type(args, kwargs, model) -> str:
 
 
 def patch_forward(model: torch.nn.Module, props: Properties) -> None:
+    """Wraps ``model.forward`` as apex's opt levels do: floating inputs cast to the model's
+    type, the body under fp16 autocast when ``props.patch_torch_functions`` (O1), floating
+    outputs cast to ``props.cast_model_outputs`` (fp32 by default)."""
     original = model.forward
     input_dtype = props.cast_model_type if props.cast_model_type else None
     output_dtype = props.cast_model_outputs or torch.float32
@@ -43,6 +46,8 @@ def patch_forward(model: torch.nn.Module, props: Properties) -> None:
 
 
 def check_models(models, what="models") -> list[torch.nn.Module]:
+    """``models`` as a list, after apex's checks: each a bare ``nn.Module`` (not DDP- or
+    DataParallel-wrapped) with fp32 floating params; errors name ``what[i]`` and the param."""
     for i, m in enumerate(models):
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"amp.initialize: {what}[{i}] is a {type(m).__name__}, expected a torch.nn.Module")
@@ -63,11 +68,13 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
     # apex registers this on every module after casting the model: checkpoints hold fp32
     # weights, loadable into an fp32 model (and back into this one, which casts on load).
     for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        if (key.startswith(prefix) and isinstance(value, torch.Tensor)
+                and value.dtype in (torch.float16, torch.bfloat16)):
             state_dict[key] = value.to(torch.float32)
 
 
 def register_fp32_state_dict(model: torch.nn.Module) -> None:
-    """Makes ``model.state_dict()`` return fp32 tensors where the cast model holds fp16/bf16 ones (apex's O2/O3 hook)."""
+    """Makes ``model.state_dict()`` return fp32 tensors where the cast model holds fp16/bf16
+    ones (apex's O2/O3 hook)."""
     for module in model.modules():
         module._register_state_dict_hook(_fp32_state_dict_hook)

@@ -10,7 +10,7 @@ masters themselves are :class:`ampfunc.compat.apex._master.MasterWeights`, the h
 
 The O2 step: the master grads are written after every backward as apex writes them (unscaled,
 accumulated; ``amp.master_params`` clipping reads and changes them). When the optimizer is a
-``torch.optim.SGD``, ``Adam`` or ``AdamW`` the kernels follow (:func:`ampfunc.engine.torch_step_`),
+``torch.optim.SGD``, ``Adam`` or ``AdamW`` the kernels follow (:func:`ampfunc.compat._torch_step.torch_step_`),
 ``step`` runs one fused pass per param group, segment and device that reads the master grads
 and writes the masters, the optimizer's own state and the fp16 model params, instead of the
 optimizer's own ``step`` and the copy back; otherwise that step, as before.
@@ -22,7 +22,8 @@ import types
 
 import torch
 
-from ampfunc import engine, ops
+from ampfunc import ops
+from ampfunc.compat import _torch_step
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler, all_finite_flags
 from ampfunc.compat.apex.amp._state import maybe_print
@@ -135,10 +136,10 @@ def _models_are_masters(params, stash, inv) -> torch.Tensor | None:
 def _fused_master_step(masters: MasterWeights, optimizer, original_step) -> bool:
     """torch's step of the masters on their grads as they are, and the copy into the model, in
     one pass per group/segment/device; False (nothing written) when the engine cannot."""
-    if not engine.torch_step_supported(optimizer, instead_of=original_step):
+    if not _torch_step.torch_step_supported(optimizer, instead_of=original_step):
         return False
     lists = masters.master_grad_step_lists()
-    if lists is None or not engine.torch_step_(optimizer, lists, instead_of=original_step):
+    if lists is None or not _torch_step.torch_step_(optimizer, lists, instead_of=original_step):
         return False
     masters.masters_to_model(without_grad=True)  # as the copy back would: usually none
     return True

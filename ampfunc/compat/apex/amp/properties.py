@@ -57,13 +57,15 @@ def _properties(opt_level, overrides) -> Properties:
             value = _bool_setting(key, value)
         elif key == "cast_model_type":
             if value is not False and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ValueError(f"amp.initialize: cast_model_type must be a floating torch.dtype or False, got {value!r}")
+                raise ValueError("amp.initialize: cast_model_type must be a floating torch.dtype or False, "
+                                 f"got {value!r}")
         elif key == "loss_scale":
             if value != "dynamic":
                 try:
                     value = float(value)
                 except (TypeError, ValueError):
-                    raise ValueError(f"amp.initialize: loss_scale must be 'dynamic' or a number, got {value!r}") from None
+                    raise ValueError(f"amp.initialize: loss_scale must be 'dynamic' or a number, "
+                                     f"got {value!r}") from None
                 if not value > 0:
                     raise ValueError(f"amp.initialize: loss_scale must be > 0, got {value!r}")
         elif key == "cast_model_outputs":

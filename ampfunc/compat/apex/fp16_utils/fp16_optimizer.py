@@ -15,7 +15,7 @@ The fused step: when the wrapped optimizer is a ``torch.optim.SGD``, ``Adam`` or
 settings the kernels follow (:func:`ampfunc.fused.plan_for_torch_group`), ``backward`` checks
 the fp16 grads read-only (:meth:`MasterWeights.check_model_grads`: same overflow flag, same
 scale update; no pass at all with a static scale) and leaves the master grads unwritten, and
-``step`` hands the engine (:func:`ampfunc.engine.torch_step_`) one pass per param group and
+``step`` hands :func:`ampfunc.compat._torch_step.torch_step_` one pass per param group and
 device that reads the scaled fp16 grads and writes the masters, the optimizer's own state and
 the fp16 params. Asking for the master grads (``update_master_grads``, ``clip_master_grads``,
 ``inspect_master_grad_data``, a closure, another ``backward(..., update_master_grads=False)``)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfunc import engine
+from ampfunc.compat import _torch_step
 from ampfunc.compat.apex._master import LOW_PRECISION, MasterWeights
 from ampfunc.compat.apex._scaler import LossScaler as AmpLossScaler
 from ampfunc.compat.apex._scaler import checked_scale
@@ -63,12 +63,13 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     whose gradients overflowed. ``verbose`` prints the params
     found at construction. Unlike apex, CPU tensors work. Scales (``static_loss_scale``,
     ``dynamic_loss_args["init_scale"]``, and any value assigned to :attr:`loss_scale`) must
-    lie in :data:`ampfunc.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
+    lie in :data:`ampfunc.loss_scale.SCALE_RANGE` once stored in fp32: 0, negative, NaN, inf or ``1e39``
     raise ``ValueError`` naming the setting, before anything changes (apex accepts them and the
     next step writes NaN into model and masters).
 
     Example:
-      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+      >>> model = nn.Linear(4, 2).half()
+      >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
       >>> opt.loss_scale
       65536.0
 
@@ -158,7 +159,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             self._materialize_master_grads()
         self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
         if update_master_grads:
-            if engine.torch_step_supported(self.optimizer):
+            if _torch_step.torch_step_supported(self.optimizer):
                 self._check_grads()
             else:
                 self.update_master_grads()
@@ -211,7 +212,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         return [[None if p.grad is None else p.grad.data for p in g["params"]] for g in self.optimizer.param_groups]
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
-        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total norm, or -1 after an overflow."""
+        """Clips the fp32 master grads (``torch.nn.utils.clip_grad_norm_``); returns their total
+        norm, or -1 after an overflow."""
         if self.overflow:
             return -1
         self._materialize_master_grads()
@@ -258,7 +260,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             return None
         if closure is None and self._deferred is not None:
             lists = self.masters.step_lists(self._deferred)
-            if lists is not None and engine.torch_step_(self.optimizer, lists):
+            if lists is not None and _torch_step.torch_step_(self.optimizer, lists):
                 # One pass per group and device wrote the masters, the optimizer state and the
                 # model params. The model grads stay the unmaterialized master grads.
                 return None
@@ -351,7 +353,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
           None.
 
         Example:
-          >>> opt.load_state_dict(checkpoint["optimizer"])
+          >>> opt.load_state_dict(checkpoint["optimizer"])  # doctest: +SKIP
 
         Cost: one pass over the saved state's shapes (no tensor data read), then the load.
         """
@@ -430,7 +432,7 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.SCALE_RANGE once
+        # Refused (ValueError naming loss_scale, nothing changed) unless in ampfunc.loss_scale.SCALE_RANGE once
         # stored in fp32: a 0, negative, NaN or inf scale would write NaN into model and masters.
         self.loss_scaler.set_loss_scale(value, "FP16_Optimizer.loss_scale")
 

@@ -185,7 +185,12 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
       None.
 
     Example:
+      >>> model_params = [nn.Parameter(torch.ones(2, dtype=torch.float16))]
+      >>> model_params[0].grad = torch.full((2,), 0.5, dtype=torch.float16)
+      >>> master_params = [p.detach().float().requires_grad_() for p in model_params]
       >>> model_grads_to_master_grads(model_params, master_params)
+      >>> master_params[0].grad
+      tensor([0.5000, 0.5000])
 
     Cost: one copy of the grads (``_foreach_copy_``; flat: one concatenation and one copy); no
     host sync.

@@ -14,8 +14,8 @@ import math
 import torch
 
 from ampfunc import ops
-from ampfunc.loss_scale import DynamicLossScale, StaticLossScale
 from ampfunc.compat.apex._scaler import checked_scale
+from ampfunc.loss_scale import DynamicLossScale, StaticLossScale
 from ampfunc.mixed import scale_loss, update_scale
 
 __all__ = ["LossScaler", "DynamicLossScaler"]

@@ -1,0 +1,607 @@
+// Part of the torch glue of ampfunc, the one translation unit ext/bindings.cpp (which includes
+// each file of ext/glue/ once; one heavy torch translation unit keeps the build short).
+// The direct door: eager CPU calls without the dispatcher, and per-parameter bookkeeping in C.
+#pragma once
+
+#include "common.h"
+#include "validation.h"
+#include "cpu_pool.h"
+#include "cpu_ops.h"
+#include "spec.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The direct door: eager CPU calls without the dispatcher
+// ---------------------------------------------------------------------------------------------
+//
+// torch.ops.ampfunc.X(...) boxes every tensor of every list into an IValue, unboxes it into a
+// std::vector<Tensor> and runs the autograd and ADInplaceOrView fallbacks over each: about
+// 0.35 us per tensor per list, 1.7 ms per list of 10,000 leaves, several times the kernel's own
+// time on small leaves. The functions of the module below take the same arguments as the ops
+// (lists as Python lists) and run the same CPU implementations, with the same validation and the
+// same errors, borrowing the tensors from the Python objects (no reference counts touched).
+//
+// A call takes this door only when the dispatcher would have sent every tensor straight to the
+// CPU kernel: every tensor a plain dense CPU tensor (no subclass with __torch_dispatch__, no
+// functionalization, functorch or conjugate/negative views), no dispatch or function mode
+// active, no thread-local dispatch keys included, and no tensor requiring grad under grad mode.
+// Otherwise the function returns NotImplemented and ampfunc.ops calls the op. Written tensors
+// get their version counters bumped as the ADInplaceOrView fallback would, and the call is
+// recorded under the op's name for the profiler. The GIL is released during the kernel: each list
+// is first copied into a tuple, which keeps its tensors alive whatever other threads do.
+namespace direct {
+
+namespace py = pybind11;
+
+bool plain_cpu(const Tensor& t, bool grad_on = at::GradMode::is_enabled()) {
+  static const c10::DispatchKeySet blocked({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
+                                            c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  // Grad mode first: under no_grad (every step) a view's autograd meta, a separate cold object,
+  // is never read.
+  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(blocked) &&
+         !(grad_on && t.requires_grad());
+}
+
+// The positional arguments of one call, read in order; `ok` turns false at the first argument
+// the direct door cannot take.
+class Args {
+ public:
+  explicit Args(const py::args& a) : a_(a), items_(ampfunc::Recycled<PyObject*>::take()) {}
+  Args(const Args&) = delete;
+  Args& operator=(const Args&) = delete;
+  ~Args() {
+    std::vector<PyObject*> items = std::move(items_);  // a DECREF may run Python code that calls in again
+    for (PyObject* o : items) Py_DECREF(o);
+    ampfunc::Recycled<PyObject*>::give(items);
+  }
+
+  Tensors list() {
+    Tensors out;
+    PyObject* seq = next();
+    if (!ok) return out;
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+      ok = false;
+      return out;
+    }
+    // The items are held (one reference each, dropped in ~Args with the GIL) so that they stay
+    // valid while the GIL is released, whatever another thread does to the list. A C array of
+    // references rather than a tuple copy: no Python allocation, nothing for the cyclic GC.
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    items_.reserve(items_.size() + static_cast<size_t>(n));
+    // The Python objects, on this thread (they are the interpreter's): type, reference, tensor.
+    thread_local std::vector<const Tensor*> tensors;
+    tensors.clear();
+    tensors.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 8 < n) __builtin_prefetch(items[i + 8]);  // cold on a large tree: ask ahead
+      PyObject* o = items[i];
+      if (!THPVariable_Check(o)) {
+        ok = false;
+        return out;
+      }
+      Py_INCREF(o);
+      items_.push_back(o);
+      tensors.push_back(&THPVariable_Unpack(o));
+    }
+    // The tensors themselves (TensorImpls, storages): checked and described on every core
+    // when the list is long. Grad mode is this thread's, read here once.
+    const bool grad_on = at::GradMode::is_enabled();
+    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); })) {
+      ok = false;
+      return out;
+    }
+    any_tensor_ = any_tensor_ || n > 0;
+    return out;
+  }
+
+  const Tensor* tensor() {
+    PyObject* o = next();
+    if (!ok) return nullptr;
+    if (!THPVariable_Check(o) || !plain_cpu(THPVariable_Unpack(o))) {
+      ok = false;
+      return nullptr;
+    }
+    Py_INCREF(o);
+    items_.push_back(o);
+    any_tensor_ = true;
+    return &THPVariable_Unpack(o);
+  }
+
+  std::optional<Tensor> optional_tensor() {
+    PyObject* o = next();
+    if (!ok || o == Py_None) return std::nullopt;
+    if (!THPVariable_Check(o) || !plain_cpu(THPVariable_Unpack(o))) {
+      ok = false;
+      return std::nullopt;
+    }
+    return THPVariable_Unpack(o);
+  }
+
+  double real() {
+    PyObject* o = next();
+    if (!ok) return 0.0;
+    const double v = PyFloat_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return v;
+  }
+
+  int64_t integer() {
+    PyObject* o = next();
+    if (!ok) return 0;
+    if (!PyLong_Check(o)) {
+      ok = false;
+      return 0;
+    }
+    const long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return static_cast<int64_t>(v);
+  }
+
+  bool flag() {
+    PyObject* o = next();
+    if (!ok) return false;
+    if (!PyBool_Check(o)) {
+      ok = false;
+      return false;
+    }
+    return o == Py_True;
+  }
+
+  // Whether the call can take the direct door: every argument read, at least one tensor, and no
+  // mode or thread-local key that would have sent the op anywhere but the CPU kernel.
+  bool usable() const {
+    return ok && i_ == a_.size() && any_tensor_ && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+           !at::impl::torch_function_mode_enabled() &&
+           (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+  }
+
+  bool ok = true;
+
+ private:
+  PyObject* next() {
+    if (!ok || i_ >= a_.size()) {
+      ok = false;
+      return nullptr;
+    }
+    return a_[i_++].ptr();
+  }
+
+  const py::args& a_;
+  size_t i_ = 0;
+  bool any_tensor_ = false;
+  std::vector<PyObject*> items_;  // the tensors held for the call (one reference each)
+};
+
+void bump(const Tensors& ts) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    prefetch(ts, i);
+    const Tensor& t = ts[i];
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void bump(const Tensor& t) {
+  if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+py::object not_handled() { return py::reinterpret_borrow<py::object>(Py_NotImplemented); }
+
+// Runs fn() with the GIL released, the call recorded for the profiler under `op`, and returns
+// its result converted to Python (None for void).
+template <typename Fn>
+py::object run(const char* op, Fn&& fn) {
+  using R = decltype(fn());
+  if constexpr (std::is_void_v<R>) {
+    {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      PackOutputs pack(true);  // an eager call
+      fn();
+    }
+    return py::none();
+  } else {
+    std::optional<R> out;
+    {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(op, std::vector<c10::IValue>());
+      PackOutputs pack(true);  // an eager call
+      out.emplace(fn());
+    }
+    return py::cast(std::move(*out));
+  }
+}
+
+py::object check(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const bool per_leaf = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::check", [&] { return check_cpu(ts, per_leaf); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object check_norm(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  std::optional<Tensor> inv = x.optional_tensor();
+  const bool per_leaf = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::check_norm", [&] { return check_norm_cpu(ts, inv, per_leaf); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object unscale_(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const Tensor* inv = x.tensor();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::unscale_", [&] {
+    Tensor finite = unscale__cpu(ts, *inv);
+    bump(ts);
+    return finite;
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object unscale(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors ts = x.list();
+  const Tensor* inv = x.tensor();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::unscale", [&] { return unscale_cpu(ts, *inv); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// The three forms of an optimizer step through the door: in place (`*_step_`), out of place
+// (`*_step`) and out of place checking its own gradients (`*_step_checked`, no `finite` argument).
+enum class Form { kInPlace, kOutOfPlace, kChecked };
+
+// sgd_step_ / sgd_step: (params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr,
+// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize); sgd_step_checked: without finite.
+template <Form kForm>
+py::object sgd_step(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double wd = x.real(), mom = x.real(), damp = x.real();
+  const bool nesterov = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  if constexpr (kForm == Form::kInPlace) {
+    return run("ampfunc::sgd_step_", [&] {
+      sgd_step__cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize);
+      bump(p);
+      bump(b);
+      bump(mp);
+      bump(*step);
+    });
+  } else if constexpr (kForm == Form::kOutOfPlace) {
+    return run("ampfunc::sgd_step",
+               [&] { return sgd_step_cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize); });
+  } else {
+    return run("ampfunc::sgd_step_checked", [&] {
+      return sgd_step_checked_cpu(p, g, b, mp, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize);
+    });
+  }
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// adam_step_ / adam_step: (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+// grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
+// adam_step_checked: without finite.
+template <Form kForm>
+py::object adam_step(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
+  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  if constexpr (kForm == Form::kInPlace) {
+    return run("ampfunc::adam_step_", [&] {
+      adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                     maximize);
+      bump(p);
+      bump(m1);
+      bump(m2);
+      bump(vmax);
+      bump(mp);
+      bump(*step);
+    });
+  } else if constexpr (kForm == Form::kOutOfPlace) {
+    return run("ampfunc::adam_step", [&] {
+      return adam_step_cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                           maximize);
+    });
+  } else {
+    return run("ampfunc::adam_step_checked", [&] {
+      return adam_step_checked_cpu(p, g, m1, m2, vmax, mp, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                                   maximize);
+    });
+  }
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// (params, grads, momentum_buffers, step, grad_scale, lr, lr_tensor, weight_decay, momentum, dampening,
+// nesterov, maximize)
+py::object sgd_update(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), b = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double wd = x.real(), mom = x.real(), damp = x.real();
+  const bool nesterov = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::sgd_update",
+             [&] { return sgd_update_cpu(p, g, b, *step, *gs, lr, lr_t, wd, mom, damp, nesterov, maximize); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, grad_scale, lr, lr_tensor, beta1, beta2,
+// eps, weight_decay, amsgrad, decoupled_weight_decay, maximize)
+py::object adam_update(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const double lr = x.real();
+  std::optional<Tensor> lr_t = x.optional_tensor();
+  const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
+  const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::adam_update", [&] {
+    return adam_update_cpu(p, g, m1, m2, vmax, *step, *gs, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled, maximize);
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::object apply_updates(const py::args& a) {
+  HANDLE_TH_ERRORS
+  Args x(a);
+  Tensors p = x.list(), u = x.list();
+  if (!x.usable()) return not_handled();
+  return run("ampfunc::apply_updates", [&] { return apply_updates_cpu(p, u); });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// ampfunc.ops.kernel_ready's per-tensor loop: every element of every list of `fp32_lists` (and
+// of `float_lists`) an instance of exactly one of `plain_types`, on device `where` (-1: CPU,
+// else the CUDA index), float32 (float32/float16/bfloat16), and not requiring grad when
+// `grad_on`. Reads a few fields per tensor, in C rather than Python.
+bool kernel_ready(const py::tuple& plain_types, int64_t where, bool grad_on, const py::list& fp32_lists,
+                  const py::list& float_lists) {
+  auto type_ok = [&](PyObject* o) {
+    for (const auto& ty : plain_types) {
+      if (reinterpret_cast<PyObject*>(Py_TYPE(o)) == ty.ptr()) return true;
+    }
+    return false;
+  };
+  auto all_ok = [&](const py::list& lists, bool fp32_only) {
+    for (const auto& lst : lists) {
+      py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(lst.ptr(), "ampfunc: a list of tensors"));
+      if (!seq) throw py::error_already_set();
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!type_ok(items[i])) return false;
+        const Tensor& t = THPVariable_Unpack(items[i]);
+        const at::ScalarType dt = t.scalar_type();
+        if (fp32_only ? dt != at::kFloat : !kernel_dtype(dt)) return false;
+        const at::Device dev = t.device();
+        if (where < 0 ? !dev.is_cpu() : (!dev.is_cuda() || dev.index() != where)) return false;
+        if (grad_on && t.requires_grad()) return false;
+      }
+    }
+    return true;
+  };
+  return all_ok(fp32_lists, true) && all_ok(float_lists, false);
+}
+
+// [p.grad for p in params] and `for p in params: p.grad = None`, for ModuleTrainer: at C speed
+// (a Python attribute access on a Parameter costs ~0.2 us; 10,000 of them twice a step add up).
+py::list grads_of(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  py::list out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(params.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: grads_of takes a list of tensors");
+    const Tensor& g = THPVariable_Unpack(o).grad();
+    PyObject* w = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
+    if (!w) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), i, w);
+  }
+  return out;
+}
+
+void clear_grads(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(PyList_GET_ITEM(params.ptr(), i))) {
+      throw py::type_error("ampfunc: clear_grads takes a list of tensors");
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad().reset();
+}
+
+// For ModuleTrainer(flat=True). `bound_signature` records, per param, what its binding to the
+// flat buffers looks like (data pointer, element count, dtype, the TensorImpl of its .grad);
+// `check_bound`, every step, compares the params with it in one C loop that touches only the
+// params (their TensorImpls and autograd meta), not the views: `moved` lists the params whose
+// data is elsewhere (moved or converted behind the trainer's back), `unbound` those whose .grad
+// is no longer the view (set to None by zero_grad(), then made anew by backward, or assigned).
+namespace {
+constexpr int64_t kSigCols = 4;
+
+void signature_row(const Tensor& p, int64_t* row) {
+  row[0] = p.has_storage() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.const_data_ptr())) : 0;
+  row[1] = p.numel();
+  row[2] = static_cast<int64_t>(p.scalar_type());
+  const Tensor& g = p.grad();
+  row[3] = g.defined() ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.unsafeGetTensorImpl())) : 0;
+}
+
+const Tensor& param_at(const py::list& params, Py_ssize_t i, const char* fn) {
+  PyObject* o = PyList_GET_ITEM(params.ptr(), i);
+  if (!THPVariable_Check(o)) throw py::type_error(std::string("ampfunc: ") + fn + " takes a list of tensors");
+  return THPVariable_Unpack(o);
+}
+}  // namespace
+
+Tensor bound_signature(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  Tensor sig = at::empty({static_cast<int64_t>(n), kSigCols}, at::TensorOptions().dtype(at::kLong));
+  int64_t* rows = sig.data_ptr<int64_t>();
+  for (Py_ssize_t i = 0; i < n; ++i) signature_row(param_at(params, i, "bound_signature"), rows + i * kSigCols);
+  return sig;
+}
+
+py::tuple check_bound(const py::list& params, const Tensor& signature) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (signature.dim() != 2 || signature.size(0) != n || signature.size(1) != kSigCols ||
+      signature.scalar_type() != at::kLong || !signature.is_cpu() || !signature.is_contiguous()) {
+    throw py::value_error("ampfunc: check_bound takes the params and their bound_signature");
+  }
+  const int64_t* rows = signature.const_data_ptr<int64_t>();
+  py::list moved, unbound;
+  int64_t now[kSigCols];
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    signature_row(param_at(params, i, "check_bound"), now);
+    const int64_t* want = rows + i * kSigCols;
+    if (now[0] != want[0] || now[1] != want[1] || now[2] != want[2]) moved.append(i);
+    if (now[3] != want[3]) unbound.append(i);
+  }
+  return py::make_tuple(moved, unbound);
+}
+
+// A version-counter bump for every tensor of the list, as an in-place torch op makes
+// (torch.autograd.graph.increment_version at C speed): ModuleTrainer(flat=True) writes its
+// params through the flat buffer, whose views do not share the params' counters.
+void bump_versions(const py::list& tensors) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(PyList_GET_ITEM(tensors.ptr(), i))) throw py::type_error("ampfunc: bump_versions takes a list of tensors");
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) bump(THPVariable_Unpack(PyList_GET_ITEM(tensors.ptr(), i)));
+}
+
+// The first index whose requires_grad differs from expected[i] (a bytes object of 0/1), or -1.
+int64_t requires_grad_changed(const py::list& tensors, const py::bytes& expected) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  char* want = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(expected.ptr(), &want, &len) != 0 || len != n) {
+    PyErr_Clear();
+    throw py::value_error("ampfunc: requires_grad_changed takes a list and a bytes object of its length");
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: requires_grad_changed takes a list of tensors");
+    if (THPVariable_Unpack(o).requires_grad() != (want[i] != 0)) return i;
+  }
+  return -1;
+}
+
+// `params[i].grad = grads[i]` for every i, at C speed (ModuleTrainer(flat=True) putting its
+// gradient views back). Shapes, dtypes and devices must match, as Python's .grad setter demands.
+void set_grads(const py::list& params, const py::list& grads) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (PyList_GET_SIZE(grads.ptr()) != n) throw py::value_error("ampfunc: set_grads takes two lists of one length");
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *o = PyList_GET_ITEM(params.ptr(), i), *g = PyList_GET_ITEM(grads.ptr(), i);
+    if (!THPVariable_Check(o) || !THPVariable_Check(g)) throw py::type_error("ampfunc: set_grads takes lists of tensors");
+    const Tensor& p = THPVariable_Unpack(o);
+    const Tensor& gt = THPVariable_Unpack(g);
+    if (gt.sizes() != p.sizes() || gt.scalar_type() != p.scalar_type() || gt.device() != p.device()) {
+      throw py::value_error("ampfunc: set_grads: grads[" + std::to_string(i) + "] does not match its param's shape, " +
+                            "dtype and device");
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), i)).mutable_grad() =
+        THPVariable_Unpack(PyList_GET_ITEM(grads.ptr(), i));
+  }
+}
+
+// ampfunc.ops.overlapping_pair: the indices (i, j), i < j, of two tensors of the list that
+// share memory, or None; empty and meta tensors share nothing (find_overlap, the ops' own rule).
+// NotImplemented for a tensor subclass (ampfunc.ops then runs the Python twin of the rule).
+py::object overlapping_pair(const py::list& tensors) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  std::vector<Span> spans;
+  spans.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: overlapping_pair takes a list of tensors");
+    const Tensor& t = THPVariable_Unpack(o);
+    // a tensor subclass without memory of its own: the caller's Python twin decides
+    if (t.key_set().has(c10::DispatchKey::Python) || (!t.has_storage() && !t.is_meta())) return not_handled();
+    if (t.numel() > 0 && !t.is_meta()) add_span(spans, t, 0, "", static_cast<int64_t>(i));
+  }
+  auto [a, b] = find_overlap(spans);
+  if (a == nullptr) return py::none();
+  return py::make_tuple(std::min(a->idx, b->idx), std::max(a->idx, b->idx));
+}
+
+// The optimizers' spec table (spec.h), for the test that compares it with ampfunc/ops/_spec.py:
+// {name: {"state": [(list, when or None)], "hypers": [(name, kind)]}}.
+py::dict spec() {
+  py::dict out;
+  for (const OptimizerSpec* s : optimizer_specs()) {
+    py::list state, hypers;
+    for (const StateSpec& st : s->state) {
+      state.append(py::make_tuple(st.name, st.when ? py::object(py::str(st.when)) : py::object(py::none())));
+    }
+    for (const HyperSpec& h : s->hypers) hypers.append(py::make_tuple(h.name, h.kind));
+    py::dict d;
+    d["state"] = state;
+    d["hypers"] = hypers;
+    out[s->name] = d;
+  }
+  return out;
+}
+
+py::object pool_stats() {
+  auto [cached, limit, hits, misses] = OutputPool::get().stats();
+  py::dict d;
+  d["cached_bytes"] = cached;
+  d["limit_bytes"] = limit;
+  d["hits"] = hits;
+  d["misses"] = misses;
+  return d;
+}
+
+py::object empty_cache() {
+  size_t freed;
+  {
+    py::gil_scoped_release no_gil;
+    freed = OutputPool::get().empty_cache();
+  }
+  return py::int_(freed);
+}
+
+}  // namespace direct
+
+}  // namespace
