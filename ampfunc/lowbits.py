@@ -15,8 +15,8 @@ can tell apart. So ``hi == x.to(torch.bfloat16)`` for every finite ``x`` except 
 ties whose truncation is even, where ``hi`` is the neighbour away from zero (one bf16 ulp).
 Non-finite values: ``±inf`` split exactly (``lo == 0``); a finite ``x`` that rounds past
 bf16's largest number has ``hi == ±inf`` (as its cast has) and still joins back exactly; a
-NaN splits to bf16 NaN (``0x7FC0``) and ``lo == 0``, and joins to fp32 NaN (``0x7FC00000``):
-its sign and payload are not kept.
+NaN splits to a bf16 NaN and ``lo == 0``, and joins to an fp32 NaN: its sign and payload are
+not kept.
 
 **q8 moments** (:func:`quantize_q8`, :func:`dequantize_q8`). A tensor of ``n`` elements
 (``n`` a multiple of :data:`Q8_BLOCK` = 256) is stored as ``n`` uint8 codes and one fp32
@@ -89,12 +89,14 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x.dtype != torch.float32:
         raise TypeError(f"split_bf16: x must be float32, got {x.dtype}")
-    bits = x.contiguous().view(torch.int32)
+    bits = x.view(torch.int32) if x.is_contiguous() else x.contiguous().view(torch.int32)
     bits = torch.where(torch.isnan(x), torch.full_like(bits, _NAN_F32), bits)
     lo = bits.to(torch.int16)  # the low half, as a signed number (two's complement wrap)
-    # bits - lo is a multiple of 2**16 and, NaN patterns excluded, in int32's range.
-    hi = torch.bitwise_right_shift(bits - lo.to(torch.int32), 16).to(torch.int16)
-    return hi.view(torch.bfloat16), lo
+    # bits - lo is a multiple of 2**16 (NaN patterns excluded, in int32's range): an fp32 number
+    # whose low half is zero, which the cast to bf16 keeps exactly. (Integer and fp32 views
+    # only: torch.compile's inductor cannot reindex a bf16 <-> int16 view.)
+    hi = (bits - lo.to(torch.int32)).view(torch.float32).to(torch.bfloat16)
+    return hi, lo
 
 
 def join_bf16(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -118,11 +120,14 @@ def join_bf16(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"join_bf16: expected bfloat16 hi and int16 lo, got {hi.dtype} and {lo.dtype}")
     if hi.shape != lo.shape:
         raise ValueError(f"join_bf16: hi has shape {tuple(hi.shape)} and lo {tuple(lo.shape)}")
-    lo32 = lo.to(torch.int32)
-    # (hi - borrow) << 16 | low half: the sum written without a signed overflow in int32.
-    top = hi.contiguous().view(torch.int16).to(torch.int32) - (lo32 < 0).to(torch.int32)
-    bits = torch.bitwise_or(torch.bitwise_left_shift(top, 16), torch.bitwise_and(lo32, 0xFFFF))
-    return bits.view(torch.float32)
+    # bf16 -> fp32 is exact (the bits shifted up 16), then the signed remainder is added to the
+    # pattern. A canonical pair (from split_bf16) never overflows int32 here.
+    top = hi.float().view(torch.int32)
+    out = (top + lo.to(torch.int32)).view(torch.float32)
+    # Inside a compiled graph, a buffer of its own: inductor cannot apply a view (the kernels'
+    # flattening) to a dtype view of a computed tensor.
+    # (Not .clone(): inductor drops a clone as a no-op; a stack is a real copy.)
+    return torch.stack([out])[0] if torch.compiler.is_compiling() else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,7 +135,6 @@ def join_bf16(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _map_values(signed: bool) -> tuple:
     # The dynamic map of bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7,
     # total_bits=8): for decade i = 0..6 (scale 10**(i-6)), the midpoints of 2**i + 1 (signed)
@@ -166,15 +170,19 @@ def dynamic_map(signed: bool, device=None) -> torch.Tensor:
       >>> m[0].item(), m[-1].item(), m.numel()
       (0.0, 1.0, 256)
 
-    Cost: built once per sign (cached), then one small copy per call.
+    Cost: built once at import, then one small copy per call.
     """
-    return torch.tensor(_map_values(bool(signed)), dtype=torch.float32, device=device)
+    return torch.tensor(_MAPS[bool(signed)], dtype=torch.float32, device=device)
 
 
-@functools.cache
 def _midpoint_values(signed: bool) -> tuple:
-    m = torch.tensor(_map_values(signed), dtype=torch.float32)
+    m = torch.tensor(_MAPS[signed], dtype=torch.float32)
     return tuple(((m[:-1] + m[1:]) * 0.5).tolist())
+
+
+# Built once at import, as Python numbers: a torch.compile trace reads them as constants.
+_MAPS = {signed: _map_values(signed) for signed in (True, False)}
+_MIDPOINTS = {signed: _midpoint_values(signed) for signed in (True, False)}
 
 
 def map_midpoints(signed: bool, device=None) -> torch.Tensor:
@@ -185,7 +193,7 @@ def map_midpoints(signed: bool, device=None) -> torch.Tensor:
       >>> map_midpoints(True).numel()
       255
     """
-    return torch.tensor(_midpoint_values(bool(signed)), dtype=torch.float32, device=device)
+    return torch.tensor(_MIDPOINTS[bool(signed)], dtype=torch.float32, device=device)
 
 
 _LOOKUP_PAD = 16

@@ -47,17 +47,24 @@ from ampfunc.tree import (
 __all__ = [
     "MASTERS",
     "MOMENTS",
+    "MOMENT_FIELDS",
     "Q8Moment",
     "SplitMaster",
     "check_master",
     "check_moment",
     "check_moments",
     "check_split_master",
+    "commit_split_",
     "decode_moment",
+    "decode_state",
     "encode_moment",
+    "encode_state",
+    "encode_state_",
+    "has_low_moments",
     "init_moment",
     "init_split_master",
     "join_master",
+    "lowmem_step",
     "split_master",
     "storage_bytes",
 ]
@@ -379,3 +386,147 @@ def storage_bytes(*trees: PyTree) -> int:
                 s = leaf.untyped_storage()
                 seen[(leaf.device, s.data_ptr())] = max(seen.get((leaf.device, s.data_ptr()), 0), s.nbytes())
     return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# An optimizer state's moments as fp32, and back (the engine's view for the fused plan)
+# ----------------------------------------------------------------------------------------------
+
+# The moment fields of the optimizer states and whether each holds values of both signs.
+MOMENT_FIELDS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False, "momentum_buffer": True}
+
+
+def _moment_tree(slot: Any) -> PyTree:
+    return slot.codes if isinstance(slot, Q8Moment) else slot
+
+
+def _is_low(slot: Any) -> bool:
+    if isinstance(slot, Q8Moment):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tree_flatten(slot)[0])
+
+
+def has_low_moments(opt: Any) -> bool:
+    """Whether an optimizer state (a NamedTuple) keeps a moment in bf16 or q8."""
+    return any(_is_low(getattr(opt, f)) for f in MOMENT_FIELDS if f in getattr(opt, "_fields", ())
+               and getattr(opt, f) is not None)
+
+
+def decode_state(opt: Any) -> Any:
+    """``opt`` with every bf16/q8 moment replaced by its fp32 tree (new tensors for the
+    converted leaves, the stored ones for leaves kept at full precision). Cost: one pass per
+    converted leaf; no host sync."""
+    new = {}
+    for f, signed in MOMENT_FIELDS.items():
+        slot = getattr(opt, f, None) if f in getattr(opt, "_fields", ()) else None
+        if slot is not None and _is_low(slot):
+            spec = tree_structure(_moment_tree(slot))
+            new[f] = tree_unflatten(spec, decode_moment(slot, signed))
+    return opt._replace(**new) if new else opt
+
+
+def _select(finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.where(finite.to(old.device), new, old)
+
+
+def encode_state(new32: Any, like: Any, finite: torch.Tensor) -> Any:
+    """The pure inverse of :func:`decode_state`: ``new32``'s fp32 moments stored in ``like``'s
+    layouts (new tensors), and where ``finite`` is false ``like``'s own values (re-encoding a
+    decoded q8 block is not always the identity: a skipped step must change no bit). Cost: one
+    encode pass and one select per converted leaf; no host sync."""
+    new = {}
+    for f, signed in MOMENT_FIELDS.items():
+        slot = getattr(like, f, None) if f in getattr(like, "_fields", ()) else None
+        if slot is None or not _is_low(slot):
+            continue
+        enc = encode_moment(tree_flatten(getattr(new32, f))[0], slot, signed)
+        old_leaves, spec = tree_flatten(slot)
+        kept = [_select(finite, n, o) for n, o in zip(tree_flatten(enc)[0], old_leaves)]
+        new[f] = tree_unflatten(spec, kept)
+    return new32._replace(**new) if new else new32
+
+
+def encode_state_(new32: Any, stored: Any, finite: torch.Tensor) -> None:
+    """In-place :func:`encode_state`: ``stored``'s bf16/q8 moment tensors are overwritten with
+    ``new32``'s values stored in their layouts, where ``finite`` (kept otherwise). Cost: one
+    encode pass, one select and one copy per converted leaf; no host sync."""
+    chosen = encode_state(new32, stored, finite)
+    with torch.no_grad():
+        for f in MOMENT_FIELDS:
+            slot = getattr(stored, f, None) if f in getattr(stored, "_fields", ()) else None
+            if slot is None or not _is_low(slot):
+                continue
+            for dst, src in zip(tree_flatten(slot)[0], tree_flatten(getattr(chosen, f))[0]):
+                if dst is not src:
+                    dst.copy_(src)
+
+
+def commit_split_(params: PyTree, split: SplitMaster, masters: PyTree) -> None:
+    """Writes fp32 ``masters`` back as bf16 params (high halves) and ``split``'s remainders, in
+    place, for the bf16 leaves (the others are their own masters: ``masters`` holds them).
+    Joining and splitting again gives back the same bits, so a skipped step (masters as joined)
+    changes nothing. Cost: one pass per bf16 leaf; no host sync."""
+    with torch.no_grad():
+        for p, r, m in zip(tree_flatten(params)[0], tree_flatten(split.remainder)[0], tree_flatten(masters)[0]):
+            if p.dtype == torch.bfloat16:
+                hi, lo = split_bf16(m)
+                p.copy_(hi)
+                r.copy_(lo)
+            elif m is not p:
+                p.copy_(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step of the low-memory settings, around an engine that runs the fp32 numbers
+# ----------------------------------------------------------------------------------------------
+
+
+def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, *, inplace: bool,
+                where: str, trust_grads: bool = False, moments: str = "fp32") -> tuple:
+    """One step of ``master="split"`` and/or bf16/q8 moments, as the fp32 step of ``core``.
+
+    The state is checked first (a state from another setting or model is refused, naming the
+    leaf, before anything is written). Then the fp32 numbers are rebuilt -- the masters of the
+    bf16 params joined from their low halves, the fused optimizer's moments decoded (``plan``
+    given and ``moments`` not ``"fp32"``) -- ``core`` (an :class:`ampfunc.engine.Engine` over
+    the fp32 layout: no master copy with ``split``, fp32 moments) takes its step on them, fused
+    or generic, and the results are stored back: masters split, moments re-encoded (a skipped
+    step keeps the stored moments as they were). So the fp32 master is the one the
+    ``master="fp32"`` step computes, bit for bit, and the moments are the reference's:
+    decode, fp32 update, encode.
+
+    Returns ``(params, state)`` as the engine's ``step``/``step_`` do. Cost: the fp32 step plus
+    a join and a split pass per bf16 leaf and a decode and an encode pass per converted moment
+    (with transient fp32 copies of them); no host sync.
+    """
+    if split:
+        check_split_master(params, state.master, where)
+    opt = plan.opt_state(state.inner) if plan is not None and moments != "fp32" else None
+    if plan is not None and moments != "fp32":
+        if opt is None:
+            raise ValueError(f"{where}: the state's optimizer state is not the one this transform's init makes "
+                             "(a state from another setting?) -- call init again")
+        ref = join_master(params, state.master) if split else (state.master if state.master is not None else params)
+        for f in MOMENT_FIELDS:
+            if f in opt._fields and getattr(opt, f) is not None:
+                check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
+    params32 = join_master(params, state.master) if split else params
+    inner32 = plan.replace_opt_state(state.inner, decode_state(opt), lambda x: x) if opt is not None else state.inner
+    state32 = state._replace(master=None if split else state.master, inner=inner32)
+    if inplace:
+        _, new32 = core.step_(params32, grads, state32, where=where, trust_grads=trust_grads)
+        if split:
+            commit_split_(params, state.master, params32)
+        if opt is not None:
+            encode_state_(plan.opt_state(new32.inner), opt, new32.finite)
+        if new32.finite is state.finite and new32.skipped is state.skipped:
+            return params, state
+        return params, state._replace(finite=new32.finite, skipped=new32.skipped)
+    new_params32, new32 = core.step(params32, grads, state32, where=where, trust_grads=trust_grads)
+    inner = new32.inner
+    if opt is not None:
+        inner = plan.replace_opt_state(inner, encode_state(plan.opt_state(inner), opt, new32.finite), lambda x: x)
+    if split:
+        new_params, new_split = split_master(new_params32, params)
+        return new_params, new32._replace(master=new_split, inner=inner)
+    return new_params32, new32._replace(inner=inner)
