@@ -298,3 +298,24 @@ def test_module_trainer_split():
     masters = af.master_params(dict(model.named_parameters()), trainer.state)
     assert masters["0.weight"].dtype == torch.float32
     assert bool((masters["0.weight"].to(torch.bfloat16) == model[0].weight.detach()).float().mean() > 0.99)
+
+
+def test_the_advisor_recommends_the_low_memory_setting_where_memory_is_the_constraint():
+    gib = 2 ** 30
+    tight = af.recommend_policy("cuda", capability=(8, 0), n_params=7 * 10 ** 9, device_memory=80 * gib)
+    assert (tight.master, tight.moments, str(tight.policy)) == ("split", "q8", "p=bf16,c=bf16,o=f32")
+    assert "Memory is the constraint" in tight.reason and "91.3 GiB" in tight.reason
+    roomy = af.recommend_policy("cuda", capability=(8, 0), n_params=10 ** 9, device_memory=80 * gib)
+    assert (roomy.master, roomy.moments) == ("fp32", "fp32") and "Memory" not in roomy.reason
+    hopeless = af.recommend_policy("cuda", capability=(8, 0), n_params=20 * 10 ** 9, device_memory=80 * gib)
+    assert hopeless.master == "fp32"  # even 6.1 bytes per parameter would not fit: no false promise
+    fp32_cpu = af.recommend_policy("cpu", cpu_flags=[], n_params=10 ** 9, device_memory=8 * gib)
+    assert fp32_cpu.master == "fp32"  # no bf16 on this CPU: the split master does not apply
+
+
+def test_the_main_jobs_have_the_low_memory_rows():
+    from ampfunc.examples.common import CONFIGS, parse_configs
+
+    assert parse_configs("bf16-split,bf16_lowmem") == ["bf16-split", "bf16-lowmem"]
+    assert (CONFIGS["bf16-split"].master, CONFIGS["bf16-split"].moments) == ("split", "fp32")
+    assert (CONFIGS["bf16-lowmem"].master, CONFIGS["bf16-lowmem"].moments) == ("split", "q8")

@@ -21,6 +21,7 @@ import torch
 
 import ampfunc as af
 import ampfunc.fp8  # noqa: F401  (af.fp8)
+from ampfunc.lowmem import storage_bytes
 from ampfunc.monitor import TrainingMonitor
 
 __all__ = ["ExampleConfig", "CONFIGS", "parse_configs", "add_run_args", "configs_from_args", "LiveLog", "plot_runs",
@@ -42,6 +43,8 @@ class ExampleConfig(NamedTuple):
     setup: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     about: str = ""
     fp8: Optional[Callable[..., Any]] = None  # (model, group=None) -> af.fp8.Fp8Policy; None: no fp8
+    master: str = "fp32"  # mixed_precision(master=): "split" keeps the fp32 master as bf16 + int16
+    moments: str = "fp32"  # adamw(moments=): "bf16" or "q8" keep the moments in 2 or 1 bytes
 
 
 def _plain_linears(model: torch.nn.Module) -> torch.nn.Module:
@@ -66,6 +69,11 @@ CONFIGS = {
                                   about="fp16 params and compute, fp32 master, dynamic loss scaling"),
     "fp16 unscaled": ExampleConfig("p=f16,c=f16,o=f32", af.NoOpLossScale,
                                    about="fp16 params and compute, fp32 master, no scaling"),
+    "bf16-split": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, master="split",
+                                about="bf16 params and compute, the fp32 master split (bf16 param + int16 low half: "
+                                      "exact, 2 bytes), fp32 moments"),
+    "bf16-lowmem": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, master="split", moments="q8",
+                                 about="bf16-split with 8-bit block-wise Adam moments (about 6 bytes per param)"),
     "fp8": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, setup=_plain_linears, fp8=_fp8_policy,
                          about="bf16 with every Linear but the head as FP8 matmuls (e4m3/e5m2, delayed "
                                "scaling); on CPU for correctness, not speed"),
@@ -119,9 +127,9 @@ def count_zeros(grads) -> torch.Tensor:
 
 
 def state_bytes(*trees) -> int:
-    """Bytes held by the tensors of ``trees`` (params, master copy, optimizer moments)."""
-    return sum(t.numel() * t.element_size() for tree in trees for t in af.tree.tree_leaves(tree)
-               if isinstance(t, torch.Tensor))
+    """Bytes held by the tensors of ``trees`` (params, master copy, optimizer moments), counted
+    from their storages (a packed buffer once)."""
+    return storage_bytes(*trees)
 
 
 class LiveLog:

@@ -152,8 +152,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)  # LayerNorm params stay fp32
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)),
-                            loss_scale=cfg.loss_scale())
+    tx = af.mixed_precision(af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01, moments=cfg.moments)),
+                            loss_scale=cfg.loss_scale(), master=cfg.master)
     state = tx.init(params)
     fp8 = cfg.fp8(model) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value
@@ -206,6 +206,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
         "flushed %": 100.0 * int(zeros) / (n_grad * steps),
         "flushed late %": 100.0 * int(late_zeros) / (n_grad * (steps - late_from)),
         "state MiB": state_bytes(params, state) / 2**20,
+        "state B/param": state_bytes(params, state) / sum(t.numel() for t in params.values()),
         "peak MiB": peak,
         "time s": elapsed,
         "status": summary["status"],
@@ -217,7 +218,7 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
 COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f}"), ("tokens/s", "tokens/s", "{:.0f}"),
            ("skipped", "skipped", "{}"), ("final scale", "final scale", "{:g}"),
            ("grad elems flushed to 0 %", "flushed %", "{:.2f}"),
-           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
+           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"), ("B/param", "state B/param", "{:.2f}"),
            ("peak MiB", "peak MiB", "{}"), ("time s", "time s", "{:.1f}")]
 
 EXPLAIN = """\
