@@ -218,7 +218,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
 COLUMNS = [("config", "config", "{}"), ("held-out loss", "held-out loss", "{:.4f}"), ("tokens/s", "tokens/s", "{:.0f}"),
            ("skipped", "skipped", "{}"), ("final scale", "final scale", "{:g}"),
            ("grad elems flushed to 0 %", "flushed %", "{:.2f}"),
-           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"), ("B/param", "state B/param", "{:.2f}"),
+           ("... in the last 10% of steps", "flushed late %", "{:.2f}"), ("state MiB", "state MiB", "{:.1f}"),
+           ("B/param", "state B/param", "{:.2f}"),
            ("peak MiB", "peak MiB", "{}"), ("time s", "time s", "{:.1f}")]
 
 EXPLAIN = """\
