@@ -41,7 +41,6 @@ import torch.distributed as torch_dist
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
-from ampfunc.dist import _dtensor_loaded, _dtensor_types
 from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths, path_to_str
 
 __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
@@ -376,11 +375,11 @@ def _moment_flags(state: Any, group=None) -> tuple[list[str], torch.Tensor | Non
     moments = _second_moments(state)
     if not moments:
         return [], None
-    DTensor = _dtensor_types()[0] if _dtensor_loaded() else ()
     meshes = {}
     locals_ = []
     for _, t in moments:
-        if isinstance(t, DTensor):
+        # a DTensor, known by what it has (ampfunc.dist sits a layer above this module)
+        if getattr(t, "device_mesh", None) is not None and callable(getattr(t, "to_local", None)):
             meshes.setdefault(id(t.device_mesh), t.device_mesh)
             t = t.to_local()
         locals_.append(t.detach())
