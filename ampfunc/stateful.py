@@ -22,7 +22,6 @@ import collections
 import contextlib
 import ctypes
 import operator
-import os
 import sys
 import warnings
 from itertools import repeat
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ampfunc import ops
+from ampfunc._build import env_flag
 from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap, skip_stats
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
@@ -93,7 +93,7 @@ def _keep_freed_grad_memory(nbytes: int) -> None:
     Setting it freezes glibc's dynamic mmap threshold, so that one is set to the ceiling the
     dynamic one would reach (32 MB). Process-wide (glibc has one policy), only ever raised;
     ``AMPFUNC_KEEP_HEAP=0`` leaves glibc alone. Not on other C libraries or platforms."""
-    if nbytes <= 0 or os.environ.get("AMPFUNC_KEEP_HEAP", "1") == "0" or not sys.platform.startswith("linux"):
+    if nbytes <= 0 or not sys.platform.startswith("linux") or not env_flag("AMPFUNC_KEEP_HEAP", default=True):
         return
     want = 2 * nbytes
     if want <= _heap_kept[0]:

@@ -144,25 +144,8 @@ def _shared_in(group: list) -> tuple[int, int] | None:
     return _pair(group[int(owners[order[j]])], group[int(owners[order[j + 1]])])
 
 def _overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
-    """The indices ``(i, j)``, ``i < j``, of two tensors of ``tensors`` that share memory, or None.
-
-    Exact for strided tensors: the columns of one matrix, or its even and odd elements, share
-    no element and are not reported (as torch allows them), while two views of one column are.
-    Empty tensors and tensors on the meta device (no memory) share nothing; a tensor
-    overlapping itself is not looked for here.
-
-    Args:
-      tensors: strided tensors, any devices (only addresses are compared, never values).
-
-    Returns:
-      The first pair found (by address), or None when every element lies in memory of its own.
-
-    Cost: a sort of the tensors' byte spans; where spans intersect and a tensor among them is
-    not contiguous, one sort of those tensors' element addresses (host memory, about 100 bytes
-    per element) when they hold at most 2**22 elements, else a test from their strides and
-    offsets (tensors of one shape and strides, e.g. the columns of one matrix; others of that
-    size whose spans interleave are reported as sharing). No host sync.
-    """
+    """The Python twin of :func:`ampfunc.ops.overlapping_pair` (same rule, same answer), for the
+    reference backend and for tensor subclasses without storage."""
     spans = sorted(((*_extent(t), i, t) for i, t in enumerate(tensors) if t.numel() > 0 and not t.is_meta),
                    key=lambda s: (s[0], s[2]))
     group, hi = [], 0
