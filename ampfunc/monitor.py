@@ -366,8 +366,28 @@ def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
         names = [path_to_str((entry,)) for entry in acc]
         at = next((k for k, name in enumerate(names) if name in _SECOND_MOMENTS), None)
         if at is not None:
-            out.append((path_to_str(acc[at + 1:]), leaf))
+            below = acc[at + 1:]
+            out.append((path_to_str(below) if len(below) else _param_above(state, acc, at), leaf))
     return out
+
+
+def _param_above(state: Any, acc, at: int) -> str:
+    """The param a bare moment leaf belongs to, named by the path above its field.
+
+    In a ``torch.optim`` state dict (``{"state": {id: {"exp_avg_sq": t}}, "param_groups": [...]}``)
+    the id is looked up in the groups and the param named as the rest of the library names a
+    torch optimizer's params, ``param_groups[g]['params'][i]``; elsewhere the path above the
+    field (``"state.3"``)."""
+    if at >= 2 and path_to_str(acc[at - 2:at - 1]) == "state":
+        holder = acc[:at - 2](state)
+        key = acc[at - 1].entry
+        groups = holder.get("param_groups") if isinstance(holder, dict) else None
+        if isinstance(groups, (list, tuple)):
+            for g, group in enumerate(groups):
+                ids = group.get("params", []) if isinstance(group, dict) else []
+                if key in ids:
+                    return f"param_groups[{g}]['params'][{list(ids).index(key)}]"
+    return path_to_str(acc[:at])
 
 
 def _moment_flags(state: Any, group=None) -> tuple[list[str], torch.Tensor | None]:
@@ -421,7 +441,8 @@ def moment_overflows(state: Any, *, group=None) -> list[str]:
     state of any step (plain ``adam``/``adamw``, ``mixed_precision`` ``update``/``step``/
     ``step_``, ``make_train_step``'s ``TrainState``, ``ModuleTrainer.state``, ``from_torch``)
     is checked when you log; nothing is written or read per step. Param paths are the paths
-    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``).
+    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``); a
+    ``torch.optim`` state dict's params are named ``param_groups[g]['params'][i]``.
 
     Args:
       state: an optimizer state, or any pytree holding one.

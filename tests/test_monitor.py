@@ -573,3 +573,16 @@ def test_healthy_states_and_states_without_second_moments_report_nothing():
     # a state alone, before any step is recorded, still tells
     h = TrainingMonitor().check_health(_pure(af.adamw(1e-3)))
     assert h["status"] == "unhealthy" and h["moment_overflows"] == ["enc.w"]
+
+
+def test_a_torch_optimizer_state_dict_names_the_param_by_group_and_index():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-2}])
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.state[model[1].bias]["exp_avg_sq"].fill_(float("inf"))
+    named = ["param_groups[1]['params'][1]"]
+    assert af.monitor.moment_overflows(opt.state_dict()) == named
+    assert af.monitor.moment_overflows({"optimizer": opt.state_dict(), "epoch": 3}) == named  # inside a checkpoint
+    assert af.monitor.moment_overflows(opt.state_dict()["state"]) == ["3"]  # the entries alone: the param's id
+    assert "param_groups[1]['params'][1]" in health(run([T]), state=opt.state_dict())[0]
