@@ -190,7 +190,8 @@ register_state_classes(Fp8Meta, Fp8LinearState, DelayedScaling, CurrentScaling)
 
 
 def _check_history(state: Fp8LinearState | Fp8Meta, recipe: Recipe, where: str) -> None:
-    """Refuses a state whose amax histories are not ``recipe.history_len`` long, naming ``where``.
+    """Refuses a state whose amax histories are not ``recipe.history_len`` long, or whose scales
+    are not 0-d (one per tensor: a shaped scale would broadcast into the operand), naming ``where``.
 
     Transformer Engine resizes a module's histories when the recipe's length changes
     (``adjust_amax_history_length``: the newest entries kept, zeros appended). Here the state is
@@ -199,6 +200,10 @@ def _check_history(state: Fp8LinearState | Fp8Meta, recipe: Recipe, where: str) 
     does TE's resize explicitly."""
     metas = [(None, state)] if isinstance(state, Fp8Meta) else list(zip(("input", "weight", "grad_output"), state))
     for operand, meta in metas:
+        if meta.scale.dim() != 0:
+            which = "" if operand is None else f".{operand}"
+            raise ValueError(f"{where}{which}.scale has shape {tuple(meta.scale.shape)}, expected a 0-d tensor "
+                             "(one scale per tensor, as Fp8Policy.init makes it)")
         h = meta.amax_history
         if h.dim() != 1 or h.shape[0] != recipe.history_len:
             which = "" if operand is None else f".{operand}"
@@ -209,11 +214,17 @@ def _check_history(state: Fp8LinearState | Fp8Meta, recipe: Recipe, where: str) 
                 "Engine's adjust_amax_history_length), or run the recipe it was saved with")
 
 
+# The operand dtypes an FP8 layer takes (the compute dtypes it quantises from and returns in).
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, where: str) -> None:
-    """Refuses a non-floating input or weight, naming ``where``: quantising an integer tensor would
-    return a product in that integer dtype, its values truncated (plain F.linear refuses it too)."""
+    """Refuses an input or weight outside float32/bfloat16/float16, naming ``where``: quantising an
+    integer tensor would return a product in that integer dtype, its values truncated (plain
+    F.linear refuses it too), and a float64 one would be computed from 8-bit operands and
+    returned as float64, a precision it no longer has."""
     for role, t in (("input", x), ("weight", weight)):
-        if not t.is_floating_point() or t.dtype in _FP8_MAX:
+        if t.dtype not in _HIGH_PRECISION:
             raise TypeError(f"{where}: the {role} must be a floating tensor (float32, bfloat16 or float16), got "
                             f"{t.dtype}: cast it first (policy.cast_to_compute), as a plain nn.Linear needs too")
 
@@ -754,7 +765,8 @@ class Fp8Policy:
         sync.
 
         Args:
-          state: ``{layer path: Fp8LinearState}``, e.g. loaded from a checkpoint.
+          state: ``{layer path: Fp8LinearState}``, e.g. loaded from a checkpoint, holding
+            exactly the policy's layers (extra or missing ones raise ``ValueError`` naming them).
 
         Returns:
           The same layers' states with histories of ``recipe.history_len``.
@@ -767,6 +779,14 @@ class Fp8Policy:
           [2, 2, 2]
         """
         n = self.recipe.history_len
+        if not isinstance(state, dict) or set(state) != set(self.layers):
+            if not isinstance(state, dict):
+                raise TypeError(f"Fp8Policy.resize_history: state must be a dict of Fp8LinearState per layer "
+                                f"{list(self.layers)}, got {type(state).__name__}")
+            extra, missing = sorted(set(state) - set(self.layers)), [k for k in self.layers if k not in state]
+            raise ValueError(f"Fp8Policy.resize_history: state must hold one Fp8LinearState per layer "
+                             f"{list(self.layers)}; layers not in the policy: {extra}, missing: {missing} (a state "
+                             "of another model or another fp8_policy)")
 
         def resize(h: torch.Tensor) -> torch.Tensor:
             if h.dim() != 1:
@@ -837,6 +857,13 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
     """An :class:`Fp8Policy` for ``model``: every ``nn.Linear`` (or those ``include`` names),
     minus those ``exclude`` names.
 
+    A layer is taken when it is an ``nn.Linear`` whose forward is ``nn.Linear``'s (subclasses
+    included, as torchao selects by ``isinstance``). Two kinds stay in high precision, with one
+    warning naming them: a subclass that overrides ``forward`` (FP8 replaces the ``F.linear`` call
+    of ``nn.Linear``'s forward; another forward may not make it), and a
+    ``MultiheadAttention``'s ``out_proj``, whose weight the attention passes to
+    ``F.multi_head_attention_forward`` directly. Excluding them silences the warning.
+
     A name selects the module at that path and every module below it (``"head"``,
     ``"blocks.0.attn"``). Names that match no module raise ``ValueError``. A model with no
     ``nn.Linear`` left (none, or all excluded) gives a policy of no layers, with a warning: it
@@ -869,9 +896,27 @@ def fp8_policy(model: torch.nn.Module, *, exclude: Iterable[str] | str = (), inc
     def under(path, names):
         return any(path == n or path.startswith(n + ".") or n == "" for n in names)
 
-    layers = tuple(path for path, m in modules.items()
-                   if type(m) is torch.nn.Linear and (include is None or under(path, include))
-                   and not under(path, exclude))
+    # A MultiheadAttention hands its out_proj's weight to F.multi_head_attention_forward (a torch
+    # function of its own, inside which F.linear is not seen by a TorchFunctionMode): it never runs
+    # through the FP8 linear, whatever its type.
+    mha_out_proj = {id(m.out_proj) for m in modules.values() if isinstance(m, torch.nn.MultiheadAttention)}
+    layers, skipped = [], []
+    for path, m in modules.items():
+        if not isinstance(m, torch.nn.Linear) or (include is not None and not under(path, include)) \
+                or under(path, exclude):
+            continue
+        if id(m) in mha_out_proj:
+            skipped.append(f"{path!r} (a MultiheadAttention's out_proj: MultiheadAttention passes its weight to "
+                           "F.multi_head_attention_forward, not to F.linear)")
+        elif type(m).forward is not torch.nn.Linear.forward:
+            skipped.append(f"{path!r} ({type(m).__name__} overrides nn.Linear.forward: FP8 runs the F.linear "
+                           "call of nn.Linear's own forward)")
+        else:  # nn.Linear, or a subclass that runs nn.Linear's forward
+            layers.append(path)
+    layers = tuple(layers)
+    if skipped:
+        warnings.warn(f"fp8_policy: these nn.Linear layers stay in high precision: {'; '.join(skipped)}. Exclude "
+                      "them (exclude=...) to say so", UserWarning, stacklevel=2)
     if not layers:
         # As Transformer Engine's and torchao's FP8 paths do, a model with nothing to convert runs
         # unchanged (in its compute dtype); said once, since FP8 was asked for and none will run.

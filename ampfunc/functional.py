@@ -149,6 +149,12 @@ def _unscale_and_check_batched(grads: PyTree, ls: LossScale) -> tuple[PyTree, to
     return tree_unflatten(spec, outs), finite
 
 
+def _check_has_aux(has_aux: Any, where: str) -> None:
+    # a truthy string would unpack the loss as (loss, aux); "False" reads as True
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{where}: has_aux must be a bool (True or False), got {type(has_aux).__name__} {has_aux!r}")
+
+
 def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
                    group=None) -> Callable[..., ValueAndGrad]:
     """Differentiates ``loss_fn`` under a loss scale: ``vg(loss_scale, *args, **kwargs) -> ValueAndGrad``.
@@ -196,6 +202,7 @@ def value_and_grad(loss_fn: Callable, argnums: int | tuple[int, ...] = 0, has_au
     """
     if not callable(loss_fn):
         raise TypeError(f"value_and_grad: loss_fn must be callable, got {type(loss_fn).__name__}")
+    _check_has_aux(has_aux, "value_and_grad")
     if isinstance(argnums, bool) or (isinstance(argnums, tuple) and any(isinstance(a, bool) for a in argnums)):
         # a bool is an int to torch.func (True is argument 1): the usual slip is
         # value_and_grad(loss_fn, True) meant as has_aux, which would differentiate the wrong argument
@@ -486,6 +493,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_train_step: model must be a torch.nn.Module, got {type(model).__name__}")
     check_optimizer_transform(tx, "make_train_step")
+    _check_has_aux(has_aux, "make_train_step")
     fsdp = fully_sharded_module(model)
     if fsdp is not None:
         which = "the model" if fsdp == "" else f"submodule {fsdp!r}"

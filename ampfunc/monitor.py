@@ -212,27 +212,30 @@ def _from_words(words: torch.Tensor, like) -> list:
 
 
 def _as_written(x: float) -> Fraction | float:
-    """A threshold as the user wrote it, exactly: the rational of its shortest decimal form.
-
-    ``0.3`` is 3/10, not the binary double just below it, so 3 skips in 10 steps is *at* a 30%
-    threshold (the float ``1 - 7/10`` is ``0.30000000000000004``, above it). An infinite
-    threshold stays a float (it compares exactly)."""
+    """A threshold as the user wrote it, for the alerts' text: the rational of its shortest
+    decimal form (``0.055`` is 55/1000, shown as ``5.5%``). An infinite threshold stays a float."""
     x = float(x)
     return Fraction(repr(x)) if math.isfinite(x) else x
 
 
-def _exact(x: float) -> Fraction | float:
-    """A measured value (a count, a loss, a scale read back) as the exact rational it holds."""
-    return Fraction(x) if math.isfinite(x) else x
+def _ratio_above(numerator, denominator, threshold: float) -> bool:
+    """Whether ``numerator / denominator`` is above ``threshold``: the one rule of every alert.
 
-
-def _rate_above(count: int, total: int, threshold: float) -> bool:
-    """Whether ``count`` of ``total`` is above ``threshold``, a fraction.
-
-    The ratio is rounded once (``count / total``) and rounding is monotonic, so a ratio at most
-    the threshold never compares above it: 3 of 10 is at ``0.3`` and 1 of 3 at ``1 / 3``, both
-    written as the user would. (``1 - 7 / 10`` rounds twice, to ``0.30000000000000004``.)"""
-    return count / total > float(threshold)
+    The ratio is computed exactly (the measured values are the exact rationals they hold, a
+    mean of losses included) and rounded once to a float, then compared with ``>`` to the
+    threshold (a float). Rounding is monotonic and the threshold is the float of whatever the
+    user meant, so a ratio exactly at that value never alerts: 3 skips of 10 at ``0.3``, 1 of
+    3 at ``1 / 3``, a loss of 63 over a median of 45 at ``1.4``, a scale halved at ``2.0``.
+    (Float arithmetic rounds twice: ``1 - 7 / 10`` is ``0.30000000000000004``, ``1.4 * 45``
+    is ``62.99999999999999``.)"""
+    if all(isinstance(x, (int, Fraction)) or math.isfinite(x) for x in (numerator, denominator)):
+        try:
+            ratio = float(Fraction(numerator) / Fraction(denominator))
+        except OverflowError:  # a ratio past the largest float
+            ratio = math.inf
+    else:
+        ratio = numerator / denominator
+    return ratio > float(threshold)
 
 
 def _percent(x: float) -> str:
@@ -330,7 +333,7 @@ def health(stats: StepStats, *, max_skip_rate: float = 0.05, max_consecutive_ski
             "without scaling; the run is diverging or needs more range (bf16, or fp32 for the "
             "overflowing layers; see nonfinite_paths)"
         )
-    if _rate_above(s["skipped"], s["steps"], max_skip_rate):
+    if _ratio_above(s["skipped"], s["steps"], max_skip_rate):
         warnings.append(
             f"{s['skip_rate']:.1%} of steps skipped ({s['skipped']} of {s['steps']}), above "
             f"{_percent(max_skip_rate)}: the effective number of updates is lower than the step count"
@@ -363,8 +366,28 @@ def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
         names = [path_to_str((entry,)) for entry in acc]
         at = next((k for k, name in enumerate(names) if name in _SECOND_MOMENTS), None)
         if at is not None:
-            out.append((path_to_str(acc[at + 1:]), leaf))
+            below = acc[at + 1:]
+            out.append((path_to_str(below) if len(below) else _param_above(state, acc, at), leaf))
     return out
+
+
+def _param_above(state: Any, acc, at: int) -> str:
+    """The param a bare moment leaf belongs to, named by the path above its field.
+
+    In a ``torch.optim`` state dict (``{"state": {id: {"exp_avg_sq": t}}, "param_groups": [...]}``)
+    the id is looked up in the groups and the param named as the rest of the library names a
+    torch optimizer's params, ``param_groups[g]['params'][i]``; elsewhere the path above the
+    field (``"state.3"``)."""
+    if at >= 2 and path_to_str(acc[at - 2:at - 1]) == "state":
+        holder = acc[:at - 2](state)
+        key = acc[at - 1].entry
+        groups = holder.get("param_groups") if isinstance(holder, dict) else None
+        if isinstance(groups, (list, tuple)):
+            for g, group in enumerate(groups):
+                ids = group.get("params", []) if isinstance(group, dict) else []
+                if key in ids:
+                    return f"param_groups[{g}]['params'][{list(ids).index(key)}]"
+    return path_to_str(acc[:at])
 
 
 def _moment_flags(state: Any, group=None) -> tuple[list[str], torch.Tensor | None]:
@@ -418,7 +441,8 @@ def moment_overflows(state: Any, *, group=None) -> list[str]:
     state of any step (plain ``adam``/``adamw``, ``mixed_precision`` ``update``/``step``/
     ``step_``, ``make_train_step``'s ``TrainState``, ``ModuleTrainer.state``, ``from_torch``)
     is checked when you log; nothing is written or read per step. Param paths are the paths
-    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``).
+    under the moment's field (a flat trainer names its buffers, ``"float32@cpu"``); a
+    ``torch.optim`` state dict's params are named ``param_groups[g]['params'][i]``.
 
     Args:
       state: an optimizer state, or any pytree holding one.
@@ -489,7 +513,8 @@ class MonitorConfig(NamedTuple):
       max_skip_rate: the skip alert's threshold, a fraction of the window's steps in [0, 1].
       min_steps: the steps the window must hold before the skip alert is checked (a full
         window when it is smaller).
-      scale_drop_factor: the scale alert's threshold: the drop from the recent highest scale (> 1).
+      scale_drop_factor: the scale alert's threshold: the recent highest scale over the scale now
+        (> 1; a drop of exactly this factor does not alert, like every threshold here).
       scale_drop_steps: the steps over which that drop is measured.
 
     Example:
@@ -828,14 +853,21 @@ class TrainingMonitor:
         {path: count}}``. The alerts:
 
         * loss exploding: a non-finite (inf or NaN) recorded loss in the window, or the mean of the last few losses
-          above ``explode_factor`` times the median of the earlier ones;
-        * skip rate high: more than ``max_skip_rate`` of the window's steps skipped (once it
-          holds ``min_steps``);
-        * scale falling: the scale now is ``scale_drop_factor`` (10x) below its highest value of
-          the last ``scale_drop_steps`` steps;
+          over the median of the earlier ones above ``explode_factor``;
+        * skip rate high: the window's skipped steps over its steps above ``max_skip_rate``
+          (once it holds ``min_steps``);
+        * scale falling: the highest scale of the last ``scale_drop_steps`` steps over the scale
+          now above ``scale_drop_factor`` (10x);
         * moment overflow (with ``state``, the step's optimizer/mixed-precision/train state): a
           param's optimizer second moment is inf, so it no longer moves (:func:`moment_overflows`;
           ``checks["moment_overflow"]``, ``"moment_overflows": [paths]``).
+
+        Every threshold is compared by one rule: the measured ratio, computed exactly from the
+        values read back and rounded once to a float, alerts when it is strictly above the
+        threshold. A ratio exactly at the threshold never alerts, whatever the rounding of the
+        threshold as written: 3 skips of 10 at ``max_skip_rate=0.3``, 1 of 3 at ``1 / 3``, one
+        halving (1024 to 512) at ``scale_drop_factor=2``, a loss of 63 over a median of 45 at
+        ``explode_factor=1.4``.
 
         With a sharded ``state`` (each rank holding its shard), pass ``group``, the process
         group of the shards: the moment flags are combined across it (one all-reduce MAX of
@@ -855,8 +887,8 @@ class TrainingMonitor:
             return {"status": "unhealthy" if moments else "no_data", "alerts": alerts,
                     "checks": {"moment_overflow": True} if moments else {}, "moment_overflows": moments}
         losses = [x for x, given in zip(h["loss"], h["loss_given"]) if given]
-        # Every threshold is compared exactly (counts and the values read back as rationals, the
-        # thresholds as written): a value exactly at a threshold never trips it by a rounding.
+        # Every alert is one rule (_ratio_above): the measured ratio, exact and rounded once, above
+        # its threshold; a value exactly at a threshold never trips it by a rounding.
         window_steps = len(h["finite"])
         window_skipped = window_steps - sum(h["finite"])
         window_skip_rate = window_skipped / window_steps
@@ -871,19 +903,19 @@ class TrainingMonitor:
             k = max(1, min(5, len(losses) // 4))
             recent, earlier = sum(losses[-k:]) / k, sorted(losses[:-k])
             median = earlier[len(earlier) // 2]
-            exact_recent = sum(_exact(x) for x in losses[-k:]) / k
-            if median > 0 and exact_recent > _as_written(c.explode_factor) * _exact(median):
+            exact_recent = sum(Fraction(x) for x in losses[-k:]) / k
+            if median > 0 and _ratio_above(exact_recent, median, c.explode_factor):
                 checks["loss_exploding"] = True
                 alerts.append(f"loss exploding: the last {k} steps average {recent:.4g}, {recent / median:.1f}x "
                               f"the window's median {median:.4g} (learning rate too high or gradients exploding)")
         # a window smaller than min_steps never holds that many steps: a full window is enough
         if window_steps >= min(c.min_steps, c.window) \
-                and _rate_above(window_skipped, window_steps, c.max_skip_rate):
+                and _ratio_above(window_skipped, window_steps, c.max_skip_rate):
             checks["skip_rate_high"] = True
             alerts.append(f"{window_skip_rate:.1%} of the last {window_steps} steps skipped (above "
                           f"{_percent(c.max_skip_rate)}): gradients overflow often; see overflowing_leaves")
         scales = [s for s in h["scale_hist"][-c.scale_drop_steps:] if not math.isnan(s)]
-        if scales and scales[-1] > 0 and _exact(max(scales)) >= _as_written(c.scale_drop_factor) * _exact(scales[-1]):
+        if scales and scales[-1] > 0 and _ratio_above(max(scales), scales[-1], c.scale_drop_factor):
             checks["scale_falling"] = True
             alerts.append(f"loss scale fell {max(scales) / scales[-1]:.3g}x within {len(scales)} steps "
                           f"(to {scales[-1]:g}): inf/NaN gradients step after step")

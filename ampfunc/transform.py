@@ -511,9 +511,12 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     Low-precision (fp16/bf16) params are updated in fp32 and rounded once. Plain
     fp32/fp16/bf16 tensors of matching shapes on one device go through one fused pass over the
     whole list (:func:`ampfunc.ops.apply_updates`, the same arithmetic); anything else (other
-    dtypes, broadcasting, tensors that need autograd, torch.func transforms) leaf by leaf. An
-    update may broadcast onto its param but never change its shape; a mismatch raises, naming
-    the leaf. Non-tensor param leaves are returned as they are.
+    dtypes, a 0-d update, tensors that need autograd, torch.func transforms) leaf by leaf. An
+    update has its param's shape, or is 0-d (one number for the whole leaf); any other shape
+    (a ``(1,)`` update for a ``(3,)`` param included, which torch would broadcast) raises
+    ``ValueError`` naming the leaf and both shapes, as the optimizers do. Sparse COO, CSR and
+    CSC updates are added (the result is dense); BSR and BSC, which torch cannot add to a dense
+    tensor, raise ``TypeError`` naming the leaf. Non-tensor param leaves are returned as they are.
 
     Args:
       params: a pytree of tensors.
@@ -559,7 +562,27 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
             return tree_unflatten(p_spec, ops.apply_updates(p_leaves, u_leaves))
         except (ValueError, TypeError):
             pass  # shapes the kernel does not broadcast: the leaf-by-leaf path
-    return tree_unflatten(p_spec, [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])
+    if compiling:
+        return tree_unflatten(p_spec, [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])
+    try:
+        new = [_apply_leaf(p, u) for p, u in zip(p_leaves, u_leaves)]
+    except RuntimeError:
+        _check_addable_layouts(params, u_leaves)  # torch's error names no leaf: find it
+        raise
+    return tree_unflatten(p_spec, new)
+
+
+# Sparse layouts torch cannot add to a dense tensor (an INTERNAL ASSERT inside torch); COO, CSR and
+# CSC add correctly. Looked for on the error path only: no per-leaf cost when the adds run.
+_UNADDABLE_LAYOUTS = frozenset({torch.sparse_bsr, torch.sparse_bsc})
+
+
+def _check_addable_layouts(params: PyTree, u_leaves: list) -> None:
+    for i, u in enumerate(u_leaves):
+        if isinstance(u, torch.Tensor) and u.layout in _UNADDABLE_LAYOUTS:
+            path = leaves_with_paths(params)[i][0]
+            raise TypeError(f"apply_updates: updates leaf {path!r} has layout {u.layout}, which torch cannot add "
+                            "to a dense param (COO, CSR and CSC can); densify it with .to_dense()")
 
 
 def _check_update_shapes(params: PyTree, p_leaves: list, u_leaves: list) -> None:
@@ -576,18 +599,14 @@ def _check_update_shapes(params: PyTree, p_leaves: list, u_leaves: list) -> None
     except AttributeError:  # a param leaf that is not a tensor: the look below skips it
         pass
     for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
-        if isinstance(p, torch.Tensor) and not (isinstance(u, torch.Tensor) and u.shape == p.shape):
-            # An update may broadcast onto its param (e.g. a 0-d one) but never change its shape.
+        if isinstance(p, torch.Tensor) and not (isinstance(u, torch.Tensor) and (u.shape == p.shape or u.dim() == 0)):
+            # A 0-d update (one number for the leaf) is the one broadcast taken: a (1,) update
+            # for a (3,) param is a mismatched tree, refused as the optimizers refuse it.
             path = leaves_with_paths(params)[i][0]
             if not isinstance(u, torch.Tensor):
                 raise TypeError(f"apply_updates: updates leaf {path!r} is a {type(u).__name__}, expected a tensor")
-            try:
-                fits = torch.broadcast_shapes(p.shape, u.shape) == p.shape
-            except RuntimeError:
-                fits = False
-            if not fits:
-                raise ValueError(f"apply_updates: leaf {path!r} has shape {tuple(p.shape)} in params and "
-                                 f"{tuple(u.shape)} in updates, which does not broadcast to it")
+            raise ValueError(f"apply_updates: leaf {path!r} has shape {tuple(p.shape)} in params and "
+                             f"{tuple(u.shape)} in updates; an update must have its param's shape (or be 0-d)")
 
 
 _shape_of = operator.attrgetter("shape")

@@ -7,6 +7,7 @@ import io
 import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -197,7 +198,92 @@ def test_a_state_of_another_history_length_is_refused_by_name_and_resized_as_te_
     _, new8 = grad(lambda p, s: short_pol.apply(model, p, s, x).sum(), argnums=(0, 1))(params, resized)
     assert all(m.amax_history.shape == (2,) for st in new8.values() for m in st)
     with pytest.raises(TypeError, match=r"resize_history: state\['0'\] must be an Fp8LinearState"):
-        short_pol.resize_history({"0": (1, 2)})
+        short_pol.resize_history({**saved, "0": (1, 2)})
+
+
+def test_a_float64_input_or_weight_is_refused_naming_the_layer():
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",), backend="emulate")
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"layer '0': the input must be a floating tensor \(float32, bfloat16 or "
+                                        r"float16\), got torch.float64"):
+        pol.apply(model, af.params_of(model), pol.init(), x)
+    with pytest.raises(TypeError, match="layer '0': the input .*got torch.float64"), pol.autocast(model, pol.init()):
+        model(x)
+    with pytest.raises(TypeError, match="fp8_linear: the weight .*got torch.float64"):
+        f8.fp8_linear(torch.randn(4, 32), model[0].weight.double(), None, pol.init()["0"])
+
+
+def test_a_state_whose_scale_is_not_0d_is_refused_by_name():
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",), backend="emulate")
+    state = pol.init()
+    state["3"] = state["3"]._replace(weight=state["3"].weight._replace(scale=torch.ones(3)))
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"state\['3'\]\.weight\.scale has shape \(3,\), expected a 0-d tensor"):
+        pol.apply(model, af.params_of(model), state, x)
+    with pytest.raises(ValueError, match=r"fp8_linear: state\.weight\.scale has shape \(3,\)"):
+        f8.fp8_linear(torch.randn(4, 64), model[3].weight, None, state["3"])
+    with pytest.raises(ValueError, match=r"advance_meta: meta\.scale has shape \(1,\)"):
+        f8.advance_meta(f8.Fp8Meta(torch.zeros(16), torch.ones(1)), torch.tensor(1.0), 448.0, pol.recipe)
+
+
+def test_resize_history_refuses_a_state_of_other_layers_by_name():
+    model = mlp()
+    pol = f8.fp8_policy(model, exclude=("5",), recipe=f8.DelayedScaling(history_len=2), backend="emulate")
+    saved = f8.fp8_policy(model, backend="emulate").init()  # layers '0', '3' and '5'
+    with pytest.raises(ValueError, match=r"resize_history: .*per layer \['0', '3'\]; layers not in the policy: "
+                                         r"\['5'\], missing: \[\]"):
+        pol.resize_history(saved)
+    with pytest.raises(ValueError, match=r"layers not in the policy: \[\], missing: \['3'\]"):
+        pol.resize_history({"0": saved["0"]})
+    with pytest.raises(TypeError, match="resize_history: state must be a dict"):
+        pol.resize_history([saved["0"]])
+
+
+class _PlainSubclass(nn.Linear):
+    """An nn.Linear subclass that keeps nn.Linear's forward (a marker type, as torch's own
+    NonDynamicallyQuantizableLinear)."""
+
+
+class _ScaledForward(nn.Linear):
+    def forward(self, x):
+        return 2 * F.linear(x, self.weight, self.bias)
+
+
+class _WithAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = _PlainSubclass(32, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.custom = _ScaledForward(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.custom(self.attn(h, h, h, need_weights=False)[0]))
+
+
+def test_linear_subclasses_run_in_fp8_and_the_layers_left_out_are_named():
+    torch.manual_seed(0)
+    model = _WithAttention()
+    with pytest.warns(UserWarning, match=r"stay in high precision: 'attn.out_proj' \(a MultiheadAttention's out_proj"
+                                         r".*'custom' \(_ScaledForward overrides nn.Linear.forward"):
+        pol = f8.fp8_policy(model, backend="emulate")
+    assert pol.layers == ("inp", "head")
+    # the subclass that keeps nn.Linear's forward really runs in FP8: its state advances
+    x = torch.randn(2, 5, 32)
+    params = af.params_of(model)
+    _, new = grad(lambda p, s: pol.apply(model, p, s, x).sum(), argnums=(0, 1))(params, pol.init())
+    assert new["inp"].input.amax_history[0] == x.abs().amax()
+    # MultiheadAttention's out_proj never reaches F.linear: listed by hand, its state would never move
+    by_hand = f8.Fp8Policy(("attn.out_proj",), backend="emulate")
+    _, untouched = grad(lambda p, s: by_hand.apply(model, p, s, x).sum(), argnums=(0, 1))(params, by_hand.init())
+    assert untouched["attn.out_proj"].input.amax_history.abs().sum() == 0
+    # excluding the two says so: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f8.fp8_policy(model, exclude=("attn", "custom"), backend="emulate").layers == ("inp", "head")
 
 
 # -- the matmul and the linear against the emulation ------------------------------------------------

@@ -443,17 +443,31 @@ def test_the_loss_alert_does_not_fire_at_exactly_explode_factor_times_the_median
     assert mon.check_health()["checks"]["loss_exploding"]
 
 
-def test_the_scale_alert_fires_at_exactly_scale_drop_factor():
-    # from 55 to 50 is a drop of exactly 1.1 (the float 1.1 * 50 is 55.00000000000001)
-    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
-    for s in (55.0, 50.0):
-        mon = mon.record(torch.tensor(T), s, loss=1.0)
-    h = mon.check_health()
-    assert h["checks"]["scale_falling"] and "fell 1.1x within 2 steps" in h["alerts"][0], h
-    mon = TrainingMonitor(window=10, scale_drop_factor=1.1)
-    for s in (55.0, 50.5):
-        mon = mon.record(torch.tensor(T), s, loss=1.0)
-    assert not mon.check_health()["checks"]["scale_falling"]
+def test_the_scale_alert_does_not_fire_at_exactly_scale_drop_factor():
+    # one rule for every alert: at exactly the threshold is quiet, above it alerts
+    for factor, at, above in ((2.0, (1024.0, 512.0), (1024.0, 256.0)),
+                              (1.1, (55.0, 50.0), (55.0, 49.5)),   # the float 1.1 * 50 is 55.00000000000001
+                              (10.0, (1000.0, 100.0), (1000.0, 99.0))):
+        mon = TrainingMonitor(window=10, scale_drop_factor=factor)
+        for s in at:
+            mon = mon.record(torch.tensor(T), s, loss=1.0)
+        h = mon.check_health()
+        assert not h["checks"]["scale_falling"] and h["status"] == "healthy", (factor, h)
+        mon = TrainingMonitor(window=10, scale_drop_factor=factor)
+        for s in above:
+            mon = mon.record(torch.tensor(T), s, loss=1.0)
+        h = mon.check_health()
+        assert h["checks"]["scale_falling"] and "loss scale fell" in h["alerts"][0], (factor, h)
+
+
+def test_the_loss_alert_does_not_fire_at_a_factor_with_no_short_decimal():
+    # 4 over a median of 3 is exactly the 4 / 3 the user wrote (its shortest decimal is below 4 / 3)
+    mon = TrainingMonitor(window=4, explode_factor=4 / 3)
+    for loss in (3.0, 3.0, 3.0, 4.0):
+        mon = mon.record(torch.tensor(T), 1.0, loss=loss)
+    assert not mon.check_health()["checks"]["loss_exploding"]
+    mon = mon.record(torch.tensor(T), 1.0, loss=4.5)
+    assert mon.check_health()["checks"]["loss_exploding"]
 
 
 # -- a second moment that overflowed to inf in an applied step: reported from the state, when you log --------
@@ -559,3 +573,16 @@ def test_healthy_states_and_states_without_second_moments_report_nothing():
     # a state alone, before any step is recorded, still tells
     h = TrainingMonitor().check_health(_pure(af.adamw(1e-3)))
     assert h["status"] == "unhealthy" and h["moment_overflows"] == ["enc.w"]
+
+
+def test_a_torch_optimizer_state_dict_names_the_param_by_group_and_index():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-2}])
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.state[model[1].bias]["exp_avg_sq"].fill_(float("inf"))
+    named = ["param_groups[1]['params'][1]"]
+    assert af.monitor.moment_overflows(opt.state_dict()) == named
+    assert af.monitor.moment_overflows({"optimizer": opt.state_dict(), "epoch": 3}) == named  # inside a checkpoint
+    assert af.monitor.moment_overflows(opt.state_dict()["state"]) == ["3"]  # the entries alone: the param's id
+    assert "param_groups[1]['params'][1]" in health(run([T]), state=opt.state_dict())[0]

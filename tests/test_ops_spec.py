@@ -2,6 +2,7 @@
 with it, and the C++ side's table (ext/glue/spec.h) agrees with the Python one."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -73,3 +74,53 @@ def test_a_state_list_a_hyper_parameter_turns_off_is_neither_validated_nor_retur
     assert b == [] and torch.equal(d[0], torch.full((3,), -0.1))
     with pytest.raises(TypeError, match=r"momentum_buffers\[0\] has dtype torch.int32"):
         ops.sgd_update(p, g, bad, torch.zeros(()), lr=0.1, momentum=0.9)
+
+
+def _adam_args(n=3):
+    return ([torch.ones(n)], [torch.ones(n)], [torch.zeros(n)], [torch.zeros(n)], [], [], torch.zeros(()),
+            torch.ones(()))
+
+
+def _sgd_args(n=3):
+    return [torch.ones(n)], [torch.ones(n)], [torch.zeros(n)], [], torch.zeros(()), torch.ones(())
+
+
+_FINITE = torch.ones((), dtype=torch.bool)
+_HYPER_DOORS = {
+    "adam_step_": lambda kw: ops.adam_step_(*_adam_args(), _FINITE, **kw),
+    "adam_step": lambda kw: ops.adam_step(*_adam_args(), _FINITE, **kw),
+    "adam_step_checked": lambda kw: ops.adam_step_checked(*_adam_args(), **kw),
+    "adam_update": lambda kw: ops.adam_update(*(_adam_args()[:4] + ([],) + _adam_args()[6:]), **kw),
+    "sgd_step_": lambda kw: ops.sgd_step_(*_sgd_args(), _FINITE, **kw),
+    "sgd_step": lambda kw: ops.sgd_step(*_sgd_args(), _FINITE, **kw),
+    "sgd_step_checked": lambda kw: ops.sgd_step_checked(*_sgd_args(), **kw),
+    "sgd_update": lambda kw: ops.sgd_update(*(_sgd_args()[:3] + _sgd_args()[4:]), **kw),
+}
+_BAD_HYPERS = {
+    "adam": [dict(lr=float("nan")), dict(lr=-1e-3), dict(lr=float("inf")), dict(lr=1e39), dict(lr=0.1, beta1=1.0),
+             dict(lr=0.1, beta2=1.0), dict(lr=0.1, beta1=-0.1), dict(lr=0.1, beta2=float("nan")),
+             dict(lr=0.1, eps=-1e-8), dict(lr=0.1, weight_decay=float("nan"))],
+    "sgd": [dict(lr=float("nan")), dict(lr=-0.1), dict(lr=0.1, momentum=-0.9), dict(lr=0.1, dampening=float("nan")),
+            dict(lr=0.1, weight_decay=-1.0)],
+}
+
+
+@pytest.mark.parametrize("op", sorted(_HYPER_DOORS))
+def test_the_ops_refuse_hyper_parameters_the_optimizers_refuse_naming_them(op, monkeypatch):
+    written = []
+    monkeypatch.setattr(ops, "_call", lambda *a, **k: written.append(a))  # nothing may reach the kernels
+    monkeypatch.setattr(ops, "_through_door", lambda *a, **k: written.append(a))
+    for kw in _BAD_HYPERS[op.split("_")[0]]:
+        bad = next(k for k in kw if k != "lr") if len(kw) > 1 else "lr"
+        with pytest.raises(ValueError, match=rf"^ampfunc: {bad} must be .*, got {re.escape(repr(kw[bad]))} \({op}\)$"):
+            _HYPER_DOORS[op](kw)
+    assert written == []
+
+
+def test_hyper_parameters_at_the_edges_of_their_ranges_still_step():
+    params, grads, m, v, vmax, model, step, scale = _adam_args()
+    ops.adam_step_(params, grads, m, v, vmax, model, step, scale, _FINITE, lr=0.0, beta1=0.0, beta2=0.0, eps=0.0)
+    assert step.item() == 1.0 and torch.equal(params[0], torch.ones(3))
+    # a tensor lr is read on the device: not checked at the door (no host sync)
+    ops.adam_step_(params, grads, m, v, vmax, model, step, scale, _FINITE, lr=torch.tensor(0.5))
+    assert step.item() == 2.0

@@ -1,6 +1,7 @@
 """Native optimizers (af.sgd, af.adam, af.adamw) against torch.optim on the same trajectory."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -230,8 +231,9 @@ def test_state_survives_torch_save_and_resumes_bit_identically():
     (lambda: af.sgd(lr=0.1, nesterov=True), "Nesterov"),
     (lambda: af.sgd(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "Nesterov"),
     (lambda: af.adam(lr=-1e-3), "learning rate"),
-    (lambda: af.adam(b1=1.0), "beta parameter at index 0"),
-    (lambda: af.adamw(b2=-0.1), "beta parameter at index 1"),
+    (lambda: af.adam(b1=1.0), r"adam: b1 must be in \[0, 1\) \(torch's betas\[0\]\), got 1.0"),
+    (lambda: af.adamw(b2=-0.1), r"adamw: b2 must be in \[0, 1\) \(torch's betas\[1\]\), got -0.1"),
+    (lambda: af.adamw(b2=float("nan")), "adamw: b2 must be in"),
     (lambda: af.adam(eps=-1e-8), "epsilon"),
     (lambda: af.adamw(weight_decay=-0.1), "weight_decay"),
 ])
@@ -417,3 +419,60 @@ def test_apply_updates_broadcasting_and_mixed_dtypes_keep_todays_results():
     assert torch.equal(new["a"], params["a"] + 0.5)
     assert torch.equal(new["b"], (params["b"].float() + 1).to(torch.bfloat16))
     assert torch.equal(new["c"], params["c"] + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# flags and betas refused naming the argument (a truthy string is not taken for True)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda v: af.adamw(amsgrad=v), "amsgrad"),
+    (lambda v: af.adamw(maximize=v), "maximize"),
+    (lambda v: af.adam(amsgrad=v), "amsgrad"),
+    (lambda v: af.adam(maximize=v), "maximize"),
+    (lambda v: af.sgd(0.1, momentum=0.9, nesterov=v), "nesterov"),
+    (lambda v: af.sgd(0.1, maximize=v), "maximize"),
+])
+@pytest.mark.parametrize("value", ["yes", "False", 1, 0, None])
+def test_optimizer_flags_must_be_bools(make, name, value):
+    with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\), got {type(value).__name__}"):
+        make(value)
+
+
+def test_has_aux_must_be_a_bool():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="make_train_step: has_aux must be a bool"):
+        af.make_train_step(model, lambda out, y: ((out - y) ** 2).mean(), af.adamw(), has_aux="yes")
+    with pytest.raises(TypeError, match="value_and_grad: has_aux must be a bool"):
+        af.value_and_grad(lambda p: p.sum(), has_aux=1)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: af.adamw(1e-3, (0.9, 0.999)), r"adamw: b1 must be a float in \[0, 1\), got the tuple \(0.9, 0.999\); "
+                                            r"torch's betas=\(beta1, beta2\) is two arguments here, b1 and b2"),
+    (lambda: af.adam(b1=[0.9, 0.999]), r"adam: b1 must be a float in \[0, 1\), got the list .*b1 and b2"),
+    (lambda: af.adamw(b2=(0.9, 0.999)), r"adamw: b2 must be a float .*b1 and b2"),
+    (lambda: af.adamw(b1="0.9"), r"adamw: b1 must be a float in \[0, 1\), got str '0.9'"),
+    (lambda: af.adamw(b1=torch.tensor(0.9)), r"adamw: b1 must be a Python float, not a tensor"),
+    (lambda: af.adam(b2=True), r"adam: b2 must be a float in \[0, 1\), got bool"),
+    (lambda: af.optim.scale_by_adam(b1="0.9"), r"scale_by_adam: b1 must be a float"),
+])
+def test_betas_are_refused_naming_b1_or_b2(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_apply_updates_refuses_an_update_of_another_shape_naming_the_leaf_and_both_shapes():
+    params = {"b": torch.zeros(2), "w": torch.zeros(3)}
+    for bad in (torch.ones(1), torch.ones(1, 3), torch.ones(3, 1)):
+        with pytest.raises(ValueError, match=rf"apply_updates: leaf 'w' has shape \(3,\) in params and "
+                                             rf"{re.escape(str(tuple(bad.shape)))} in updates"):
+            af.apply_updates(params, {"b": torch.ones(2), "w": bad})
+    # the same on the leaf-by-leaf path (float64 params do not take the fused pass)
+    params64 = {k: v.double() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"leaf 'w' has shape \(3,\) in params and \(1,\) in updates"):
+        af.apply_updates(params64, {"b": torch.ones(2, dtype=torch.float64), "w": torch.ones(1, dtype=torch.float64)})
+    # a 0-d update is one number for its leaf
+    new = af.apply_updates(params, {"b": torch.ones(2), "w": torch.tensor(2.0)})
+    assert torch.equal(new["w"], torch.full((3,), 2.0))

@@ -207,3 +207,19 @@ def test_the_grad_scaler_still_unscales_sparse_coo_gradients_as_torch():
     scaler.scale(torch.ones((), requires_grad=True))
     scaler.unscale_(torch.optim.SGD([p], lr=0.1))
     assert torch.equal(p.grad.to_dense(), sparse("coo").to_dense())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_apply_updates_adds_coo_csr_csc_updates_and_refuses_blocked_ones_by_name(layout, dtype):
+    p = params(dtype)
+    updates = grads_with_sparse(p, layout)
+    if layout in ("bsr", "bsc"):  # torch cannot add them to a dense tensor (an INTERNAL ASSERT)
+        with pytest.raises(TypeError, match=rf"apply_updates: updates leaf 'enc.w' has layout torch.sparse_{layout}"):
+            af.apply_updates(p, updates)
+        return
+    new = af.apply_updates(p, updates)
+    expected = (p["enc"]["w"].to(torch.float32 if dtype == torch.bfloat16 else dtype)
+                + updates["enc"]["w"].to_dense()).to(dtype)
+    assert new["enc"]["w"].layout == torch.strided and torch.equal(new["enc"]["w"], expected)
+    assert torch.equal(new["head"]["b"], p["head"]["b"] + 1)

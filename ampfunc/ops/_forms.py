@@ -10,6 +10,7 @@ argument binding at run time) and ``inspect.signature`` shows the real signature
 from __future__ import annotations
 
 from ampfunc.ops._spec import GIVEN, Optimizer
+from ampfunc.ops._validation import HYPER_RANGES, check_hypers, hyper_condition
 
 _STEP_ = '''
 def {name}_step_(params, grads, {state}, model_params, step, grad_scale, finite, *, lr, {hyper_sig}) -> None:
@@ -116,6 +117,16 @@ def _state_arg(name: str, when, converted: set) -> str:
     return f"(_as_list({name}) if {test} else [])"
 
 
+def _hyper_check(opt: Optimizer) -> str:
+    """The source line, after the conversions, that refuses hyper-parameters out of range (the
+    public optimizers' ranges, :data:`~ampfunc.ops._validation.HYPER_RANGES`): one inline test of
+    the Python floats, :func:`~ampfunc.ops._validation.check_hypers` only when it fails."""
+    names = ["lr"] + [h.name for h in opt.hypers]
+    given = ", ".join(f"{n}={n}" for n in names if n in HYPER_RANGES)
+    return (f"\n    if not ({hyper_condition(names)}):\n"
+            f"        _check_hypers(_op_name(), {given})")
+
+
 def define(opt: Optimizer, namespace: dict) -> list:
     """Defines ``opt``'s four functions in ``namespace`` (the :mod:`ampfunc.ops` package, whose
     helpers they call); returns their names."""
@@ -126,7 +137,7 @@ def define(opt: Optimizer, namespace: dict) -> list:
         state=", ".join(s.name for s in opt.state),
         state_args=", ".join(_state_arg(s.name, s.when, {h.name for h in hypers}) for s in opt.state),
         hyper_sig=", ".join(f"{h.name}: {h.kind} = {h.default!r}" for h in hypers),
-        hyper_conv="; ".join(f"{h.name} = {conv[h.kind]}({h.name})" for h in hypers),
+        hyper_conv="; ".join(f"{h.name} = {conv[h.kind]}({h.name})" for h in hypers) + _hyper_check(opt),
         hyper_args=", ".join(h.name for h in hypers),
         hyper_kw=", ".join(f"{h.name}={h.name}" for h in hypers),
         n_lists=3 + len(opt.state),
@@ -136,11 +147,13 @@ def define(opt: Optimizer, namespace: dict) -> list:
                                       for s in opt.state),
                 new_state=", ".join(f"new_{s.name}" for s in opt.state),
                 hyper_names=", ".join(f"``{h.name}={h.default!r}``" for h in hypers))
+    namespace["_check_hypers"] = check_hypers
     names = []
     for template, doc, suffix in ((_STEP_, _DOC_STEP_, "_step_"), (_STEP, _DOC_STEP, "_step"),
                                   (_STEP_CHECKED, _DOC_STEP_CHECKED, "_step_checked"),
                                   (_UPDATE, _DOC_UPDATE, "_update")):
-        source = template.format(**fields)
+        op_fields = dict(fields, hyper_conv=fields["hyper_conv"].replace("_op_name()", repr(opt.name + suffix)))
+        source = template.format(**op_fields)
         exec(compile(source, f"<ampfunc.ops: {opt.name}{suffix}>", "exec"), namespace)
         fn = namespace[f"{opt.name}{suffix}"]
         fn.__doc__ = doc.format(**docs)

@@ -12,6 +12,7 @@ rule here (:func:`_overlapping_pair`) serves the reference twin; with the compil
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Sequence
 
@@ -196,6 +197,43 @@ def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
         (a_name, a_i, _), (b_name, b_i, _) = written[pair[0]], written[pair[1]]
         raise ValueError(f"ampfunc: {_item(a_name, a_i)} and {_item(b_name, b_i)} overlap in memory; the tensors "
                          f"an in-place op writes must be distinct ({op})")
+
+# The optimizers' hyper-parameter ranges, by the ops' names (adam's b1/b2 are beta1/beta2 here),
+# as ampfunc.optim's front doors take them: name -> (low, high, whether high is excluded). The
+# generated ops test them inline on the Python floats (hyper_condition: a few comparisons per call,
+# no host sync, nothing per leaf; a tensor lr, read on the device, is not checked) and call
+# check_hypers, which names the first one out of range, only when the test fails.
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+HYPER_RANGES = {
+    "lr": (0.0, _F32_MAX, False),  # beyond fp32's max the fp32 update is inf
+    "beta1": (0.0, 1.0, True),
+    "beta2": (0.0, 1.0, True),
+    "eps": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False),
+    "momentum": (0.0, math.inf, False),
+    "dampening": (0.0, math.inf, False),
+}
+
+def _in_range(value: float, low: float, high: float, open_high: bool) -> bool:
+    return low <= value < high if open_high else low <= value <= high  # NaN fails both
+
+def hyper_condition(names: Sequence[str]) -> str:
+    """Python source that is true when every one of ``names`` with a range is in it."""
+    parts = []
+    for name in names:
+        if name in HYPER_RANGES:
+            low, high, open_high = HYPER_RANGES[name]
+            parts.append(f"{low!r} <= {name}" + ("" if high == math.inf else f" {'<' if open_high else '<='} {high!r}"))
+    return " and ".join(parts) or "True"
+
+def check_hypers(op: str, **values) -> None:
+    """``ValueError`` naming the first of ``values`` outside its range (a NaN included)."""
+    for name, value in values.items():
+        if name in HYPER_RANGES and not _in_range(value, *HYPER_RANGES[name]):
+            low, high, open_high = HYPER_RANGES[name]
+            where = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:.8g}{')' if open_high else ']'}"
+            raise ValueError(f"ampfunc: {name} must be {where}, got {value!r} ({op})")
 
 def _check_scalar(op, what, t, dtype, dev) -> None:
     if not isinstance(t, torch.Tensor) or t.numel() != 1:

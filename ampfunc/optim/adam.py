@@ -19,6 +19,8 @@ from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
     as_dtype,
+    check_beta,
+    check_bool,
     check_lr,
     check_nonneg,
     checked_inputs,
@@ -63,15 +65,14 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: Optional[PyTree]
 
 
-def _check_hparams(where, lr, betas, eps, weight_decay):
+def _check_hparams(where, lr, b1, b2, eps, weight_decay, **flags):
     check_lr(lr, where)
+    check_beta(b1, "b1", 0, where)
+    check_beta(b2, "b2", 1, where)
     check_nonneg(eps, "epsilon")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
     check_nonneg(weight_decay, "weight_decay")
+    for name, value in flags.items():
+        check_bool(value, name, where)
 
 
 def _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):
@@ -110,9 +111,9 @@ def _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad):
     return tree_unflatten(tree_structure(grads), deltas), new_state
 
 
-def _make(kind: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
-    _check_hparams(kind, lr, betas, eps, weight_decay)
-    beta1, beta2 = float(betas[0]), float(betas[1])
+def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
+    _check_hparams(kind, lr, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize)
+    beta1, beta2 = float(b1), float(b2)
     hparams = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                    maximize=maximize)
 
@@ -246,7 +247,7 @@ def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: f
     the new moments; otherwise a generic path of about ten ``torch._foreach`` ops per device
     computes the same arithmetic. No host sync.
     """
-    return _make("adam", lr, (b1, b2), eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _make("adam", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
 def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -287,7 +288,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     writes new updates and moments) when the compiled kernels take the tree, else the generic
     ``torch._foreach`` path with the same arithmetic. No host sync.
     """
-    return _make("adamw", lr, (b1, b2), eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _make("adamw", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=True)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -325,7 +326,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     (each a pass over the moments or the direction), allocating the new moments and the output.
     No host sync.
     """
-    _check_hparams("scale_by_adam", 1.0, (b1, b2), eps, 0.0)
+    _check_hparams("scale_by_adam", 1.0, b1, b2, eps, 0.0)
     b1, b2 = float(b1), float(b2)
 
     def init(params):

@@ -81,6 +81,30 @@ def check_lr(lr: Any, where: str) -> None:
                          f"number is {_F32_MAX:.8g})")
 
 
+def check_bool(value: Any, name: str, where: str) -> None:
+    """``TypeError`` naming the flag unless it is a Python ``bool``: a truthy string or number
+    (``amsgrad="yes"``, ``has_aux=1``) would be taken silently, and ``"False"`` reads as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def check_beta(value: Any, name: str, index: int, where: str) -> None:
+    """``b1``/``b2``: a Python float in ``[0, 1)``, refused naming the argument otherwise.
+
+    A pair is torch's ``betas``, which here is two arguments: the message says so (the old
+    positional call ``adam(1e-3, (0.9, 0.999))`` lands the pair in ``b1``)."""
+    if isinstance(value, (tuple, list)):
+        raise TypeError(
+            f"{where}: {name} must be a float in [0, 1), got the {type(value).__name__} {value!r}; torch's "
+            f"betas=(beta1, beta2) is two arguments here, b1 and b2: {where}(lr, b1=0.9, b2=0.999)")
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a Python float, not a tensor; pass {name}=float(t)")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a float in [0, 1), got {type(value).__name__} {value!r}")
+    if not 0.0 <= value < 1.0:  # also rejects NaN
+        raise ValueError(f"{where}: {name} must be in [0, 1) (torch's betas[{index}]), got {value!r}")
+
+
 def check_nonneg(value: Any, what: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{what} must be a float, got {type(value).__name__}")

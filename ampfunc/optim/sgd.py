@@ -16,6 +16,7 @@ from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
     as_dtype,
+    check_bool,
     check_lr,
     check_nonneg,
     checked_inputs,
@@ -134,6 +135,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     check_nonneg(momentum, "momentum")
     check_nonneg(dampening, "dampening")
     check_nonneg(weight_decay, "weight_decay")
+    check_bool(nesterov, "nesterov", "sgd")
+    check_bool(maximize, "maximize", "sgd")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     hparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
