@@ -1140,7 +1140,7 @@ def test_emulated_pure_adam_step_with_every_list_spans_several_launches(emu):
 
 
 def test_emulated_pure_launchers_refuse_bad_arguments(emu):
-    assert emu.lib.ampfunc_cuda_abi_version() == 3
+    assert emu.lib.ampfunc_cuda_abi_version() == 4
     x = [torch.ones(5)]
     g, step, one, yes = [torch.ones(5)], torch.zeros(()), torch.ones(()), torch.tensor(True)
     outs = ([torch.empty(5)], [torch.empty(5)], [torch.empty(5)], None, None)
