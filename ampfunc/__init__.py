@@ -57,6 +57,10 @@ from ampfunc.transform import (
     partition,
 )
 
+# An optimizer that ampfunc.optim picks up from a module of its own (ampfunc/optim/lion.py) is
+# exported here under the module's name (af.lion); its state and building blocks stay in optim.
+globals().update({_name: getattr(optim, _name) for _name in optim._picked_up_optimizers})
+
 __all__ = [
     # the five primitives
     "cast_params", "scale_loss", "unscale_and_check", "skip_or_apply", "update_scale",
@@ -77,3 +81,4 @@ __all__ = [
     # submodules: in-place twins, advanced pieces, FP8, distributed, migration facades, kernels
     "mixed", "optim", "functional", "tree", "flat", "monitor", "fp8", "dist", "compat", "checkpoint", "ops",
 ]
+__all__ += [_name for _name in optim._picked_up_optimizers if _name not in __all__]

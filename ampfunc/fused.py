@@ -1,7 +1,8 @@
-"""The fused plan: how the kernels run ``[clip_by_global_norm] -> sgd|adam|adamw`` in two passes.
+"""The fused plan: how the kernels run ``[clip_by_global_norm] -> optimizer`` in two passes.
 
 :func:`plan_for` reads the kernel registry of :mod:`ampfunc.transform`: an inner transform
-registered as one of ``sgd``, ``adam``, ``adamw`` (a float learning rate or a schedule,
+registered as a kind a fused optimizer serves (``sgd``, ``adam``, ``adamw``, ``lion``...: the
+``kinds`` of the specs in :mod:`ampfunc.ops.optimizers`; a float learning rate or a schedule,
 evaluated on the device), alone or after ``clip_by_global_norm`` in a ``chain`` /
 ``named_chain``, gets a :class:`FusedPlan`; anything else gets ``None`` and the engine
 (:mod:`ampfunc.engine`) runs its generic path. A plan works on leaf lists that the engine has
@@ -11,9 +12,9 @@ flattened, lined up and validated; it does, on the device and without a host syn
    sum of squares (the global norm) together;
 2. a few 0-d ops: ``grad_scale = inv_scale * clip_coef`` with torch's ``clip_grad_norm_``
    coefficient ``min(1, max_norm / (norm + 1e-6))`` of the unscaled gradients;
-3. one fused optimizer pass (:func:`ampfunc.ops.adam_step_` / :func:`~ampfunc.ops.sgd_step_`,
-   or the out-of-place :func:`ampfunc.ops.adam_step` / :func:`~ampfunc.ops.sgd_step` for the
-   pure step) that reads each gradient, multiplies it by ``grad_scale``, updates the fp32
+3. one fused optimizer pass (``ampfunc.ops.<optimizer>_step_``, e.g.
+   :func:`ampfunc.ops.adam_step_`, or the out-of-place ``<optimizer>_step`` for the pure step)
+   that reads each gradient, multiplies it by ``grad_scale``, updates the fp32
    params (the master when there is one) and the moments, and writes the fp16/bf16 model
    params; it writes nothing (step counter included) when the flag says the gradients were
    not finite.
@@ -37,28 +38,36 @@ from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
 
 __all__ = ["FusedPlan", "plan_for", "plan_for_torch_group", "KERNEL_GRAD_DTYPES"]
 
-_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+def _optimizer_of(kind: str):
+    """The fused optimizer's spec (:mod:`ampfunc.ops._spec`) serving transforms of ``kind``, or None."""
+    return next((o for o in ops._spec.OPTIMIZERS.values() if kind in o.kinds), None)
+
+
 # What the optimizer kernels read as gradients. float64 gradients take the generic path (the
 # kernels refuse them), so both paths give them the same numbers.
 KERNEL_GRAD_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-_SLOT_NAMES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-_LAYOUT = {"sgd": ("step", "momentum_buffer"), "adam": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
 
 
 class FusedPlan:
-    """How to run one mixed-precision step of ``[clip_by_global_norm] -> sgd|adam|adamw`` fused.
+    """How to run one mixed-precision step of ``[clip_by_global_norm] -> optimizer`` fused.
 
-    ``kind``: ``"sgd"``, ``"adam"`` or ``"adamw"``; ``hparams``: the optimizer's registered
-    settings (complete: the plan keeps no defaults of its own); ``max_norm``: the clipping
+    ``kind``: the registered kind (``"sgd"``, ``"adam"``, ``"adamw"``, ``"lion"``...), served by
+    the fused optimizer ``optimizer`` (its spec, :mod:`ampfunc.ops._spec`); ``hparams``: the
+    optimizer's registered settings (complete: the plan keeps no defaults of its own); ``max_norm``: the clipping
     threshold or None; ``chained``: the inner state is a chain's (a tuple, or a dict keyed by
     ``names`` for ``named_chain``) whose last entry is the optimizer's.
     """
 
-    __slots__ = ("kind", "hparams", "max_norm", "chained", "names")
+    __slots__ = ("kind", "hparams", "max_norm", "chained", "names", "optimizer", "_hypers")
 
     def __init__(self, kind: str, hparams: dict, max_norm: float | None = None, *, chained: bool = False,
                  names: tuple | None = None):
         self.kind = kind
+        self.optimizer = _optimizer_of(kind)
+        if self.optimizer is None:
+            raise ValueError(f"FusedPlan: no fused optimizer serves {kind!r}")
+        self._hypers = self.optimizer.hypers_of(kind, hparams)
         self.hparams = dict(hparams)
         self.max_norm = max_norm
         self.chained = chained or names is not None
@@ -79,31 +88,37 @@ class FusedPlan:
                 opt = inner_state.get(self.names[-1]) if isinstance(inner_state, dict) else None
             else:
                 opt = inner_state[-1] if type(inner_state) is tuple and inner_state else None
-        want = _LAYOUT["sgd" if self.kind == "sgd" else "adam"]
-        if tuple(getattr(opt, "_fields", ())) != want:
+        opt_spec = self.optimizer
+        if tuple(getattr(opt, "_fields", ())) != ("step",) + opt_spec.tree_state:
             return None
         if not isinstance(opt.step, torch.Tensor) or opt.step.dtype != torch.float32 or opt.step.dim() != 0:
             return None
-        if self.kind == "sgd" and self.hparams["momentum"] != 0 and opt.momentum_buffer is None:
-            return None
-        if self.kind != "sgd" and self.hparams["amsgrad"] and opt.max_exp_avg_sq is None:
-            return None
+        for field, state in zip(opt_spec.tree_state, opt_spec.state):
+            if self._uses(state) and getattr(opt, field) is None:
+                return None
         return opt
+
+    def _uses(self, state) -> bool:
+        return state.when is None or bool(self._hypers[state.when])
 
     def slot_trees(self, opt: Any) -> list:
         """The per-parameter state trees of ``opt`` (from :meth:`opt_state`) that the kernel reads
-        and writes, in kernel order: SGD ``[momentum_buffer]`` (none without momentum); Adam
-        ``[exp_avg, exp_avg_sq]`` plus ``max_exp_avg_sq`` with amsgrad."""
-        if self.kind == "sgd":
-            return [opt.momentum_buffer] if self.hparams["momentum"] != 0 else []
-        slots = [opt.exp_avg, opt.exp_avg_sq]
-        return slots + [opt.max_exp_avg_sq] if self.hparams["amsgrad"] else slots
+        and writes, in kernel order: the optimizer's state lists that its settings use (SGD
+        ``[momentum_buffer]``, none without momentum; Adam ``[exp_avg, exp_avg_sq]`` plus
+        ``max_exp_avg_sq`` with amsgrad; Lion ``[mu]``)."""
+        return [getattr(opt, f) for f in self.slot_names()]
 
     def slot_names(self) -> tuple:
-        names = _SLOT_NAMES["sgd" if self.kind == "sgd" else "adam"]
-        if self.kind == "sgd":
-            return names if self.hparams["momentum"] != 0 else ()
-        return names if self.hparams["amsgrad"] else names[:2]
+        o = self.optimizer
+        return tuple(f for f, s in zip(o.tree_state, o.state) if self._uses(s))
+
+    def _slot_args(self, slots: list) -> list:
+        """The kernel's state arguments: each state list, None for the ones the settings leave unused."""
+        it = iter(slots)
+        return [next(it) if self._uses(s) else None for s in self.optimizer.state]
+
+    def _new_slots(self, new_state: tuple) -> list:
+        return [x for x, s in zip(new_state, self.optimizer.state) if self._uses(s)]
 
     def replace_opt_state(self, inner_state: Any, new_opt: Any, copy_others) -> Any:
         """``inner_state`` with the optimizer's state replaced by ``new_opt``; the other entries
@@ -158,17 +173,11 @@ class FusedPlan:
             lr = lr.to(opt.step.device, torch.float32) if isinstance(lr, torch.Tensor) else lr
         return lr
 
-    def _sgd_kwargs(self, lr) -> dict:
-        h = self.hparams
-        return dict(lr=lr, weight_decay=h["weight_decay"], momentum=h["momentum"], dampening=h["dampening"],
-                    nesterov=h["nesterov"], maximize=h["maximize"])
+    def _kwargs(self, lr) -> dict:
+        return dict(lr=lr, **self._hypers)
 
-    def _adam_kwargs(self, lr) -> dict:
-        h = self.hparams
-        beta1, beta2 = h["betas"]
-        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=h["eps"], weight_decay=h["weight_decay"],
-                    amsgrad=bool(h["amsgrad"]), decoupled_weight_decay=self.kind == "adamw",
-                    maximize=h["maximize"])
+    def _op(self, suffix: str):
+        return getattr(ops, self.optimizer.name + suffix)
 
     def run_(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
              group=None, on_check=None) -> torch.Tensor:
@@ -178,13 +187,8 @@ class FusedPlan:
         The loss scale is not touched (the engine updates it)."""
         with torch.no_grad():
             finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
-            if self.kind == "sgd":
-                ops.sgd_step_(ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,
-                              **self._sgd_kwargs(lr))
-            else:
-                kw = self._adam_kwargs(lr)
-                ops.adam_step_(ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step,
-                               grad_scale, finite, **kw)
+            self._op("_step_")(ref, grads, *self._slot_args(slots), model, opt.step, grad_scale, finite,
+                               **self._kwargs(lr))
         return finite
 
     def run(self, ref: list, grads: list, model: list | None, slots: list, opt: Any, loss_scale: Any, *,
@@ -197,29 +201,14 @@ class FusedPlan:
                 # Without a norm to take first, the check folds into the out-of-place pass (its
                 # inputs survive it): ops.*_step_checked, the same numbers as check + step.
                 inv_scale, lr = loss_scale.inv_scale_on(opt.step.device), self._lr(opt)
-                if self.kind == "sgd":
-                    new_ref, new_buf, new_model, new_step, finite = ops.sgd_step_checked(
-                        ref, grads, slots[0] if slots else None, model, opt.step, inv_scale, **self._sgd_kwargs(lr))
-                    new_slots = [new_buf] if slots else []
-                else:
-                    kw = self._adam_kwargs(lr)
-                    new_ref, m1, m2, vmax, new_model, new_step, finite = ops.adam_step_checked(
-                        ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step,
-                        inv_scale, **kw)
-                    new_slots = [m1, m2, vmax] if kw["amsgrad"] else [m1, m2]
-                return new_ref, (new_model if model is not None else None), new_slots, new_step, finite
+                new_ref, *new_state, new_model, new_step, finite = self._op("_step_checked")(
+                    ref, grads, *self._slot_args(slots), model, opt.step, inv_scale, **self._kwargs(lr))
+                return new_ref, (new_model if model is not None else None), self._new_slots(new_state), new_step, \
+                    finite
             finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
-            if self.kind == "sgd":
-                new_ref, new_buf, new_model, new_step = ops.sgd_step(
-                    ref, grads, slots[0] if slots else None, model, opt.step, grad_scale, finite,
-                    **self._sgd_kwargs(lr))
-                new_slots = [new_buf] if slots else []
-            else:
-                kw = self._adam_kwargs(lr)
-                new_ref, m1, m2, vmax, new_model, new_step = ops.adam_step(
-                    ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, opt.step, grad_scale,
-                    finite, **kw)
-                new_slots = [m1, m2, vmax] if kw["amsgrad"] else [m1, m2]
+            new_ref, *new_state, new_model, new_step = self._op("_step")(
+                ref, grads, *self._slot_args(slots), model, opt.step, grad_scale, finite, **self._kwargs(lr))
+            new_slots = self._new_slots(new_state)
         return new_ref, (new_model if model is not None else None), new_slots, new_step, finite
 
     def kernel_step_(self, ref: list, grads: list, model: list | None, slots: list, step: torch.Tensor,
@@ -231,18 +220,13 @@ class FusedPlan:
         Cost: one kernel pass; no host sync."""
         lr = self.hparams["lr"]
         with torch.no_grad():
-            if self.kind == "sgd":
-                ops.sgd_step_(ref, grads, slots[0] if slots else None, model, step, grad_scale, finite,
-                              **self._sgd_kwargs(lr))
-            else:
-                kw = self._adam_kwargs(lr)
-                ops.adam_step_(ref, grads, slots[0], slots[1], slots[2] if kw["amsgrad"] else None, model, step,
-                               grad_scale, finite, **kw)
+            self._op("_step_")(ref, grads, *self._slot_args(slots), model, step, grad_scale, finite,
+                               **self._kwargs(lr))
 
 
 def plan_for(inner) -> FusedPlan | None:
     """The :class:`FusedPlan` for ``inner`` (a ``GradientTransformation``), or None when the
-    kernels cannot run it: only registered ``sgd``/``adam``/``adamw`` (float ``lr`` or schedule),
+    kernels cannot run it: only a registered kind of a fused optimizer (float ``lr`` or schedule),
     alone or as ``chain(clip_by_global_norm(max_norm), opt)`` (or its ``named_chain``), are fused.
     Cost: a dictionary lookup; call once per transform."""
     spec = kernel_spec(inner)
@@ -254,7 +238,7 @@ def plan_for(inner) -> FusedPlan | None:
     if not 1 <= len(specs) <= 2 or not all(isinstance(s, FusedSpec) for s in specs):
         return None
     kind, hparams = specs[-1]
-    if kind not in _OPTIMIZERS:
+    if _optimizer_of(kind) is None:
         return None
     lr = hparams.get("lr")
     if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float))):

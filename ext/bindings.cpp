@@ -16,6 +16,7 @@
 //   glue/cpu_ops.h     the CPU implementations of the ops (ext/cpu/ does the arithmetic)
 //   glue/cuda_ops.h    the CUDA implementations (ext/cuda/'s launchers), with AMPFUNC_WITH_CUDA
 //   glue/direct.h      the direct door: eager CPU calls without the dispatcher
+//   glue/optimizers.h  the generic optimizers' ops (ext/optimizers.h), CPU and CUDA
 // and this file, the registration: the dispatcher's kernels and the direct door's module.
 
 #include "glue/common.h"
@@ -25,6 +26,7 @@
 #include "glue/cpu_ops.h"
 #include "glue/cuda_ops.h"
 #include "glue/direct.h"
+#include "glue/optimizers.h"
 
 // The CPU implementations take borrowed lists (ampfunc::Tensors); the dispatcher hands them
 // TensorList arguments. Registered<F>::call is F with each `const Tensors&` parameter spelled
@@ -44,6 +46,13 @@ struct Registered<F> {
   static R call(typename SchemaArg<A>::type... a) { return F(a...); }
 };
 
+// A generic optimizer's three ops: one boxed kernel each, for the CPU and CUDA keys alike (it
+// picks the device's implementation itself: glue/optimizers.h).
+#define AMPFUNC_REGISTER_OPTIMIZER(name, Op)                                                                    \
+  m.impl(#name "_step_", torch::CppFunction::makeFromBoxedFunction<&optim_kernel<Op, OptimForm::kInPlace>>());   \
+  m.impl(#name "_step", torch::CppFunction::makeFromBoxedFunction<&optim_kernel<Op, OptimForm::kOutOfPlace>>()); \
+  m.impl(#name "_update", torch::CppFunction::makeFromBoxedFunction<&optim_kernel<Op, OptimForm::kUpdate>>());
+
 TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
   m.impl("check", &Registered<&check_cpu>::call);
   m.impl("unscale_", &Registered<&unscale__cpu>::call);
@@ -57,6 +66,7 @@ TORCH_LIBRARY_IMPL(ampfunc, CPU, m) {
   m.impl("sgd_update", &Registered<&sgd_update_cpu>::call);
   m.impl("adam_update", &Registered<&adam_update_cpu>::call);
   m.impl("apply_updates", &Registered<&apply_updates_cpu>::call);
+  AMPFUNC_OPTIMIZERS(AMPFUNC_REGISTER_OPTIMIZER)
 }
 
 #ifdef AMPFUNC_WITH_CUDA
@@ -73,6 +83,7 @@ TORCH_LIBRARY_IMPL(ampfunc, CUDA, m) {
   m.impl("sgd_update", &sgd_update_cuda);
   m.impl("adam_update", &adam_update_cuda);
   m.impl("apply_updates", &apply_updates_cuda);
+  AMPFUNC_OPTIMIZERS(AMPFUNC_REGISTER_OPTIMIZER)
 }
 #endif
 

@@ -18,6 +18,56 @@
 
 namespace ampfunc {
 
+// ---- elementwise helpers of the generic optimizers (ext/optimizers/) ----
+// An optimizer's element function is a template over its value type V: float in the CUDA
+// kernel (one element per thread), the CPU kernel's vector of floats in the CPU pass
+// (ext/cpu/kernels.cpp, which defines the vector overloads of these helpers beside its vector
+// type, where argument-dependent lookup finds them). So the element function does its
+// arithmetic through these helpers only (no operators, no branch on a value; a branch on a
+// per-step scalar is fine), and one definition runs vectorized on the CPU, branch-free.
+// Rounded as written: nvcc would contract a product into a following add (one fma, one
+// rounding), and the kernels are to round as their reference twins' separate ops do. (The CPU
+// kernels' translation unit turns contraction off: ext/cpu/kernels.cpp.)
+
+AMPFUNC_HD inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+AMPFUNC_HD inline float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+AMPFUNC_HD inline float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// a * b + c, rounded once.
+AMPFUNC_HD inline float fma_rn(float a, float b, float c) { return fmaf(a, b, c); }
+
+// torch.sign: (x > 0) - (x < 0), so 1 or -1 by the sign, +0 at +-0 and at NaN.
+AMPFUNC_HD inline float sign_of(float x) { return static_cast<float>(x > 0.f) - static_cast<float>(x < 0.f); }
+
+// torch.lerp(start, end, w) as torch computes it: start + w * (end - start) for |w| < 0.5, else
+// end + (w - 1) * (end - start), each a fused multiply-add (exact at both ends of the range).
+// w is a per-step scalar, so the choice is one branch per call, not per element.
+template <class V>
+AMPFUNC_HD inline V lerp(V start, V end, float w) {
+  const V diff = sub_rn(end, start);
+  return fabsf(w) < 0.5f ? fma_rn(w, diff, start) : fma_rn(sub_rn(w, 1.f), diff, end);
+}
+
 // ---- Adam / AdamW ----
 
 struct AdamScalars {

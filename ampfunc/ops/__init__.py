@@ -262,6 +262,8 @@ for _opt in _spec.OPTIMIZERS.values():
     __all__ += _forms.define(_opt, globals())
     globals()[f"_ref_{_opt.name}_step"] = reference_step(_opt)
 del _opt
+# The out-of-place optimizer ops, whose new state comes back packed in eager mode (_loading._call).
+_loading._PACKING_OPS = frozenset(f"{o}{form}" for o in _spec.OPTIMIZERS for form in ("_step", "_update"))
 
 _REFERENCE = references()
 # ops._ref_<op>_op: the reference kernel of each op by name, an optimizer's in-place step as

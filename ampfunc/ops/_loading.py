@@ -67,7 +67,8 @@ def _through_door(name: str, args: tuple):
     door = _DIRECT[0]
     if door is None or _is_compiling():
         return NotImplemented
-    return getattr(door, name)(*args)
+    fn = getattr(door, name, None)  # the generic optimizers' ops take the dispatcher
+    return NotImplemented if fn is None else fn(*args)
 
 # The out-of-place optimizer ops whose new state lists and updates come back packed in eager mode.
 _PACKING_OPS = frozenset({"adam_step", "sgd_step", "adam_update", "sgd_update"})

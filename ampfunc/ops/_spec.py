@@ -122,8 +122,7 @@ class Optimizer(NamedTuple):
     ``reference_update``: the pure update, ``(params, grads, *state, step, grad_scale, lr,
     lr_tensor, *hypers) -> (updates, *new_state, new_step)``. ``title``: what it computes, for the
     docstrings (e.g. "``torch.optim.Adam`` (``decoupled_weight_decay=True``: ``AdamW``)");
-    ``math``: the update, for the docstrings; ``first_step``: whether the kernels read the step
-    count only to tell the first step (SGD's momentum) rather than for bias corrections."""
+    ``math``: the update, and ``traffic``: what a step reads and writes, for the docstrings."""
 
     name: str
     state: tuple
@@ -133,6 +132,13 @@ class Optimizer(NamedTuple):
     title: str
     math: str
     traffic: str
+    # How the fused step (ampfunc.fused) runs a transform registered as FusedSpec(kind, hparams)
+    # with this optimizer's kernels: the kinds it serves, the fields of the transform's state
+    # NamedTuple (``step``, then one per state list, in order), and the kernels' hyper-parameters
+    # from the transform's (``hypers_of(kind, hparams) -> dict``, lr excluded).
+    kinds: tuple = ()
+    tree_state: tuple = ()
+    hypers_of: Optional[Callable] = None
 
     def present(self, when: Optional[str], hyper: dict, value=None) -> bool:
         if when is None:

@@ -62,3 +62,26 @@ import torch as _torch
 if hasattr(_torch.serialization, "add_safe_globals"):
     _torch.serialization.add_safe_globals([SgdState, AdamState, TorchOptimizerState, AccumulateState,
                                            ScaleByScheduleState])
+
+# The other optimizer modules of this package (one file each with an ``__all__``, e.g. lion.py)
+# are picked up as they are, their states allowed through torch.load: adding an optimizer edits
+# no list here (nor in ampfunc/__init__.py, which exports the factory named after its module).
+import importlib as _importlib  # noqa: E402
+import pkgutil as _pkgutil  # noqa: E402
+
+_picked_up_optimizers: list[str] = []  # modules picked up whose namesake factory is top level
+
+for _info in _pkgutil.iter_modules(__path__):
+    if _info.name == "base" or _info.name.startswith("_"):
+        continue
+    _module = _importlib.import_module(f"{__name__}.{_info.name}")
+    for _name in getattr(_module, "__all__", ()):
+        if _name not in __all__:
+            globals()[_name] = getattr(_module, _name)
+            __all__.append(_name)
+            if _name == _info.name:
+                _picked_up_optimizers.append(_name)
+            _obj = globals()[_name]
+            if isinstance(_obj, type) and issubclass(_obj, tuple) and hasattr(_obj, "_fields") and \
+                    hasattr(_torch.serialization, "add_safe_globals"):
+                _torch.serialization.add_safe_globals([_obj])

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <atomic>
 #include <mutex>
+#include <type_traits>
 
 namespace ampfunc {
 namespace cpu {
@@ -625,6 +626,144 @@ void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out
     stream_fence();
   });
 }
+
+// ---- the generic optimizers ----
+
+namespace {
+// The value type the CPU pass runs an optimizer's element function on (ext/optimizers.h):
+// at::vec's float vector, wrapped so that the element helpers of ext/optim_scalars.h (mul_rn,
+// add_rn, sub_rn, fma_rn, sign_of; lerp is written over them) find their vector overloads here
+// by argument-dependent lookup. The same IEEE operation per lane as the scalar helpers, so the
+// CPU and CUDA kernels share one element function and the CPU pass is vectorized by
+// construction, without branches on values.
+struct VF {
+  fVec v;
+};
+inline fVec vec_of(float x) { return fVec(x); }
+inline fVec vec_of(const VF& x) { return x.v; }
+template <class A, class B>
+concept AnyVF = std::is_same_v<A, VF> || std::is_same_v<B, VF>;
+
+template <class A, class B>
+  requires AnyVF<A, B>
+inline VF mul_rn(const A& a, const B& b) {
+  return {vec_of(a) * vec_of(b)};
+}
+template <class A, class B>
+  requires AnyVF<A, B>
+inline VF add_rn(const A& a, const B& b) {
+  return {vec_of(a) + vec_of(b)};
+}
+template <class A, class B>
+  requires AnyVF<A, B>
+inline VF sub_rn(const A& a, const B& b) {
+  return {vec_of(a) - vec_of(b)};
+}
+template <class A, class B, class C>
+  requires(AnyVF<A, B> || std::is_same_v<C, VF>)
+inline VF fma_rn(const A& a, const B& b, const C& c) {
+  return {at::vec::fmadd(vec_of(a), vec_of(b), vec_of(c))};
+}
+// torch.sign per lane, (x > 0) - (x < 0): compares (all-ones masks) and'ed with 1.0.
+inline VF sign_of(const VF& x) {
+  const fVec zero(0.f), one(1.f);
+  return {((x.v > zero) & one) - ((x.v < zero) & one)};
+}
+
+// The source and destination pointers of one segment (equal in place); a null state source
+// reads zeros, a null state destination is not written.
+template <int kS>
+struct OptimPtrs {
+  const float* p;  // null for an update without params
+  const float* s[kS > 0 ? kS : 1];
+  float* p_out;  // unused in update mode
+  float* s_out[kS > 0 ? kS : 1];
+  float* delta;  // update mode: receives new_p - p
+};
+
+// One segment, kW elements per iteration as two vectors (the tail by partial loads and stores,
+// as the hand-written kernels above): Op::element runs on each vector.
+template <class Op, typename G, typename M>
+void optim_segment(const OptimPtrs<Op::kState>& ptrs, const G* g, M* model, int64_t n,
+                   const typename Op::Scalars& scalars, const Streams& streamed, const bool* s_streamed) {
+  constexpr int kS = Op::kState;
+  // Local copies: the stores below could alias the caller's structs as far as the compiler
+  // knows, which would reload every pointer and scalar each iteration; copies stay in registers.
+  const OptimPtrs<kS> x = ptrs;
+  const typename Op::Scalars c = scalars;
+  const Streams st = streamed;
+  bool s_stream[kS > 0 ? kS : 1];
+  for (int q = 0; q < kS; ++q) s_stream[q] = s_streamed[q];
+  for (int64_t j = 0; j < n; j += kW) {
+    const int64_t k = n - j;
+    fVec ga, gb, pa(0.f), pb(0.f);
+    load2(g + j, k, ga, gb);
+    if (x.p) load2(x.p + j, k, pa, pb);
+    VF sa[kS > 0 ? kS : 1], sb[kS > 0 ? kS : 1];
+    for (int q = 0; q < kS; ++q) {
+      if (x.s[q]) {
+        load2(x.s[q] + j, k, sa[q].v, sb[q].v);
+      } else {
+        sa[q].v = fVec(0.f);
+        sb[q].v = fVec(0.f);
+      }
+    }
+    VF qa{pa}, qb{pb};
+    Op::element(VF{ga}, qa, sa, c);
+    Op::element(VF{gb}, qb, sb, c);
+    for (int q = 0; q < kS; ++q) {
+      if (x.s_out[q]) store2(x.s_out[q] + j, k, sa[q].v, sb[q].v, s_stream[q]);
+    }
+    if (x.delta) {
+      store2(x.delta + j, k, qa.v - pa, qb.v - pb, st.p);
+      continue;
+    }
+    store2(x.p_out + j, k, qa.v, qb.v, st.p);
+    if (model) store2(model + j, k, qa.v, qb.v, st.model);
+  }
+}
+}  // namespace
+
+template <class Op>
+void optim_pass(const OptimLists& in, const Tensors& grads, const OptimLists& out, const Tensors& model_params,
+                const Tensors* updates, const typename Op::Scalars& c) {
+  constexpr int kS = Op::kState;
+  const Ranges r(grads);
+  const bool has_p = !in.params->empty(), has_model = !model_params.empty();
+  const bool big = r.total >= kStreamMin;
+  at::parallel_for(0, r.total, kGrain, [&](int64_t begin, int64_t end) {
+    r.for_each(begin, end, [&](int64_t i, int64_t s, int64_t count) {
+      OptimPtrs<kS> x{};
+      bool s_stream[kS > 0 ? kS : 1] = {};
+      for (int q = 0; q < kS; ++q) {
+        x.s[q] = in.state[q]->empty() ? nullptr : in.state[q]->data<float>(i) + s;
+        x.s_out[q] = out.state[q]->empty() ? nullptr : out.state[q]->data<float>(i) + s;
+        s_stream[q] = x.s_out[q] && streams(big, x.s_out[q], x.s[q]);
+      }
+      x.p = has_p ? in.params->data<float>(i) + s : nullptr;
+      x.p_out = updates ? nullptr : out.params->data<float>(i) + s;
+      x.delta = updates ? updates->data<float>(i) + s : nullptr;
+      Streams st{updates ? streams(big, x.delta, nullptr) : streams(big, x.p_out, x.p), false, false, false, false};
+      with_typed(grads, i, [&](auto* g) {
+        if (has_model && !updates) {
+          with_typed(model_params, i, [&](auto* mp) {
+            st.model = streams(big, mp + s, nullptr);
+            optim_segment<Op>(x, g + s, mp + s, count, c, st, s_stream);
+          });
+        } else {
+          optim_segment<Op>(x, g + s, static_cast<float*>(nullptr), count, c, st, s_stream);
+        }
+      });
+    });
+    stream_fence();
+  });
+}
+
+#define AMPFUNC_INSTANTIATE_PASS(name, Op)                                                                     \
+  template void optim_pass<Op>(const OptimLists&, const Tensors&, const OptimLists&, const Tensors&,           \
+                               const Tensors*, const typename Op::Scalars&);
+AMPFUNC_OPTIMIZERS(AMPFUNC_INSTANTIATE_PASS)
+#undef AMPFUNC_INSTANTIATE_PASS
 
 // ---- apply_updates ----
 

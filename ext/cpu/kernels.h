@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../optim_scalars.h"
+#include "../optimizers.h"
 
 namespace ampfunc {
 
@@ -290,6 +291,24 @@ void adam_step(const AdamLists& in, const Tensors& grads, const AdamLists& out,
 // (-step_size * m / denom) alone when there are no params.
 void adam_update(const AdamLists& in, const Tensors& grads, const AdamLists& out,
                  const Tensors& updates, const AdamHyper& h);
+
+// ---- the generic optimizers (ext/optimizers.h) ----
+
+// A generic optimizer's fp32 lists: params (empty for an update without params) and its state
+// lists in the spec's order (an empty list for one the hyper-parameters leave unused).
+struct OptimLists {
+  const Tensors* params;
+  std::vector<const Tensors*> state;
+};
+
+// One pass of optimizer Op over the concatenation of the lists: reads `in` and the grads (any
+// float dtype), writes `out` (the same tensors in place, others out of place) and model_params
+// (empty, or the new params rounded to each one's dtype); or, with `updates` (fp32), writes
+// new_p - p there instead of the params (the step term alone without params). Op::element's
+// arithmetic, element by element, so in place and out of place give the same bits.
+template <class Op>
+void optim_pass(const OptimLists& in, const Tensors& grads, const OptimLists& out, const Tensors& model_params,
+                const Tensors* updates, const typename Op::Scalars& c);
 
 // outs[i] = fp32(params[i]) + fp32(updates[i]), rounded once to outs[i]'s dtype (params' dtype).
 void apply_updates(const Tensors& params, const Tensors& updates,

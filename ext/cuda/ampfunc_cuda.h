@@ -53,7 +53,7 @@ extern "C" {
  * 2: the out-of-place steps and the pure updates (ampfunc_cuda_*_step_out, ampfunc_cuda_*_update).
  * 3: ampfunc_cuda_check sums without overflow: double `sumsq` accumulator, fp32 `sumsq_f32` and
  *    `norm` outputs, double partials in the workspace (an incompatible change of that launcher). */
-#define AMPFUNC_CUDA_ABI_VERSION 3
+#define AMPFUNC_CUDA_ABI_VERSION 4
 int ampfunc_cuda_abi_version(void);
 
 const char* ampfunc_cuda_error_string(int status);
@@ -246,6 +246,44 @@ int ampfunc_cuda_update_scale(float* scale, int32_t* growth_tracker, int32_t* hy
                               const uint8_t* finite, double growth_factor, double backoff_factor,
                               int64_t growth_interval, double min_scale, double max_scale,
                               int64_t hysteresis, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------
+ * The generic optimizers (ext/optimizers.h): one launcher per optimizer, named
+ * ampfunc_cuda_optim_<name>, all taking one AmpfuncOptimLaunch.
+ *
+ * lists: the pointer arrays of the launch (n leaves each), in the layout
+ *   [0] grads (grad_dtype), [1] params in (fp32; NULL for an update without params),
+ *   [2 .. 2+S) the state lists in (fp32; NULL for one the hyper-parameters leave unused),
+ *   [2+S] model copies in (out of place only: the values of a skipped step; else NULL),
+ *   [3+S] params out (fp32; the updates in delta mode), [4+S .. 4+2S) the state lists out,
+ *   [4+2S] model copies out (model_dtype; NULL for none; never in delta mode)
+ * with S the optimizer's number of state lists; in place, the out lists are the in lists.
+ * dest: 0 in place (a skipped step writes nothing), 1 out of place (a skipped step copies
+ * every input to its output), 2 delta (updates = new_p - p; a skipped step writes +0 updates
+ * and copies the state). hyper: the hyper-parameters in schema order. step: device fp32, the
+ * steps taken before this one (t = *step + 1); step_out (may be NULL) receives *step + 1, or
+ * *step on a skipped step, after every kernel of the launch has read *step (in place, pass
+ * step_out = step on the last call of a step).
+ * Cost: one pass reading each input list once and writing each output list once.
+ * ------------------------------------------------------------------------------------------ */
+#define AMPFUNC_OPTIM_MAX_LISTS 16
+#define AMPFUNC_OPTIM_MAX_HYPERS 8
+
+typedef struct AmpfuncOptimLaunch {
+  int dest;
+  int n;
+  const int64_t* numels;
+  void* const* lists[AMPFUNC_OPTIM_MAX_LISTS];
+  int grad_dtype;
+  int model_dtype;
+  const float* grad_scale; /* may be NULL: 1 */
+  const uint8_t* finite;   /* may be NULL: taken */
+  const float* lr_tensor;  /* may be NULL: lr */
+  double lr;
+  double hyper[AMPFUNC_OPTIM_MAX_HYPERS];
+  const float* step;
+  float* step_out;
+} AmpfuncOptimLaunch;
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -137,7 +137,7 @@ double lr_value(const char* op, double lr, const std::optional<Tensor>& lr_tenso
 // spec's order, `hyper` its hyper-parameters in schema order. `inplace`: the op writes params, the
 // state lists, model_params and step (else it only reads).
 void check_step_args(const char* op, const OptimizerSpec& spec, const Tensors& params, const Tensors& grads,
-                     std::initializer_list<const Tensors*> state, const std::vector<double>& hyper,
+                     const std::vector<const Tensors*>& state, const std::vector<double>& hyper,
                      const Tensors& model_params, const Tensor& step, const Tensor& grad_scale, const Tensor& finite,
                      const at::Device& dev, bool inplace) {
   check_scalar(op, "step", step, at::kFloat, dev);
@@ -422,7 +422,7 @@ AdamCheckedOut adam_step_checked_cpu(const Tensors& params, const Tensors& grads
 
 // The validation of an optimizer's pure update, its lists read off the spec (as check_step_args).
 void check_update_args(const char* op, const OptimizerSpec& spec, const Tensors& params, const Tensors& grads,
-                       std::initializer_list<const Tensors*> state, const std::vector<double>& hyper,
+                       const std::vector<const Tensors*>& state, const std::vector<double>& hyper,
                        const Tensor& step, const Tensor& grad_scale, const at::Device& dev) {
   check_scalar(op, "step", step, at::kFloat, dev);
   check_scalar(op, "grad_scale", grad_scale, at::kFloat, dev);

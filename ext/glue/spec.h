@@ -56,9 +56,8 @@ const OptimizerSpec kAdam{"adam",
                            {"decoupled_weight_decay", "bool"},
                            {"maximize", "bool"}}};
 
-const std::vector<const OptimizerSpec*>& optimizer_specs() {
-  static const std::vector<const OptimizerSpec*> specs{&kSgd, &kAdam};
-  return specs;
-}
+// Every optimizer's spec: SGD's and Adam's above, the generic ones' (ext/optimizers.h) from
+// their headers. Defined in optimizers.h.
+const std::vector<const OptimizerSpec*>& optimizer_specs();
 
 }  // namespace

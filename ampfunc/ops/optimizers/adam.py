@@ -97,6 +97,13 @@ def _ref_adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     return list(d), list(m), list(v), list(vmax), new_step
 
 
+def _adam_hypers(kind: str, h: dict) -> dict:
+    """The kernels' hyper-parameters of ``adam`` / ``adamw``'s registered settings."""
+    b1, b2 = h["betas"] if "betas" in h else (h["b1"], h["b2"])
+    return {"beta1": b1, "beta2": b2, "eps": h["eps"], "weight_decay": h["weight_decay"],
+            "amsgrad": bool(h["amsgrad"]), "decoupled_weight_decay": kind == "adamw", "maximize": h["maximize"]}
+
+
 ADAM = register_optimizer(Optimizer(
     name="adam",
     state=(State("exp_avgs"), State("exp_avg_sqs"), State("max_exp_avg_sqs", when="amsgrad")),
@@ -109,4 +116,7 @@ ADAM = register_optimizer(Optimizer(
     math=("torch's single-tensor order of operations in fp32; the bias corrections use ``step + 1``; "
           "``max_exp_avg_sqs`` is used (and updated) with ``amsgrad`` only"),
     traffic="reads g, p, m, v; writes p, m, v (+ model copy)",
+    kinds=("adam", "adamw"),
+    tree_state=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    hypers_of=_adam_hypers,
 ))

@@ -88,4 +88,7 @@ SGD = register_optimizer(Optimizer(
     math=("torch's update of the params and momentum buffers (the buffer starts as ``g`` on the first applied "
           "step, ``step == 0``)"),
     traffic="reads grad, param (+buffer), writes param (+buffer, +model copy)",
+    kinds=("sgd",),
+    tree_state=("momentum_buffer",),
+    hypers_of=lambda kind, h: {k: h[k] for k in ("weight_decay", "momentum", "dampening", "nesterov", "maximize")},
 ))
