@@ -472,3 +472,21 @@ def test_plain_tensors_in_c_refuses_subclasses_and_non_tensors_by_exact_type():
     assert tree.plain_tensors([]) is True
     assert tree.same_objects([x, x], [x, x.view(2)]) is False  # equal values, other object
     assert tree.same_objects([x], [x, x]) is False
+
+
+def test_a_long_in_place_call_bumps_every_written_tensor_once_and_no_read_one():
+    # longer than the bump loop's prefetch distance, with views of one buffer among the leaves
+    n = 50
+    moments = torch.zeros(2, n * 3)
+    p, g = [torch.randn(3) for _ in range(n)], [torch.randn(3) for _ in range(n)]
+    m, v = list(moments[0].view(n, 3).unbind()), list(moments[1].view(n, 3).unbind())
+    step = torch.zeros(())
+    before = [[t._version for t in lst] for lst in (p, g, m, v)]
+    DOOR.adam_step_(p, g, m, v, [], [], step, torch.ones(()), torch.ones((), dtype=torch.bool), 1e-3, None, 0.9,
+                    0.99, 1e-8, 0.0, False, False, False)
+    assert [t._version - b for t, b in zip(p, before[0])] == [1] * n
+    assert [t._version - b for t, b in zip(g, before[1])] == [0] * n
+    # the views of one buffer share its counter, as torch's in-place ops on views do: one bump
+    # per written view
+    assert [t._version - b for t, b in zip(m + v, before[2] + before[3])] == [2 * n] * (2 * n)
+    assert moments._version == 2 * n and step._version == 1
