@@ -54,6 +54,15 @@ Sections:
 
     python benchmarks/bench_step.py --only g       # section (g) alone
 
+  (h)     many leaves alone: 200 against 10,000 tensors of the same total (16M fp32 elements),
+          mixed_precision(adamw).step_ (target: 10,000 at <= 1.2x the 200-tensor time), the pure
+          step and update + apply_updates, and ops.adam_step_ on the same lists; the rows timed
+          round by round as in (e), and for each pair the ratio of every round (a round's
+          10,000-tensor median over its 200-tensor median) as median and min-max, which drift
+          in the machine's speed between rounds does not move.
+
+    python benchmarks/bench_step.py --only h       # section (h) alone
+
 Outside section (f), gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
 huge so that repeated in-place unscaling and clipping by torch leave the values (and so the
 speed: no denormals) unchanged from one repeat to the next; every kernel still does its work.
@@ -429,8 +438,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--paths-elements", type=int, default=None,
                     help="total elements of section (e) (default 16M; 1M with --quick)")
-    ap.add_argument("--only", default="abcdefg",
-                    help="'e', 'b', 'f' or 'g': that section alone (after the floor); anything else runs every section")
+    ap.add_argument("--only", default="abcdefgh",
+                    help="'b', 'e', 'f', 'g' or 'h': that section alone (after the floor); anything else runs every section")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--churn", type=int, default=2,
                     help="section (f): lists of gradient-sized temporaries made and dropped before each backward")
@@ -480,6 +489,13 @@ def main(argv=None):
         return
     if args.only == "b":
         master_section(table, timer, device, sizes, total, bw_rw)
+        print()
+        table.print()
+        return
+    if "h" in args.only:
+        leaves_section(table, timer, device, args.paths_elements or (2**20 if args.quick else 16 * 2**20),
+                       args.tensors, args.many)
+    if args.only == "h":
         print()
         table.print()
         return
@@ -642,6 +658,52 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     table.add(names["many_flat_trainer"], times["many_flat_trainer"], floor_ms, None,
               f"{med['many_flat_trainer'] / med['flat_trainer']:5.2f}x the {n_few}-tensor time (target <= 1.2x)")
     params = grads = mparams = mgrads = fns = None  # frees the trees (the closures above ran)
+
+
+def ops_adam_step_(params, grads):
+    """``ops.adam_step_`` alone on the tree's lists (AdamW, in place, moments packed as init
+    packs them): the door and the kernel without the engine's Python."""
+    p, g = list(params.values()), list(grads.values())
+    state = af.adamw(LR).init(params)
+    m, v = list(state.exp_avg.values()), list(state.exp_avg_sq.values())
+    step, scale, finite = torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool)
+
+    def run():
+        ops.adam_step_(p, g, m, v, None, None, step, scale, finite, lr=LR, weight_decay=0.01,
+                       decoupled_weight_decay=True)
+    return run
+
+
+def leaves_section(table, timer, device, total, n_few, n_many):
+    """(g): the same paths on ``n_few`` and ``n_many`` tensors of one total size, interleaved."""
+    trees = {}
+    for n in (n_few, n_many):
+        sizes = tree_sizes(total, n)
+        trees[n] = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
+    paths = {
+        "step_": ("mixed_precision(adamw, NoOpLossScale()).step_", lambda p, g: mixed_step(p, g, True), 1.2),
+        "step": ("mixed_precision(adamw, NoOpLossScale()).step (pure)", lambda p, g: mixed_step(p, g, False), None),
+        "update": ("af.adamw(1e-3).update + af.apply_updates (pure)", pure_update_step, 1.2),
+        "ops": ("ops.adam_step_ (the op alone, in place)", ops_adam_step_, None),
+    }
+    fns = {}
+    for key, (_, make, _) in paths.items():
+        for n, (params, grads) in trees.items():
+            fns[(key, n)] = make({k: v.clone() for k, v in params.items()}, grads)
+    block = 3
+    times = timer.interleaved(fns, block=block)
+    table.section(f"(h) {n_few} against {n_many} tensors, {total / 2**20:.1f}M elements fp32, rows interleaved round "
+                  f"by round ({timer.reps} rounds of {block}); ratio = {n_many}-tensor time / {n_few}-tensor time")
+    for key, (name, _, target) in paths.items():
+        few, many = times[(key, n_few)], times[(key, n_many)]
+        rounds = [statistics.median(many[i:i + block]) / statistics.median(few[i:i + block])
+                  for i in range(0, len(few), block)]
+        med_few = table.add(f"{name}, {n_few} tensors", few)
+        goal = f" (target <= {target}x)" if target else ""
+        table.add(f"{name}, {n_many} tensors", many, None, None,
+                  f"{statistics.median(many) / med_few:5.2f}x; per round {statistics.median(rounds):.2f}x "
+                  f"({min(rounds):.2f}-{max(rounds):.2f}){goal}")
+    trees = fns = None  # frees the trees (the closures above ran)
 
 
 # ---------------------------------------------------------------------------------------------

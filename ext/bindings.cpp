@@ -118,6 +118,9 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);
     m.def("kernel_ready", &direct::kernel_ready);
+    m.def("dict_values_aligned", &direct::dict_values_aligned);
+    m.def("same_objects", &direct::same_objects);
+    m.def("exact_types", &direct::exact_types);
     m.def("grads_of", &direct::grads_of);
     m.def("clear_grads", &direct::clear_grads);
     m.def("bound_signature", &direct::bound_signature);

@@ -289,7 +289,7 @@ def test_new_optimizer_state_and_updates_are_views_of_one_block_per_list():
     assert len({t.untyped_storage().data_ptr() for t in new_p}) == len(p)
 
 
-@pytest.mark.parametrize("n", [3, 5000])  # described on one thread, and on every core
+@pytest.mark.parametrize("n", [3, 5000])  # shorter and longer than the prefetch distance
 def test_copy_on_write_params_are_materialized_before_an_in_place_step_writes(n):
     base = [torch.ones(4) for _ in range(n)]
     params = [torch._lazy_clone(b) for b in base]  # share base's data until written
@@ -302,7 +302,7 @@ def test_copy_on_write_params_are_materialized_before_an_in_place_step_writes(n)
 
 
 def test_a_long_list_with_one_tensor_the_door_cannot_take_goes_to_the_dispatcher():
-    n = 5000  # long enough to be described on every core
+    n = 5000  # the refused tensor deep in a list read with prefetching
     p = [torch.randn(3) for _ in range(n)]
     p[4321] = torch.randn(3, requires_grad=True)  # grad mode is on: the door must hand it back
     u = [torch.randn(3) for _ in range(n)]
@@ -408,3 +408,85 @@ def test_bump_versions_and_requires_grad_changed_on_both_doors(door, monkeypatch
     ts[1].requires_grad_(True)
     assert ops.requires_grad_changed(ts, bytes([1, 0, 1])) == 1
     assert ops.requires_grad_changed(ts, bytes([0, 1, 1])) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# ampfunc.tree's per-leaf loops, run by the door in C: the same answers as their Python twins
+# ---------------------------------------------------------------------------------------------
+
+
+class _Key(str):
+    """A key equal to a str but not the same object (compared with ==, as list(d) != keys does)."""
+
+
+def _tree_cases():
+    t = [torch.zeros(1) for _ in range(4)]
+    d = {f"k{i}": x for i, x in enumerate(t)}
+    return {
+        "same dict": [d, d],
+        "same keys": [d, {k: torch.ones(1) for k in d}, {k: 3 for k in d}],
+        "equal keys": [d, {_Key(k): v for k, v in d.items()}],
+        "other order": [d, dict(reversed(list(d.items())))],
+        "other key": [d, {**{k: v for k, v in d.items() if k != "k3"}, "k9": t[3]}],
+        "shorter": [d, {"k0": t[0]}],
+        "empty": [{}, {}],
+        "not a dict": [d, list(t)],
+        "ordered dict": [d, __import__("collections").OrderedDict(d)],
+        "first not a dict": [list(t), d],
+        "no trees": [],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_tree_cases()))
+def test_the_tree_loops_in_c_answer_as_their_python_twins(case, monkeypatch):
+    from ampfunc import tree
+
+    trees = _tree_cases()[case]
+    c_values = tree.dict_values_aligned(trees)
+    with monkeypatch.context() as mp:
+        mp.setattr(tree, "_door", lambda: None)
+        py_values = tree.dict_values_aligned(trees)
+    assert (c_values is None) == (py_values is None)
+    if py_values is None:
+        return
+    assert [[id(x) for x in vs] for vs in c_values] == [[id(x) for x in vs] for vs in py_values]
+    for vs in py_values:
+        for other in py_values:
+            with monkeypatch.context() as mp:
+                mp.setattr(tree, "_door", lambda: None)
+                want_same, want_plain = tree.same_objects(vs, other), tree.plain_tensors(vs)
+            assert tree.same_objects(vs, other) is want_same
+            assert tree.plain_tensors(vs) is want_plain
+
+
+def test_plain_tensors_in_c_refuses_subclasses_and_non_tensors_by_exact_type():
+    from ampfunc import tree
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.zeros(2)
+    assert tree.plain_tensors([x, torch.nn.Parameter(torch.zeros(1))]) is True
+    assert tree.plain_tensors([x, x.as_subclass(Sub)]) is False
+    assert tree.plain_tensors([x, None]) is False
+    assert tree.plain_tensors([]) is True
+    assert tree.same_objects([x, x], [x, x.view(2)]) is False  # equal values, other object
+    assert tree.same_objects([x], [x, x]) is False
+
+
+def test_a_long_in_place_call_bumps_every_written_tensor_once_and_no_read_one():
+    # longer than the bump loop's prefetch distance, with views of one buffer among the leaves
+    n = 50
+    moments = torch.zeros(2, n * 3)
+    p, g = [torch.randn(3) for _ in range(n)], [torch.randn(3) for _ in range(n)]
+    m, v = list(moments[0].view(n, 3).unbind()), list(moments[1].view(n, 3).unbind())
+    step = torch.zeros(())
+    before = [[t._version for t in lst] for lst in (p, g, m, v)]
+    DOOR.adam_step_(p, g, m, v, [], [], step, torch.ones(()), torch.ones((), dtype=torch.bool), 1e-3, None, 0.9,
+                    0.99, 1e-8, 0.0, False, False, False)
+    assert [t._version - b for t, b in zip(p, before[0])] == [1] * n
+    assert [t._version - b for t, b in zip(g, before[1])] == [0] * n
+    # the views of one buffer share its counter, as torch's in-place ops on views do: one bump
+    # per written view
+    assert [t._version - b for t, b in zip(m + v, before[2] + before[3])] == [2 * n] * (2 * n)
+    assert moments._version == 2 * n and step._version == 1

@@ -322,20 +322,6 @@ void check_tensor(const char* op, const char* name, int64_t i, const Tensor& t, 
                    dtype_str(t.scalar_type()), "; ", name, " take ", dt_words(dt), " (", op, ")");
 }
 
-// Loops over long lists of tensors are bound by memory latency, not work: each TensorImpl (and
-// its storage) is a separate heap object, cold in cache on a 10,000-leaf tree. Asking for the
-// one kPrefetch ahead while working on this one overlaps those misses.
-constexpr size_t kPrefetch = 6;
-
-inline void prefetch(const Tensors& ts, size_t i) {
-  if (i + kPrefetch < ts.size()) {
-    const char* impl = reinterpret_cast<const char*>(ts[i + kPrefetch].unsafeGetTensorImpl());
-    __builtin_prefetch(impl);
-    __builtin_prefetch(impl + 64);
-    __builtin_prefetch(impl + 128);
-  }
-}
-
 // Whether two descriptors have the same shape for sure (false: compare the tensors' sizes).
 inline bool same_shape(const Tensors::Desc& a, const Tensors::Desc& b) {
   if (a.ndim < 0 || a.ndim != b.ndim) return false;
