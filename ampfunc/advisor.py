@@ -209,7 +209,7 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
                          f"(device={str(device)!r}); drop it, or plan for device='cpu'")
     requirements = []
     if n_params is not None:
-        requirements.append(f"fp32 master weights: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
+        requirements.append(f"{_MASTER_REQUIREMENT}: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
                             "(keep them: updates smaller than half a low-precision ulp would be lost)")
     if dev.type == "cpu":
         return _low_memory(_recommend_cpu(flags, requirements), n_params, device_memory)
@@ -226,6 +226,7 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
     return _low_memory(_recommend_cuda(capability, n_params, stability, requirements), n_params, device_memory)
 
 
+_MASTER_REQUIREMENT = "fp32 master weights"
 _FP32_MASTER_BYTES = 14  # bf16 param + fp32 master + two fp32 Adam moments, per parameter
 _LOW_MEMORY_BYTES = 6.1  # bf16 param + int16 low half + two 8-bit moments + block absmaxes
 
@@ -245,7 +246,10 @@ def _low_memory(rec: Recommendation, n_params, device_memory) -> Recommendation:
                 f"({_FP32_MASTER_BYTES} bytes per parameter) of the device's {device_memory / gib:.1f} GiB, so keep "
                 f"the fp32 master split (the bf16 param is its high half, 2 bytes more, exact) and Adam's moments "
                 f"in 8 bits: about {low / gib:.1f} GiB ({_LOW_MEMORY_BYTES} bytes per parameter)."),
-        requirements=rec.requirements + [
+        # The split master replaces the fp32 copy the generic requirement sized.
+        requirements=[r for r in rec.requirements if not r.startswith(_MASTER_REQUIREMENT)] + [
+            f"{_MASTER_REQUIREMENT}: kept split, {2 * n_params / 2**20:.0f} MiB of int16 low halves besides the "
+            "bf16 params (exact fp32 masters)",
             "af.mixed_precision(af.adamw(lr, moments='q8'), ..., master='split') (or make_train_step / "
             "ModuleTrainer with master='split') on bf16 params; norm layers may stay fp32",
             "activations, gradients and temporaries need memory beyond this persistent state"],
