@@ -60,7 +60,6 @@ __all__ = [
     "encode_moment",
     "encode_state",
     "encode_state_",
-    "has_low_moments",
     "init_moment",
     "init_split_master",
     "join_master",
@@ -404,12 +403,6 @@ def _is_low(slot: Any) -> bool:
     if isinstance(slot, Q8Moment):
         return True
     return any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tree_flatten(slot)[0])
-
-
-def has_low_moments(opt: Any) -> bool:
-    """Whether an optimizer state (a NamedTuple) keeps a moment in bf16 or q8."""
-    return any(_is_low(getattr(opt, f)) for f in MOMENT_FIELDS if f in getattr(opt, "_fields", ())
-               and getattr(opt, f) is not None)
 
 
 def decode_state(opt: Any) -> Any:
