@@ -30,6 +30,7 @@ from ampfunc.functional import TrainState, make_train_step, value_and_grad
 from ampfunc.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from ampfunc.mixed import (
     loss_scale_of,
+    master_params,
     mixed_precision,
     scale_loss,
     skip_or_apply,
@@ -73,7 +74,7 @@ __all__ = [
     # optimizers and common transforms
     "sgd", "adam", "adamw", "from_torch", "clip_by_global_norm", "add_decayed_weights", "accumulate",
     # the mixed-precision step
-    "mixed_precision", "MixedPrecisionState",
+    "mixed_precision", "MixedPrecisionState", "master_params",
     # one step path per style of loop: torch.func/compile, and a stateful nn.Module trainer
     "make_train_step", "TrainState", "value_and_grad", "ModuleTrainer",
     # monitoring and advice

@@ -53,6 +53,10 @@ class Recommendation(NamedTuple):
         ``"fp8"``).
       device: the device type planned for (``"cpu"`` or ``"cuda"``).
       capability: the CUDA capability planned for, or ``None`` (CPU).
+      master: the ``master=`` to pass to :func:`ampfunc.mixed_precision` (``"split"`` when
+        memory is the constraint, else ``"fp32"``).
+      moments: the ``moments=`` to pass to ``af.adamw`` (``"q8"`` when memory is the
+        constraint, else ``"fp32"``).
 
     Example:
       >>> rec = af.recommend_policy("cpu", cpu_flags=[])
@@ -67,6 +71,8 @@ class Recommendation(NamedTuple):
     precision: str
     device: str
     capability: Optional[tuple] = None
+    master: str = "fp32"
+    moments: str = "fp32"
 
 
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
@@ -131,7 +137,8 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
                      capability: Optional[Sequence[int]] = None,
                      cpu_flags: Union[str, Sequence[str], None] = None,
                      n_params: Optional[int] = None,
-                     stability: str = "normal") -> Recommendation:
+                     stability: str = "normal",
+                     device_memory: Optional[int] = None) -> Recommendation:
     """The precision to train in on ``device``, with the reason and the requirements.
 
     Args:
@@ -148,6 +155,11 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
         (:func:`cpu_bf16_flags`). Refused (``ValueError``) for a CUDA plan.
       n_params: the model's parameter count (an int >= 0, not a bool), when known. It sizes
         the master-weight requirement, and fp8 is only advised from 100M parameters.
+      device_memory: the bytes of device memory to plan for (by default a CUDA device's own
+        total; unknown for a CPU or a planned GPU). With ``n_params``: where the persistent
+        state of an fp32-master Adam step (14 bytes per parameter: bf16 params, fp32 master, two
+        fp32 moments) would not fit, and the low-memory one (about 6: split master, 8-bit
+        moments) would, that is advised (``master="split"``, ``moments="q8"``, bf16 params).
       stability: ``"normal"`` or ``"high"``. ``"high"`` never advises fp8, and before sm80
         advises a dynamic scale that tolerates one overflow before backing off (hysteresis 2).
 
@@ -197,10 +209,10 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
                          f"(device={str(device)!r}); drop it, or plan for device='cpu'")
     requirements = []
     if n_params is not None:
-        requirements.append(f"fp32 master weights: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
+        requirements.append(f"{_MASTER_REQUIREMENT}: {4 * n_params / 2**20:.0f} MiB besides the optimizer state "
                             "(keep them: updates smaller than half a low-precision ulp would be lost)")
     if dev.type == "cpu":
-        return _recommend_cpu(flags, requirements)
+        return _low_memory(_recommend_cpu(flags, requirements), n_params, device_memory)
     if dev.type != "cuda":
         raise ValueError(f"recommend_policy: device type {dev.type!r} is not planned for; use 'cpu' or 'cuda' "
                          "(with capability=(major, minor) for a GPU you do not have)")
@@ -209,7 +221,39 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
             raise ValueError("recommend_policy: no CUDA device here; pass capability=(major, minor) to plan "
                              "for a GPU you do not have, e.g. capability=(8, 0) for an A100")
         capability = _check_capability(tuple(torch.cuda.get_device_capability(dev)))
-    return _recommend_cuda(capability, n_params, stability, requirements)
+        if device_memory is None:
+            device_memory = torch.cuda.get_device_properties(dev).total_memory
+    return _low_memory(_recommend_cuda(capability, n_params, stability, requirements), n_params, device_memory)
+
+
+_MASTER_REQUIREMENT = "fp32 master weights"
+_FP32_MASTER_BYTES = 14  # bf16 param + fp32 master + two fp32 Adam moments, per parameter
+_LOW_MEMORY_BYTES = 6.1  # bf16 param + int16 low half + two 8-bit moments + block absmaxes
+
+
+def _low_memory(rec: Recommendation, n_params, device_memory) -> Recommendation:
+    """``rec`` turned to the low-memory setting where memory is the constraint: a bf16 plan
+    whose fp32-master state would not fit ``device_memory`` while the low-memory state would."""
+    if n_params is None or device_memory is None or rec.precision not in ("bf16", "fp8"):
+        return rec
+    need, low = _FP32_MASTER_BYTES * n_params, _LOW_MEMORY_BYTES * n_params
+    if need <= device_memory or low > device_memory:
+        return rec
+    gib = 2**30
+    return rec._replace(
+        policy=get_policy("p=bf16,c=bf16,o=f32"),
+        reason=(f"{rec.reason} Memory is the constraint: an fp32-master Adam state takes {need / gib:.1f} GiB "
+                f"({_FP32_MASTER_BYTES} bytes per parameter) of the device's {device_memory / gib:.1f} GiB, so keep "
+                f"the fp32 master split (the bf16 param is its high half, 2 bytes more, exact) and Adam's moments "
+                f"in 8 bits: about {low / gib:.1f} GiB ({_LOW_MEMORY_BYTES} bytes per parameter)."),
+        # The split master replaces the fp32 copy the generic requirement sized.
+        requirements=[r for r in rec.requirements if not r.startswith(_MASTER_REQUIREMENT)] + [
+            f"{_MASTER_REQUIREMENT}: kept split, {2 * n_params / 2**20:.0f} MiB of int16 low halves besides the "
+            "bf16 params (exact fp32 masters)",
+            "af.mixed_precision(af.adamw(lr, moments='q8'), ..., master='split') (or make_train_step / "
+            "ModuleTrainer with master='split') on bf16 params; norm layers may stay fp32",
+            "activations, gradients and temporaries need memory beyond this persistent state"],
+        master="split", moments="q8")
 
 
 def _recommend_cpu(flag_set, requirements) -> Recommendation:

@@ -32,8 +32,9 @@ import torch
 from ampfunc import ops
 from ampfunc.dist import agree_finite, any_dtensor
 from ampfunc.flat import copy_packed
-from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, plan_for
+from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, fp32_twin, plan_for
 from ampfunc.loss_scale import DynamicLossScale, LossScale
+from ampfunc.lowmem import SplitMaster, check_master, init_split_master, join_master, lowmem_step
 from ampfunc.shards import active as active_sharding
 from ampfunc.shards import local_view
 from ampfunc.transform import GradientTransformation, apply_updates
@@ -327,16 +328,32 @@ class Engine:
     """
 
     def __init__(self, inner: GradientTransformation, *, master_dtype: Optional[torch.dtype] = torch.float32,
-                 group=None, where: str = "mixed_precision"):
+                 group=None, where: str = "mixed_precision", master: str = "fp32"):
         if not isinstance(inner, GradientTransformation):
             raise TypeError(f"{where}: inner must be a GradientTransformation, got {type(inner).__name__}")
         if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
             raise ValueError(f"{where}: master_dtype must be a floating dtype, got {master_dtype!r}")
+        check_master(master, where)
+        if master == "split" and master_dtype not in (torch.float32, None):
+            raise ValueError(f"{where}: master='split' keeps float32 masters (their low halves), got "
+                             f"master_dtype={master_dtype}: use master_dtype=torch.float32 or master='fp32'")
         self.inner = inner
         self.master_dtype = master_dtype
+        self.master = master
         self.group = group
         self.where = where
         self.plan: Optional[FusedPlan] = plan_for(inner)
+        # The low-memory settings (ampfunc.lowmem): a split master, or a fused optimizer's moments
+        # in bf16/q8. Their step rebuilds the fp32 numbers, runs them through `_core` (an engine
+        # over the fp32 layout and the optimizer's fp32 twin: the fused kernels or the generic
+        # path, as for master="fp32") and stores them back.
+        self.moments = self.plan.hparams.get("moments", "fp32") if self.plan is not None else "fp32"
+        self.lowmem = master == "split" or self.moments != "fp32"
+        self._core: Optional[Engine] = None
+        if self.lowmem:
+            core_inner = fp32_twin(self.plan) if self.moments != "fp32" else inner
+            self._core = Engine(core_inner, master_dtype=None if master == "split" else master_dtype, group=group,
+                                where=where)
         # Monitoring hook: on_check(finite, leaf_nonfinite, leaf_paths), see the class docstring.
         self.on_check: Optional[Callable] = None
         # What was validated last (the lists themselves, compared by identity), so the tensors
@@ -367,11 +384,17 @@ class Engine:
             if leaf.device.type == "meta":
                 raise ValueError(f"{self.where}.init: params leaf {path!r} is on the meta device (no data)")
         master = None
-        if any(t.dtype != self.master_dtype_for(t.dtype) for t in leaves):
+        if self.master == "split":
+            # bf16 params are their masters' high halves; the state keeps the low halves.
+            master = init_split_master(params, f"{self.where}.init")
+            ref = join_master(params, master)
+        elif any(t.dtype != self.master_dtype_for(t.dtype) for t in leaves):
             # One buffer per (device, dtype): the step reads and writes the masters as one stream.
-            master = copy_packed(params, self.master_dtype_for)
+            master = ref = copy_packed(params, self.master_dtype_for)
+        else:
+            ref = params
         device = leaves[0].device if leaves else torch.device("cpu")
-        inner_state = self.inner.init(master if master is not None else params)
+        inner_state = self.inner.init(ref)
         # The state's own copy of the scale's tensors (`.to` hands back the given ones on the
         # same device): step_ writes them, and neither the caller's scale object nor a second
         # state from init may change with it.
@@ -384,6 +407,9 @@ class Engine:
             raise TypeError(f"{where}: state must be the MixedPrecisionState from init, got {type(state).__name__}")
         if not isinstance(state.loss_scale, LossScale):
             raise TypeError(f"{where}: state.loss_scale must be a loss scale, got {type(state.loss_scale).__name__}")
+        if isinstance(state.master, SplitMaster) and self.master != "split":
+            raise ValueError(f"{where}: the state's master is a SplitMaster (made with master='split') but this step "
+                             f"keeps master={self.master!r}: a state from another setting -- call init again")
 
     def _line_up(self, params, grads, master, slot_trees, slot_names, where, known=None) -> tuple:
         """``(lined, hit)``: the leaves of every tree in one order -- the cheap dict-values order
@@ -572,6 +598,8 @@ class Engine:
             with view.sharding:
                 new_params, new_state = self.step(view.params, view.grads, state, where=where, trust_grads=trust_grads)
             return view.wrap(new_params), new_state
+        if self.lowmem:
+            return self._lowmem(params, grads, state, where, trust_grads, inplace=False)
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads)
         if prep.opt is not None:
             out = self._fused(params, grads, state, prep, where, trust_grads)
@@ -690,6 +718,8 @@ class Engine:
             with view.sharding:
                 _, state = self.step_(view.params, view.grads, state, where=where, trust_grads=trust_grads)
             return params, state
+        if self.lowmem:
+            return self._lowmem(params, grads, state, where, trust_grads, inplace=True)
         prep = self._prepare(params, grads, state, where, trust_grads=trust_grads, inplace=True)
         lined, opt = prep.lined, prep.opt
         if opt is not None:
@@ -716,6 +746,16 @@ class Engine:
                 _copy_into((state.master, state.inner, state.loss_scale),
                            (new_state.master, new_state.inner, new_state.loss_scale))
             return params, self._commit_stats(state, new_state.finite)
+
+    def _lowmem(self, params, grads, state, where, trust_grads, inplace):
+        """The step of the low-memory settings: :func:`ampfunc.lowmem.lowmem_step` around the
+        fp32 engine ``_core``, which gets this engine's monitoring hook."""
+        self._check_state(state, where)
+        if inplace and not _compiling():
+            state.loss_scale.check_writable(where)
+        self._core.on_check = self.on_check
+        return lowmem_step(self._core, self.plan, self.master == "split", params, grads, state, inplace=inplace,
+                           where=where, trust_grads=trust_grads, moments=self.moments)
 
     def _check_written(self, state, opt, written, where):
         """No two tensors an in-place step writes may share memory (nor one overlap itself)."""

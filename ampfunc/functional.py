@@ -39,6 +39,7 @@ from ampfunc.engine import Engine, MixedPrecisionState, skip_stats
 from ampfunc.flat import unpacked
 from ampfunc.fp8 import Fp8Policy
 from ampfunc.loss_scale import LossScale, NoOpLossScale
+from ampfunc.lowmem import init_split_master, join_master
 from ampfunc.mixed import check_optimizer_transform, unscale_and_check
 from ampfunc.policy import Policy, buffers_of, cast_params, get_policy, norm_layers, params_of
 from ampfunc.shards import fully_sharded_module, local_view
@@ -329,6 +330,9 @@ class TrainState(NamedTuple):
       finite: 0-d bool: the last step was applied (``True`` before the first).
       skipped: 0-d int64: the steps skipped so far.
       fp8: the FP8 scaling state (``make_train_step(fp8=...)``), else ``None``.
+      master: with ``make_train_step(master="split")``, the
+        :class:`~ampfunc.lowmem.SplitMaster` whose int16 low halves complete the bf16 params
+        into exact fp32 masters (:func:`ampfunc.master_params`); else ``None``.
 
     Example:
       >>> train = af.make_train_step(nn.Linear(4, 2), lambda fwd, x: fwd(x).square().mean(), af.sgd(0.1))
@@ -344,6 +348,7 @@ class TrainState(NamedTuple):
     finite: Optional[torch.Tensor] = None
     skipped: Optional[torch.Tensor] = None
     fp8: Optional[PyTree] = None  # FP8 scaling state (make_train_step(fp8=...)), else None
+    master: Optional[PyTree] = None  # the split masters' low halves (make_train_step(master="split")), else None
 
 
 class StepOutput(NamedTuple):
@@ -420,7 +425,7 @@ def _plain_autograd_ok() -> bool:
 def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTransformation, policy=None, *,
                     loss_scale: LossScale | None = None, has_aux: bool = False, keep=None,
                     group=None, overwrite_with_gradient: Callable[[str], bool] | None = None,
-                    fp8: Fp8Policy | None = None) -> TrainStep:
+                    fp8: Fp8Policy | None = None, master: str = "fp32") -> TrainStep:
     """A pure, compilable train step for ``model``: ``train.init()`` and ``train.step(state, *batch)``.
 
     One step: forward and backward of the scaled loss (``torch.func.grad`` when compiled or
@@ -464,6 +469,11 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
       fp8: an :class:`ampfunc.fp8.Fp8Policy`: its Linear layers run as scaled FP8 matmuls and
         ``state.fp8`` carries their scaling state, the "gradient" of itself (never unscaled,
         averaged or clipped); with ``group`` the amaxes are MAX-reduced over it.
+      master: ``"fp32"``: the params (in the policy's param dtype) are what ``tx`` updates, no
+        separate master (jmp's model). ``"split"``: bf16 params are the high halves of exact
+        fp32 masters whose low halves ``state.master`` keeps (2 bytes per element; a policy
+        with bf16 params, e.g. ``"p=bf16,c=bf16,o=f32"``; fp32 leaves such as the norm layers
+        are their own masters); ``tx`` updates the fp32 masters. See :mod:`ampfunc.lowmem`.
 
     Returns:
       A :class:`TrainStep` ``(init, step)``; ``step(state, *batch) -> (state, StepOutput)``.
@@ -512,7 +522,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
     compute_dtype = policy.compute_dtype
     # The params are stored in the policy's param dtype and are the optimizer's reference:
     # no separate master copy (jmp's model).
-    engine = Engine(tx, master_dtype=None, where="make_train_step")
+    engine = Engine(tx, master_dtype=None, master=master, where="make_train_step")
     if fp8 is not None and not isinstance(fp8, Fp8Policy):
         raise TypeError(f"make_train_step: fp8 must be an ampfunc.fp8.Fp8Policy, got {type(fp8).__name__}")
     if fp8 is not None and group is not None and fp8.group is None:
@@ -541,11 +551,16 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # donated to step_, and a compiled step_ over packed moments would copy the packed
         # buffer once per leaf every step (see ampfunc.flat.unpacked).
         # DTensor params: the optimizer state is made per rank on the local shards, as the engine
-        # steps them (ampfunc.shards); the params stay DTensors.
-        view = local_view(optimized(params), where="make_train_step.init")
-        opt_state = tx.init(view.params if view is not None else optimized(params))
+        # steps them (ampfunc.shards); the params stay DTensors. With master="split" the bf16
+        # params' low halves are kept, and the optimizer's state is made for the fp32 masters.
+        split = init_split_master(optimized(params), "make_train_step.init") if master == "split" else None
+        view = local_view(optimized(params), where="make_train_step.init") if split is None else None
+        ref = join_master(optimized(params), split) if split is not None else \
+            (view.params if view is not None else optimized(params))
+        opt_state = tx.init(ref)
         return TrainState(params, buffers, unpacked(opt_state), ls, *skip_stats(device),
-                          fp8=fp8.init(device) if fp8 is not None else None)
+                          fp8=fp8.init(device) if fp8 is not None else None,
+                          master=unpacked(split) if split is not None else None)
 
     def scaled_loss(compute_params, state8, buffers, ls, *batch):
         new_buffers = [buffers]
@@ -655,7 +670,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         check_layout(state, "make_train_step")
         ls = state.loss_scale
         grads, new8, loss, new_buffers, aux = gradients(state, batch)
-        mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
+        mp = MixedPrecisionState(state.master, state.opt_state, ls, state.finite, state.skipped)
         # torch.func.grad gives every gradient its param's shape: no per-leaf shape check.
         params, mp = engine.step(optimized(state.params), optimized(grads), mp, where="make_train_step",
                                  trust_grads=True)
@@ -664,7 +679,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
                       for k, v in state.params.items()}
         new_buffers = _kept_on_skip(mp.finite, new_buffers, state.buffers)
         new_state = TrainState(params, new_buffers, mp.inner, mp.loss_scale, mp.finite, mp.skipped,
-                               new8 if fp8 is not None else None)
+                               new8 if fp8 is not None else None, mp.master)
         if not ops._is_compiling():
             remember(new_state.params)  # built by us from a matching state
         return new_state, StepOutput(loss, mp.finite, _scale_on(ls, mp.finite.device), aux if has_aux else None)
@@ -681,7 +696,7 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         device = state.finite.device if state.finite is not None else _first_device(state.params)
         used_scale = torch.stack([_scale_on(ls, device)])[0]
         grads, new8, loss, new_buffers, aux = gradients(state, batch)
-        mp = MixedPrecisionState(None, state.opt_state, ls, state.finite, state.skipped)
+        mp = MixedPrecisionState(state.master, state.opt_state, ls, state.finite, state.skipped)
         # Validates everything before its first write; the writes below come after it.
         _, mp = engine.step_(optimized(state.params), optimized(grads), mp, where="make_train_step.step_",
                              trust_grads=True)

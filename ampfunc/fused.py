@@ -32,9 +32,10 @@ import torch
 
 from ampfunc import ops
 from ampfunc.dist import agree_finite
+from ampfunc.optim import adam, adamw, clip_by_global_norm, sgd
 from ampfunc.optim.base import lr_at
 from ampfunc.shards import active as active_sharding
-from ampfunc.transform import ChainSpec, FusedSpec, kernel_spec
+from ampfunc.transform import ChainSpec, FusedSpec, chain, kernel_spec, named_chain
 
 __all__ = ["FusedPlan", "plan_for", "plan_for_torch_group", "KERNEL_GRAD_DTYPES"]
 
@@ -222,6 +223,24 @@ class FusedPlan:
         with torch.no_grad():
             self._op("_step_")(ref, grads, *self._slot_args(slots), model, step, grad_scale, finite,
                                **self._kwargs(lr))
+
+
+def fp32_twin(plan: FusedPlan):
+    """The transform ``plan`` runs, with its moments kept in fp32: the kind, settings, clipping
+    and chain layout of the ``moments="bf16"``/``"q8"`` optimizer the plan was made for, so that
+    optimizer's state, decoded (:func:`ampfunc.lowmem.decode_state`), is the twin's state. The
+    engine of the low-memory settings steps the twin on the decoded numbers (fused, or on its
+    generic path). Cost: builds a transform; called once per engine."""
+    hparams = {k: v for k, v in plan.hparams.items() if k != "moments"}
+    if "betas" in hparams:  # the registered pair; the constructors take b1, b2
+        hparams["b1"], hparams["b2"] = hparams.pop("betas")
+    opt = {"sgd": sgd, "adam": adam, "adamw": adamw}[plan.kind](**hparams)
+    if not plan.chained:
+        return opt
+    parts = ([clip_by_global_norm(plan.max_norm)] if plan.max_norm is not None else []) + [opt]
+    if plan.names is not None:
+        return named_chain(*zip(plan.names, parts))
+    return chain(*parts)
 
 
 def plan_for(inner) -> FusedPlan | None:

@@ -25,6 +25,7 @@ from ampfunc.dist import agree_finite as _agree_finite
 from ampfunc.engine import Engine, check_no_overlap
 from ampfunc.engine import MixedPrecisionState as _MixedPrecisionState
 from ampfunc.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from ampfunc.lowmem import SplitMaster, check_split_master, join_master
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import PyTree, check_flag, float_leaves_with_paths, leaves_with_paths, select_tree, tree_leaves
 
@@ -40,6 +41,7 @@ __all__ = [
     "MixedPrecision",
     "mixed_precision",
     "loss_scale_of",
+    "master_params",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -413,7 +415,7 @@ class MixedPrecision(GradientTransformation):
 
 
 def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None = None,
-                    master_dtype: torch.dtype = torch.float32, *, group=None) -> MixedPrecision:
+                    master_dtype: torch.dtype = torch.float32, *, master: str = "fp32", group=None) -> MixedPrecision:
     """Wraps ``inner`` (any optimizer transform) into a whole mixed-precision step.
 
     One step (:class:`ampfunc.engine.Engine`): unscale the gradients of the scaled loss and check
@@ -434,6 +436,11 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
         release makes it ``NoOpLossScale()``, as ``ModuleTrainer``'s and ``make_train_step``'s.
       master_dtype: the master dtype for params narrower than it (never narrows a param: fp64
         params keep fp64).
+      master: how the fp32 master of a bf16 param is kept: ``"fp32"`` (a copy, 4 bytes per
+        element) or ``"split"`` (the bf16 param is the master's high half, rounded to nearest,
+        and the state keeps the int16 low half: 2 bytes, the same fp32 master bit for bit;
+        see :mod:`ampfunc.lowmem`). ``"split"`` needs ``master_dtype=torch.float32`` and
+        refuses fp16 params; fp32/fp64 params are their own masters.
       group: a ``torch.distributed`` process group whose ranks agree on skipping. DTensor
         params (FSDP2's ``dict(model.named_parameters())``) need none: every entry point runs
         the kernels on their local shards, completes the skip flag and the clipping norm over
@@ -476,7 +483,7 @@ def mixed_precision(inner: GradientTransformation, loss_scale: LossScale | None 
             FutureWarning, stacklevel=2)
         loss_scale = DynamicLossScale()
     _check_loss_scale(loss_scale, "mixed_precision")
-    engine = Engine(inner, master_dtype=master_dtype, group=group, where="mixed_precision")
+    engine = Engine(inner, master_dtype=master_dtype, master=master, group=group, where="mixed_precision")
 
     def init(params):
         return engine.init(params, loss_scale)
@@ -529,3 +536,38 @@ def loss_scale_of(state: Any) -> LossScale:
         except ValueError:
             continue
     raise ValueError(f"loss_scale_of: no MixedPrecisionState or loss scale found in {type(state).__name__}")
+
+
+def master_params(params: PyTree, state: Any) -> PyTree:
+    """The fp32 (or wider) master params of a mixed-precision state, for either ``master`` setting.
+
+    Args:
+      params: the params the state was stepped with (bf16 ones are the high halves of their
+        masters with ``master="split"``).
+      state: a :class:`~ampfunc.engine.MixedPrecisionState`, ``make_train_step``'s
+        ``TrainState`` or ``ModuleTrainer``'s ``TrainerState`` (anything with a ``master``
+        field).
+
+    Returns:
+      A tree like ``params``: ``master="fp32"``: the state's master copies; ``master="split"``:
+      each bf16 param joined with its low half (new fp32 tensors, exact); params that need no
+      master (fp32, fp64): the params themselves. With no master at all, ``params``.
+
+    Example:
+      >>> tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master="split")
+      >>> params = {"w": torch.ones(3, dtype=torch.bfloat16)}
+      >>> state = tx.init(params)
+      >>> af.master_params(params, state)["w"]
+      tensor([1., 1., 1.])
+
+    Cost: ``"split"``: one elementwise pass per bf16 leaf into a new fp32 tensor; otherwise
+    nothing (the stored tensors are returned). No host sync.
+    """
+    master = getattr(state, "master", None)
+    if master is None:
+        return params
+    if isinstance(master, SplitMaster):
+        check_split_master(params, master, "master_params")
+        return join_master(params, master)
+    return master
+

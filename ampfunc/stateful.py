@@ -253,6 +253,9 @@ class ModuleTrainer:
       loss_scale: default :class:`NoOpLossScale`.
       group: a ``torch.distributed`` process group whose ranks agree on skipping.
       master_dtype: the master dtype for parameters narrower than it.
+      master: ``"fp32"`` (a master copy per narrow parameter) or ``"split"`` (bf16 parameters
+        are the high halves of exact fp32 masters, the state keeps the int16 low halves: 2
+        bytes instead of 4 per element; see :func:`ampfunc.mixed_precision`).
       set_grads_to_none: clear ``.grad`` after each step (as ``zero_grad(set_to_none=True)``;
         with ``flat=True`` the gradients are zeroed in place instead).
       flat: pack the trainable params into one buffer per (device, dtype) (each param's
@@ -278,7 +281,7 @@ class ModuleTrainer:
 
     def __init__(self, model: torch.nn.Module, tx: GradientTransformation, *, loss_scale: LossScale | None = None,
                  group=None, master_dtype: torch.dtype = torch.float32, set_grads_to_none: bool = True,
-                 flat: bool = False):
+                 flat: bool = False, master: str = "fp32"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ModuleTrainer: model must be a torch.nn.Module, got {type(model).__name__}")
         check_optimizer_transform(tx, "ModuleTrainer")
@@ -314,8 +317,11 @@ class ModuleTrainer:
                                      "ModuleTrainer")
         self._sharded = self._sharding is not None
         self._param_dict = None if self._sharded else dict(self._named)
-        self._engine = Engine(tx, master_dtype=master_dtype, group=group, where="ModuleTrainer.step")
+        self._engine = Engine(tx, master_dtype=master_dtype, master=master, group=group, where="ModuleTrainer.step")
         self._packed = None
+        if flat and self._engine.lowmem:
+            raise ValueError("ModuleTrainer(flat=True): the low-memory settings (master='split', bf16/q8 moments) "
+                             "keep their state per parameter; leave flat off")
         if flat:
             if self._engine.plan is None:
                 raise ValueError("ModuleTrainer(flat=True): tx must be a kernel-backed elementwise optimizer "

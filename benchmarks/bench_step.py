@@ -439,7 +439,7 @@ def main(argv=None):
     ap.add_argument("--paths-elements", type=int, default=None,
                     help="total elements of section (e) (default 16M; 1M with --quick)")
     ap.add_argument("--only", default="abcdefgh",
-                    help="'b', 'e', 'f', 'g' or 'h': that section alone (after the floor); anything else runs every section")
+                    help="'b', 'e', 'f', 'g' or 'h': that section alone (after the floor); else every section")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--churn", type=int, default=2,
                     help="section (f): lists of gradient-sized temporaries made and dropped before each backward")

@@ -197,7 +197,7 @@ def test_a_row_is_one_config_entry(monkeypatch, text):
     assert seen == ["ByteGPT"] and history["step"] == [0, 1] and row["skipped"] == 0
 
 
-def test_master_and_moments_settings_reach_mixed_precision(monkeypatch):
+def test_master_setting_reaches_mixed_precision(monkeypatch):
     passed = {}
 
     def fake_mixed_precision(inner, **kw):
@@ -208,4 +208,16 @@ def test_master_and_moments_settings_reach_mixed_precision(monkeypatch):
     common.make_transform(default, inner=None)
     assert "master" not in passed and "moments" not in passed
     common.make_transform(default._replace(master="split", moments="q8"), inner=None)
-    assert passed["master"] == "split" and passed["moments"] == "q8"
+    # moments belong to the optimizer (af.adamw(moments=)), not to mixed_precision
+    assert passed["master"] == "split" and "moments" not in passed
+
+
+def test_lowmem_rows_reach_the_optimizer_and_the_step(text):
+    split, _ = tiny_lm("bf16-split", text, steps=2)
+    low, _ = tiny_lm("bf16-lowmem", text, steps=2)
+    assert split["skipped"] == 0 and low["skipped"] == 0
+    # split: a 2 B param and its 2 B low half, two fp32 moments (12 B; the fp32 LayerNorm params
+    # too: 4 + 8). lowmem: the same, with the moments of the leaves of 4,096+ elements (the
+    # embedding) in 8-bit codes plus one fp32 absmax per 256
+    assert 11.95 < split["state B/param"] < 12.05
+    assert low["state B/param"] < split["state B/param"] - 2.0

@@ -15,10 +15,10 @@ PKG = ROOT / "ampfunc"
 
 # Lower number = lower layer. A module may import its own layer or below, never above.
 LAYERS = [
-    ("ampfunc._build", 0), ("ampfunc.ops", 0),
+    ("ampfunc._build", 0), ("ampfunc.ops", 0), ("ampfunc.lowbits", 0),
     ("ampfunc.tree", 1),
     ("ampfunc.flat", 2), ("ampfunc.loss_scale", 2), ("ampfunc.policy", 2), ("ampfunc.monitor", 2), ("ampfunc.fp8", 2),
-    ("ampfunc.transform", 2), ("ampfunc.checkpoint", 2),
+    ("ampfunc.transform", 2), ("ampfunc.checkpoint", 2), ("ampfunc.lowmem", 2),
     ("ampfunc.dist", 3), ("ampfunc.shards", 3), ("ampfunc.advisor", 3),
     ("ampfunc.optim", 4),  # the package and everything in it
     ("ampfunc.fused", 5),

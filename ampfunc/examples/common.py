@@ -22,6 +22,7 @@ import torch
 
 import ampfunc as af
 import ampfunc.fp8
+from ampfunc.lowmem import storage_bytes
 from ampfunc.monitor import TrainingMonitor
 
 __all__ = [
@@ -48,9 +49,10 @@ class ExampleConfig(NamedTuple):
     compute dtype, ``o=`` the logits' dtype. ``loss_scale``: a factory of a fresh loss scale.
     ``setup``: ``model -> model`` run once before the params are taken (``None``: none).
     ``about``: one line for ``--help``. ``fp8``: ``(model, group=None) -> Fp8Policy`` (``None``:
-    no fp8). ``master`` / ``moments``: how ``mixed_precision`` keeps the fp32 master copy and
-    the optimizer moments; ``"fp32"`` (the default) passes nothing, any other value is passed on
-    as ``master=`` / ``moments=``.
+    no fp8). ``master``: how ``mixed_precision`` keeps the fp32 master copy (``"fp32"``, the
+    default, passes nothing; ``"split"`` is passed on as ``master=``). ``moments``: how the
+    job's ``af.adamw`` stores its moments, passed to it as ``moments=`` (``"fp32"``, ``"bf16"``
+    or ``"q8"``).
     """
 
     policy: str
@@ -91,6 +93,11 @@ CONFIGS = {
     "fp16 unscaled": ExampleConfig("p=f16,c=f16,o=f32", af.NoOpLossScale,
                                    about="fp16 params and compute, fp32 master, no scaling: small gradients "
                                          "flush to zero"),
+    "bf16-split": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, master="split",
+                                about="bf16 params and compute, the fp32 master split (bf16 param + int16 low "
+                                      "half: exact, 2 bytes), fp32 moments"),
+    "bf16-lowmem": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, master="split", moments="q8",
+                                 about="bf16-split with 8-bit block-wise Adam moments (about 6 bytes per param)"),
     "fp8": ExampleConfig("p=bf16,c=bf16,o=f32", af.NoOpLossScale, setup=_plain_linears, fp8=_fp8_policy,
                          about="bf16 with every Linear but the head as FP8 matmuls (e4m3/e5m2, delayed "
                                "scaling); on CPU for correctness, not speed"),
@@ -98,8 +105,12 @@ CONFIGS = {
 
 
 def make_transform(cfg: ExampleConfig, inner, group=None):
-    """``af.mixed_precision(inner)`` as ``cfg`` asks: its loss scale and its master/moments layout."""
-    layout = {k: v for k, v in (("master", cfg.master), ("moments", cfg.moments)) if v != "fp32"}
+    """``af.mixed_precision(inner)`` as ``cfg`` asks: its loss scale and its master layout.
+
+    ``cfg.moments`` belongs to the optimizer: build ``inner``'s ``af.adamw`` with
+    ``moments=cfg.moments``.
+    """
+    layout = {"master": cfg.master} if cfg.master != "fp32" else {}
     return af.mixed_precision(inner, loss_scale=cfg.loss_scale(), group=group, **layout)
 
 
@@ -164,14 +175,7 @@ def state_bytes(*trees) -> int:
     counts that buffer once, whatever its dtype. Pass the params and the optimizer state
     (which holds the fp32 master copy, the moments and the loss scale).
     """
-    seen: dict = {}
-    for tree in trees:
-        for t in af.tree.tree_leaves(tree):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-                s = t.untyped_storage()
-                key = (t.device, s.data_ptr())
-                seen[key] = max(seen.get(key, 0), s.nbytes())
-    return sum(seen.values())
+    return storage_bytes(*trees)
 
 
 def summary_record(config: str, **fields) -> str:

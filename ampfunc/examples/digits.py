@@ -95,7 +95,8 @@ def train(name, epochs=40, batch=64, lr=2e-3, device="cpu", seed=0, metrics=None
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=1e-4)), group=group)
+    opt = af.adamw(lr, weight_decay=1e-4, moments=cfg.moments)
+    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), opt), group=group)
     state = tx.init(params)
     fp8 = cfg.fp8(model, group=group) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value

@@ -166,7 +166,8 @@ def train(name, *, steps=200, batch=32, context=64, d=64, layers=2, lr=3e-3, dev
     model = (cfg.setup(model) if cfg.setup else model).to(device)
     keep = af.norm_layers(model)  # LayerNorm params stay fp32
     params = af.cast_params(af.params_of(model), policy.param_dtype, keep=keep)
-    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), af.adamw(lr, weight_decay=0.01)))
+    opt = af.adamw(lr, weight_decay=0.01, moments=cfg.moments)
+    tx = make_transform(cfg, af.chain(af.clip_by_global_norm(1.0), opt))
     state = tx.init(params)
     fp8 = cfg.fp8(model) if cfg.fp8 else None
     state8 = fp8.init(device) if fp8 else {}  # FP8 scaling state: its "gradient" is its next value

@@ -15,6 +15,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
+from ampfunc.lowmem import check_moment, check_moments, decode_moment, encode_moment, init_moment
 from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
@@ -48,7 +49,9 @@ class AdamState(NamedTuple):
 
     Attributes:
       step: 0-d float32 tensor on the params' device, the number of applied steps.
-      exp_avg: fp32 pytree like the params (fp64 leaves for fp64 params), the first moment ``m``.
+      exp_avg: fp32 pytree like the params (fp64 leaves for fp64 params), the first moment ``m``;
+        with ``moments="bf16"`` its leaves are bf16, with ``moments="q8"`` it is an
+        :class:`ampfunc.lowmem.Q8Moment` (codes and per-block absmax trees).
       exp_avg_sq: like ``exp_avg``, the second moment ``v``.
       max_exp_avg_sq: like ``exp_avg``, the running maximum of ``v``, with
         ``amsgrad``; else ``None`` (always ``None`` for :func:`scale_by_adam`).
@@ -111,20 +114,44 @@ def _rebuild(grads, state, deltas, new_m, new_v, new_vmax, step, amsgrad):
     return tree_unflatten(tree_structure(grads), deltas), new_state
 
 
-def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> GradientTransformation:
+def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled: bool,
+          moments: str = "fp32") -> GradientTransformation:
     _check_hparams(kind, lr, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize)
+    check_moments(moments, kind)
     beta1, beta2 = float(b1), float(b2)
     hparams = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                    maximize=maximize)
+    if moments != "fp32":
+        hparams["moments"] = moments
 
     def init(params):
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, kind)
-        zeros = lambda: zeros_packed(params, arithmetic_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
+        if moments != "fp32":
+            zeros = lambda: init_moment(params, moments, kind)  # noqa: E731
+        else:
+            zeros = lambda: zeros_packed(params, arithmetic_dtype)  # noqa: E731  (one buffer per moment: see zeros_packed)
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
         return AdamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
     def update(grads, state, params=None):
+        if moments == "fp32":
+            return update32(grads, state, params)
+        # bf16 / q8 moments: rebuilt in fp32, the fp32 update, stored again (the reference of
+        # the fused step; the engine runs the fused kernels on the rebuilt numbers).
+        if not isinstance(state, AdamState):
+            raise TypeError(f"{kind}: state is {type(state).__name__}, expected AdamState (from {kind}(...).init)")
+        slots = [("exp_avg", True), ("exp_avg_sq", False)] + ([("max_exp_avg_sq", False)] if amsgrad else [])
+        for name, _ in slots:
+            check_moment(getattr(state, name), grads, moments, f"state.{name}", kind)
+        spec = tree_structure(grads)
+        full = state._replace(**{name: tree_unflatten(spec, decode_moment(getattr(state, name), signed))
+                                 for name, signed in slots})
+        updates, new = update32(grads, full, params)
+        return updates, new._replace(**{name: encode_moment(tree_flatten(getattr(new, name))[0], getattr(state, name),
+                                                            signed) for name, signed in slots})
+
+    def update32(grads, state, params=None):
         if not isinstance(state, AdamState):
             raise TypeError(f"{kind}: state is {type(state).__name__}, expected AdamState (from {kind}(...).init)")
         if weight_decay != 0 and params is None:
@@ -137,7 +164,7 @@ def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled
                              f"was the state made with amsgrad?")
         lr_t = lr_at(lr, state.step)
         fast = _fused_update(kind, grads, state, params, lr_t, beta1, beta2, eps, weight_decay, amsgrad, maximize,
-                             decoupled)
+                             decoupled) if moments == "fp32" else None
         if fast is not None:
             return fast
         gs, ps = checked_inputs(grads, params, state.exp_avg, "state.exp_avg", kind)
@@ -202,7 +229,8 @@ def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-         weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
+         weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False, *,
+         moments: str = "fp32") -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` computes it (L2 weight decay added to the gradient).
 
     Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param) and ``t`` the new step
@@ -225,6 +253,12 @@ def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: f
         ``update`` needs ``params``.
       amsgrad: use the running maximum of the second moment (keeps ``max_exp_avg_sq``).
       maximize: maximize the objective (the gradient is negated).
+      moments: how the moments are stored between steps: ``"fp32"`` (torch's), ``"bf16"``
+        (rounded to nearest even, 2 bytes each) or ``"q8"`` (8-bit block-wise codes through
+        bitsandbytes' dynamic maps with an fp32 absmax per block of 256: about 1 byte each;
+        leaves under 4,096 elements or not a multiple of 256 stay fp32; see
+        :mod:`ampfunc.lowmem`). Each step rebuilds them in fp32, updates them with the
+        arithmetic above and stores them again.
 
     Returns:
       A ``GradientTransformation`` whose state is an :class:`AdamState`; it is registered with
@@ -245,13 +279,16 @@ def adam(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: f
     (fp32 params on one CPU or CUDA device, fp32/fp16/bf16 grads, plain tensors), runs one fused
     kernel pass: it reads g, p, m, v (and vmax) once and writes new tensors for the updates and
     the new moments; otherwise a generic path of about ten ``torch._foreach`` ops per device
-    computes the same arithmetic. No host sync.
+    computes the same arithmetic. With ``moments="bf16"``/``"q8"``: about 2/1 bytes per element
+    per moment instead of 4; the update (generic path) decodes and re-encodes each moment
+    (``mixed_precision`` runs the fused kernel on the decoded numbers). No host sync.
     """
-    return _make("adam", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _make("adam", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=False, moments=moments)
 
 
 def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> GradientTransformation:
+          weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
+          moments: str = "fp32") -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it: :func:`adam` with decoupled weight decay.
 
     The params are decayed before the Adam step, ``p *= 1 - lr * weight_decay``, instead of
@@ -268,6 +305,8 @@ def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
         ``update`` needs ``params``.
       amsgrad: use the running maximum of the second moment (keeps ``max_exp_avg_sq``).
       maximize: maximize the objective (the gradient is negated).
+      moments: ``"fp32"``, ``"bf16"`` or ``"q8"``: how the moments are stored between steps,
+        as :func:`adam`'s.
 
     Returns:
       A ``GradientTransformation`` whose state is an :class:`AdamState`; it is registered with
@@ -288,7 +327,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     writes new updates and moments) when the compiled kernels take the tree, else the generic
     ``torch._foreach`` path with the same arithmetic. No host sync.
     """
-    return _make("adamw", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _make("adamw", lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled=True, moments=moments)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:

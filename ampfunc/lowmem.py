@@ -1,0 +1,525 @@
+"""Low-memory state, tree by tree: split fp32 masters and bf16 / q8 optimizer moments.
+
+The layouts the low-memory settings keep, and the conversions between them and fp32 trees
+that the generic (plain torch) step runs. The numbers per element are
+:mod:`ampfunc.lowbits`'s; this module decides which leaf gets which layout, names the leaf at
+fault when a state does not fit its params, and counts the bytes.
+
+* ``master="split"`` (:class:`SplitMaster`): a bf16 param is the high half of its fp32 master
+  and the state keeps the int16 low half (2 bytes per element instead of 4). A param that is
+  fp32 or fp64 is its own master (an empty remainder); an fp16 param is refused (its bits are
+  not the high half of an fp32 number).
+* ``moments="bf16"``: the moments are bf16 tensors (2 bytes), rounded to nearest even after
+  each update. ``moments="q8"`` (:class:`Q8Moment`): 8-bit codes (1 byte) and an fp32 absmax
+  per block of 256 elements; leaves under 4,096 elements or not a multiple of 256 stay fp32.
+  fp64 leaves (fp64 params) keep fp64 moments in every setting.
+
+Every layout is a pytree of plain tensors, so ``torch.save`` / ``torch.load(weights_only=True)``
+round-trip it bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ampfunc.lowbits import (
+    dequantize_q8,
+    join_bf16,
+    q8_absmax_numel,
+    q8_eligible,
+    quantize_q8,
+    split_bf16,
+)
+from ampfunc.tree import (
+    PyTree,
+    arithmetic_dtype,
+    float_leaves_with_paths,
+    leaves_with_paths,
+    register_state_classes,
+    tree_flatten,
+    tree_structure,
+    tree_unflatten,
+)
+
+__all__ = [
+    "MASTERS",
+    "MOMENTS",
+    "MOMENT_FIELDS",
+    "Q8Moment",
+    "SplitMaster",
+    "check_master",
+    "check_moment",
+    "check_moments",
+    "check_split_master",
+    "commit_split_",
+    "decode_moment",
+    "decode_state",
+    "encode_moment",
+    "encode_state",
+    "encode_state_",
+    "init_moment",
+    "init_split_master",
+    "join_master",
+    "lowmem_step",
+    "split_master",
+    "storage_bytes",
+]
+
+MASTERS = ("fp32", "split")
+MOMENTS = ("fp32", "bf16", "q8")
+
+# Views start at 64-byte boundaries, so the kernels' vector loads of each leaf are aligned.
+_ALIGN_BYTES = 64
+
+
+class SplitMaster(NamedTuple):
+    """The fp32 masters of ``master="split"``: each bf16 param is its master's high half.
+
+    Attributes:
+      remainder: a tree like the params: int16 of the param's shape for a bf16 param (the
+        master's low half, see :func:`ampfunc.lowbits.split_bf16`), an empty int16 tensor for
+        an fp32 or fp64 param (it is its own master).
+
+    Example:
+      >>> params = {"w": torch.ones(2, 3, dtype=torch.bfloat16), "ln": torch.ones(3)}
+      >>> sm = init_split_master(params, "example")
+      >>> sm.remainder["w"].dtype, sm.remainder["w"].shape, sm.remainder["ln"].numel()
+      (torch.int16, torch.Size([2, 3]), 0)
+    """
+
+    remainder: PyTree
+
+
+class Q8Moment(NamedTuple):
+    """One optimizer moment of a whole tree in 8 bits (``moments="q8"``).
+
+    Attributes:
+      codes: a tree like the params: uint8 codes of the param's shape for a leaf stored in q8,
+        the fp32 values (fp64 for an fp64 param) for a leaf kept at full precision.
+      absmax: a tree like the params: fp32 of shape ``(numel // 256,)`` for a q8 leaf, the
+        largest magnitude of each block of 256; an empty fp32 tensor for the others.
+
+    Example:
+      >>> m = init_moment({"w": torch.ones(64, 64), "b": torch.ones(64)}, "q8", "example")
+      >>> m.codes["w"].dtype, m.absmax["w"].shape, m.codes["b"].dtype
+      (torch.uint8, torch.Size([16]), torch.float32)
+    """
+
+    codes: PyTree
+    absmax: PyTree
+
+
+register_state_classes(SplitMaster, Q8Moment)
+
+
+def check_master(master: Any, where: str) -> str:
+    """``master`` if it is one of :data:`MASTERS`, else ``ValueError``."""
+    if master not in MASTERS:
+        raise ValueError(f"{where}: master must be one of {', '.join(map(repr, MASTERS))}, got {master!r}")
+    return master
+
+
+def check_moments(moments: Any, where: str) -> str:
+    """``moments`` if it is one of :data:`MOMENTS`, else ``ValueError``."""
+    if moments not in MOMENTS:
+        raise ValueError(f"{where}: moments must be one of {', '.join(map(repr, MOMENTS))}, got {moments!r}")
+    return moments
+
+
+def _packed(specs: Sequence[tuple]) -> list:
+    """Zero tensors for ``specs`` = ``[(device, dtype, shape), ...]``, as views of one buffer per
+    (device, dtype) (one stream for a kernel; see :func:`ampfunc.flat.zeros_packed`). Inside a
+    ``torch.compile`` trace or a dispatch/function mode every tensor is its own."""
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0 or \
+            torch.compiler.is_compiling():
+        return [torch.zeros(shape, dtype=dt, device=dev) for dev, dt, shape in specs]
+    totals: dict = {}
+    offsets = []
+    for dev, dt, shape in specs:
+        key = (torch.device(dev), dt)
+        align = max(1, _ALIGN_BYTES // dt.itemsize)
+        at = -(-totals.get(key, 0) // align) * align
+        offsets.append(at)
+        totals[key] = at + int(torch.Size(shape).numel())
+    buffers = {key: torch.zeros(n, dtype=key[1], device=key[0]) for key, n in totals.items()}
+    return [buffers[(torch.device(dev), dt)].narrow(0, off, int(torch.Size(shape).numel())).view(shape)
+            for (dev, dt, shape), off in zip(specs, offsets)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Split masters
+# ----------------------------------------------------------------------------------------------
+
+
+def _own_master(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.float64)
+
+
+def init_split_master(params: PyTree, where: str) -> SplitMaster:
+    """The :class:`SplitMaster` of ``params`` (their bf16 leaves' fp32 masters are exact: the
+    remainders start at zero, so each master is its bf16 param's value).
+
+    Args:
+      params: a pytree of floating tensors: bf16 (split), fp32 or fp64 (their own masters).
+      where: the name errors start with.
+
+    Returns:
+      A :class:`SplitMaster` (one int16 buffer per device holds every remainder).
+
+    Raises ``TypeError`` naming a non-floating leaf and ``ValueError`` naming an fp16 leaf.
+    Cost: one allocation per device; no host sync.
+    """
+    paths, leaves = float_leaves_with_paths(params, f"{where}: params")
+    for path, leaf in zip(paths, leaves):
+        if leaf.dtype == torch.float16:
+            raise ValueError(f"{where}: params leaf {path!r} is float16; master='split' keeps the low half of an "
+                             "fp32 master whose high half is the bf16 param (fp16 is not a half of fp32): use "
+                             "bf16 params, or master='fp32' for fp16 params")
+    specs = [(t.device, torch.int16, t.shape if t.dtype == torch.bfloat16 else (0,)) for t in leaves]
+    return SplitMaster(tree_unflatten(tree_structure(params), _packed(specs)))
+
+
+def check_split_master(params: PyTree, split: Any, where: str) -> None:
+    """``ValueError`` naming the leaf where ``split`` is not the :class:`SplitMaster` that
+    :func:`init_split_master` makes for ``params`` (a state from another setting or model).
+    Cost: a dtype/shape look per leaf; no host sync."""
+    if not isinstance(split, SplitMaster):
+        raise TypeError(f"{where}: the state's master is {type(split).__name__}, not the SplitMaster that "
+                         "master='split' keeps: the state was made with another setting -- call init again")
+    p_spec = tree_structure(params)
+    r_leaves, r_spec = tree_flatten(split.remainder)
+    if p_spec != r_spec:
+        raise ValueError(f"{where}: the state's split master has another structure than the params: the state "
+                         "was made for other params -- call init with these params")
+    for (path, p), r in zip(leaves_with_paths(params), r_leaves):
+        if p.dtype == torch.float16:
+            raise ValueError(f"{where}: params leaf {path!r} is float16, which master='split' cannot keep "
+                             "(use bf16 params or master='fp32')")
+        want = p.shape if p.dtype == torch.bfloat16 else torch.Size([0])
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.int16 or r.shape != want or r.device != p.device:
+            got = f"{r.dtype} {tuple(r.shape)} on {r.device}" if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ValueError(f"{where}: params leaf {path!r} ({p.dtype}, {tuple(p.shape)}) has a split-master "
+                             f"remainder of {got} (init makes int16 {tuple(want)}): the state was made for other "
+                             "params -- call init with these params")
+
+
+def join_master(params: PyTree, split: SplitMaster) -> PyTree:
+    """The fp32 masters: each bf16 leaf joined with its remainder, every other leaf itself.
+
+    Example:
+      >>> params = {"w": torch.tensor([1.0], dtype=torch.bfloat16)}
+      >>> join_master(params, init_split_master(params, "example"))["w"]
+      tensor([1.])
+
+    Cost: one elementwise pass per bf16 leaf into a new fp32 tensor; no host sync.
+    """
+    p_leaves, spec = tree_flatten(params)
+    r_leaves = tree_flatten(split.remainder)[0]
+    out = [join_bf16(p, r) if p.dtype == torch.bfloat16 else p for p, r in zip(p_leaves, r_leaves)]
+    return tree_unflatten(spec, out)
+
+
+def split_master(masters: PyTree, params: PyTree) -> tuple[PyTree, SplitMaster]:
+    """New ``(params, SplitMaster)`` from fp32 ``masters``: a leaf whose param is bf16 is split
+    (its new param the high half), any other leaf is its own new param (in its param's dtype).
+
+    Cost: one elementwise pass per bf16 leaf (two new tensors); no host sync.
+    """
+    m_leaves, spec = tree_flatten(masters)
+    p_leaves = tree_flatten(params)[0]
+    new_p, new_r = [], []
+    for m, p in zip(m_leaves, p_leaves):
+        if p.dtype == torch.bfloat16:
+            hi, lo = split_bf16(m)
+            new_p.append(hi)
+            new_r.append(lo)
+        else:
+            new_p.append(m if m.dtype == p.dtype else m.to(p.dtype))
+            new_r.append(torch.zeros(0, dtype=torch.int16, device=p.device))
+    return tree_unflatten(spec, new_p), SplitMaster(tree_unflatten(spec, new_r))
+
+
+# ----------------------------------------------------------------------------------------------
+# Moments
+# ----------------------------------------------------------------------------------------------
+
+
+def _q8_leaf(t: torch.Tensor) -> bool:
+    return arithmetic_dtype(t.dtype) == torch.float32 and q8_eligible(t.numel())
+
+
+def _stored_dtype(t: torch.Tensor, moments: str) -> torch.dtype:
+    full = arithmetic_dtype(t.dtype)
+    if moments == "bf16" and full == torch.float32:
+        return torch.bfloat16
+    if moments == "q8" and _q8_leaf(t):
+        return torch.uint8
+    return full
+
+
+def init_moment(params: PyTree, moments: str, where: str) -> Any:
+    """Zeros for one optimizer moment of ``params`` in the layout of ``moments``.
+
+    Args:
+      params: a pytree of floating tensors (the optimizer's params).
+      moments: ``"fp32"`` (a tree of fp32 zeros, fp64 for fp64 leaves), ``"bf16"`` (bf16
+        zeros for those fp32 leaves) or ``"q8"`` (a :class:`Q8Moment`).
+      where: the name errors start with.
+
+    Returns:
+      The tree of zeros, or a :class:`Q8Moment` of zero codes and zero absmaxes (code 0 is not
+      the map's 0; the zero absmax makes every value 0).
+
+    Cost: one allocation per (device, dtype); no host sync.
+    """
+    check_moments(moments, where)
+    _, leaves = float_leaves_with_paths(params, f"{where}: params")
+    spec = tree_structure(params)
+    stored = _packed([(t.device, _stored_dtype(t, moments), t.shape) for t in leaves])
+    if moments != "q8":
+        return tree_unflatten(spec, stored)
+    absmax = _packed([(t.device, torch.float32, (q8_absmax_numel(t.numel()) if _q8_leaf(t) else 0,)) for t in leaves])
+    return Q8Moment(tree_unflatten(spec, stored), tree_unflatten(spec, absmax))
+
+
+def check_moment(slot: Any, params: PyTree, moments: str, name: str, where: str) -> None:
+    """``ValueError`` naming the leaf where ``slot`` is not the layout :func:`init_moment` makes
+    for ``params`` in the setting ``moments`` (a state from another setting or model). Cost: a
+    dtype/shape look per leaf; no host sync."""
+    paths = [p for p, _ in leaves_with_paths(params)]
+    p_leaves = tree_flatten(params)[0]
+    if moments == "q8":
+        if not isinstance(slot, Q8Moment):
+            raise TypeError(f"{where}: {name} is {type(slot).__name__}, not the Q8Moment that moments='q8' keeps: "
+                             "the state was made with another moments setting -- call init again")
+        codes, absmax = tree_flatten(slot.codes)[0], tree_flatten(slot.absmax)[0]
+    else:
+        if isinstance(slot, Q8Moment):
+            raise ValueError(f"{where}: {name} is a Q8Moment but moments={moments!r}: the state was made with "
+                             "moments='q8' -- call init again")
+        codes, absmax = tree_flatten(slot)[0], None
+    if len(codes) != len(p_leaves) or (absmax is not None and len(absmax) != len(p_leaves)):
+        raise ValueError(f"{where}: {name} has {len(codes)} leaves for {len(p_leaves)} params: the state was made "
+                         "for other params -- call init with these params")
+    for i, (path, p, c) in enumerate(zip(paths, p_leaves, codes)):
+        want = _stored_dtype(p, moments)
+        if not isinstance(c, torch.Tensor) or c.dtype != want or c.shape != p.shape:
+            got = f"{c.dtype} {tuple(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"{where}: {name} leaf {path!r} is {got}, but moments={moments!r} keeps {want} "
+                             f"{tuple(p.shape)} for this param: the state was made with another setting or for "
+                             "other params -- call init again")
+        if absmax is not None:
+            a = absmax[i]
+            n = q8_absmax_numel(p.numel()) if want == torch.uint8 else 0
+            if not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or a.shape != (n,):
+                got = f"{a.dtype} {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ValueError(f"{where}: {name}.absmax leaf {path!r} is {got}, expected float32 ({n},): the "
+                                 "state was made for other params -- call init with these params")
+
+
+def decode_moment(slot: Any, signed: bool) -> list:
+    """The moment's leaves in their arithmetic dtype (fp32; fp64 for fp64 params), in the
+    params' leaf order: q8 codes dequantized, bf16 widened, full-precision leaves as they are.
+
+    Args:
+      slot: a moment made by :func:`init_moment` (or :func:`encode_moment`).
+      signed: which dynamic map q8 codes index (True for a first moment or momentum).
+
+    Returns:
+      A list of tensors (the stored ones where nothing was converted: not copies).
+
+    Cost: one elementwise pass per converted leaf into a new tensor; no host sync.
+    """
+    if isinstance(slot, Q8Moment):
+        codes, absmax = tree_flatten(slot.codes)[0], tree_flatten(slot.absmax)[0]
+        return [dequantize_q8(c, a, signed) if c.dtype == torch.uint8 else c for c, a in zip(codes, absmax)]
+    return [x.float() if x.dtype == torch.bfloat16 else x for x in tree_flatten(slot)[0]]
+
+
+def encode_moment(values: Sequence[torch.Tensor], like: Any, signed: bool) -> Any:
+    """New moment state in ``like``'s layout holding ``values`` (fp32/fp64 tensors in the
+    params' leaf order): q8 leaves quantized, bf16 leaves rounded to nearest even, the others
+    kept as given.
+
+    Cost: one elementwise pass per converted leaf (q8: an absmax per block and a search of 255
+    midpoints per element); no host sync.
+    """
+    if isinstance(like, Q8Moment):
+        leaves, spec = tree_flatten(like.codes)
+        codes, absmax = [], []
+        for v, c, a in zip(values, leaves, tree_flatten(like.absmax)[0]):
+            if c.dtype == torch.uint8:
+                q, m = quantize_q8(v, signed)
+                codes.append(q)
+                absmax.append(m)
+            else:
+                codes.append(v)
+                absmax.append(a.clone())
+        return Q8Moment(tree_unflatten(spec, codes), tree_unflatten(spec, absmax))
+    leaves, spec = tree_flatten(like)
+    return tree_unflatten(spec, [v.to(torch.bfloat16) if old.dtype == torch.bfloat16 else v
+                                 for v, old in zip(values, leaves)])
+
+
+def storage_bytes(*trees: PyTree) -> int:
+    """Bytes of the storages behind the tensors of ``trees``, each storage counted once.
+
+    Counted from the tensors' storages (``untyped_storage().nbytes()``), so views that share
+    one packed buffer count it once, alignment padding included. Pass every tree that holds
+    persistent state (params, the optimizer state).
+
+    Example:
+      >>> state = init_moment({"w": torch.ones(64, 64)}, "q8", "example")
+      >>> storage_bytes(state)  # 4096 codes + 16 fp32 absmaxes
+      4160
+
+    Cost: a walk over the leaves; no tensor is read.
+    """
+    seen: dict = {}
+    for tree in trees:
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_meta:
+                s = leaf.untyped_storage()
+                seen[(leaf.device, s.data_ptr())] = max(seen.get((leaf.device, s.data_ptr()), 0), s.nbytes())
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# An optimizer state's moments as fp32, and back (the engine's view for the fused plan)
+# ----------------------------------------------------------------------------------------------
+
+# The moment fields of the optimizer states and whether each holds values of both signs.
+MOMENT_FIELDS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False, "momentum_buffer": True}
+
+
+def _moment_tree(slot: Any) -> PyTree:
+    return slot.codes if isinstance(slot, Q8Moment) else slot
+
+
+def _is_low(slot: Any) -> bool:
+    if isinstance(slot, Q8Moment):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tree_flatten(slot)[0])
+
+
+def decode_state(opt: Any) -> Any:
+    """``opt`` with every bf16/q8 moment replaced by its fp32 tree (new tensors for the
+    converted leaves, the stored ones for leaves kept at full precision). Cost: one pass per
+    converted leaf; no host sync."""
+    new = {}
+    for f, signed in MOMENT_FIELDS.items():
+        slot = getattr(opt, f, None) if f in getattr(opt, "_fields", ()) else None
+        if slot is not None and _is_low(slot):
+            spec = tree_structure(_moment_tree(slot))
+            new[f] = tree_unflatten(spec, decode_moment(slot, signed))
+    return opt._replace(**new) if new else opt
+
+
+def _select(finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.where(finite.to(old.device), new, old)
+
+
+def encode_state(new32: Any, like: Any, finite: torch.Tensor) -> Any:
+    """The pure inverse of :func:`decode_state`: ``new32``'s fp32 moments stored in ``like``'s
+    layouts (new tensors), and where ``finite`` is false ``like``'s own values (re-encoding a
+    decoded q8 block is not always the identity: a skipped step must change no bit). Cost: one
+    encode pass and one select per converted leaf; no host sync."""
+    new = {}
+    for f, signed in MOMENT_FIELDS.items():
+        slot = getattr(like, f, None) if f in getattr(like, "_fields", ()) else None
+        if slot is None or not _is_low(slot):
+            continue
+        enc = encode_moment(tree_flatten(getattr(new32, f))[0], slot, signed)
+        old_leaves, spec = tree_flatten(slot)
+        kept = [_select(finite, n, o) for n, o in zip(tree_flatten(enc)[0], old_leaves)]
+        new[f] = tree_unflatten(spec, kept)
+    return new32._replace(**new) if new else new32
+
+
+def encode_state_(new32: Any, stored: Any, finite: torch.Tensor) -> None:
+    """In-place :func:`encode_state`: ``stored``'s bf16/q8 moment tensors are overwritten with
+    ``new32``'s values stored in their layouts, where ``finite`` (kept otherwise). Cost: one
+    encode pass, one select and one copy per converted leaf; no host sync."""
+    chosen = encode_state(new32, stored, finite)
+    with torch.no_grad():
+        for f in MOMENT_FIELDS:
+            slot = getattr(stored, f, None) if f in getattr(stored, "_fields", ()) else None
+            if slot is None or not _is_low(slot):
+                continue
+            for dst, src in zip(tree_flatten(slot)[0], tree_flatten(getattr(chosen, f))[0]):
+                if dst is not src:
+                    dst.copy_(src)
+
+
+def commit_split_(params: PyTree, split: SplitMaster, masters: PyTree) -> None:
+    """Writes fp32 ``masters`` back as bf16 params (high halves) and ``split``'s remainders, in
+    place, for the bf16 leaves (the others are their own masters: ``masters`` holds them).
+    Joining and splitting again gives back the same bits, so a skipped step (masters as joined)
+    changes nothing. Cost: one pass per bf16 leaf; no host sync."""
+    with torch.no_grad():
+        for p, r, m in zip(tree_flatten(params)[0], tree_flatten(split.remainder)[0], tree_flatten(masters)[0]):
+            if p.dtype == torch.bfloat16:
+                hi, lo = split_bf16(m)
+                p.copy_(hi)
+                r.copy_(lo)
+            elif m is not p:
+                p.copy_(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step of the low-memory settings, around an engine that runs the fp32 numbers
+# ----------------------------------------------------------------------------------------------
+
+
+def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, *, inplace: bool,
+                where: str, trust_grads: bool = False, moments: str = "fp32") -> tuple:
+    """One step of ``master="split"`` and/or bf16/q8 moments, as the fp32 step of ``core``.
+
+    The state is checked first (a state from another setting or model is refused, naming the
+    leaf, before anything is written). Then the fp32 numbers are rebuilt -- the masters of the
+    bf16 params joined from their low halves, the fused optimizer's moments decoded (``plan``
+    given and ``moments`` not ``"fp32"``) -- ``core`` (an :class:`ampfunc.engine.Engine` over
+    the fp32 layout: no master copy with ``split``, fp32 moments) takes its step on them, fused
+    or generic, and the results are stored back: masters split, moments re-encoded (a skipped
+    step keeps the stored moments as they were). So the fp32 master is the one the
+    ``master="fp32"`` step computes, bit for bit, and the moments are the reference's:
+    decode, fp32 update, encode.
+
+    Returns ``(params, state)`` as the engine's ``step``/``step_`` do. Cost: the fp32 step plus
+    a join and a split pass per bf16 leaf and a decode and an encode pass per converted moment
+    (with transient fp32 copies of them); no host sync.
+    """
+    if split:
+        check_split_master(params, state.master, where)
+    opt = plan.opt_state(state.inner) if plan is not None and moments != "fp32" else None
+    if plan is not None and moments != "fp32":
+        if opt is None:
+            raise ValueError(f"{where}: the state's optimizer state is not the one this transform's init makes "
+                             "(a state from another setting?) -- call init again")
+        ref = join_master(params, state.master) if split else (state.master if state.master is not None else params)
+        for f in MOMENT_FIELDS:
+            if f in opt._fields and getattr(opt, f) is not None:
+                check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
+    params32 = join_master(params, state.master) if split else params
+    inner32 = plan.replace_opt_state(state.inner, decode_state(opt), lambda x: x) if opt is not None else state.inner
+    state32 = state._replace(master=None if split else state.master, inner=inner32)
+    if inplace:
+        _, new32 = core.step_(params32, grads, state32, where=where, trust_grads=trust_grads)
+        if split:
+            commit_split_(params, state.master, params32)
+        if opt is not None:
+            encode_state_(plan.opt_state(new32.inner), opt, new32.finite)
+        if new32.finite is state.finite and new32.skipped is state.skipped:
+            return params, state
+        return params, state._replace(finite=new32.finite, skipped=new32.skipped)
+    new_params32, new32 = core.step(params32, grads, state32, where=where, trust_grads=trust_grads)
+    inner = new32.inner
+    if opt is not None:
+        inner = plan.replace_opt_state(inner, encode_state(plan.opt_state(inner), opt, new32.finite), lambda x: x)
+    if split:
+        new_params, new_split = split_master(new_params32, params)
+        return new_params, new32._replace(master=new_split, inner=inner)
+    return new_params32, new32._replace(inner=inner)
