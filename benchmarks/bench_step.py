@@ -29,7 +29,7 @@ Sections:
           .step_ (<= 1.05x), ModuleTrainer.step() (<= 1.1x), ModuleTrainer with DynamicLossScale +
           clip against torch's AdamW(fused) + GradScaler + clip_grad_norm_ (>= 1.6x faster), and
           10,000 tensors against 200 (step_, update + apply_updates and ModuleTrainer(flat=True),
-          <= 1.2x). The rows are
+          <= 1.2x), and Lion's step_ beside AdamW's (one moment instead of two: <= 0.9x). The rows are
           timed round by round (each round times every row three times in a row), so drift in
           the machine's speed hits every row alike.
 
@@ -46,6 +46,13 @@ Sections:
           not depend on the machine's load).
 
     python benchmarks/bench_step.py --only f       # section (f) alone
+
+  (g)     Lion beside AdamW, on section (e)'s tree (200 tensors / 16M elements fp32): the
+          mixed_precision(...).step_ of each (target: Lion's <= 0.9x AdamW's; it moves one moment,
+          20 bytes/element against 28) and each one's in-place kernel alone (ops.lion_step_,
+          ops.adam_step_), the four rows interleaved round by round.
+
+    python benchmarks/bench_step.py --only g       # section (g) alone
 
 Outside section (f), gradients are fixed tensors (no backward pass is timed). The loss scale is 1 and max_norm is
 huge so that repeated in-place unscaling and clipping by torch leave the values (and so the
@@ -422,8 +429,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--paths-elements", type=int, default=None,
                     help="total elements of section (e) (default 16M; 1M with --quick)")
-    ap.add_argument("--only", default="abcdef",
-                    help="'e', 'b' or 'f': that section alone (after the floor); anything else runs every section")
+    ap.add_argument("--only", default="abcdefg",
+                    help="'e', 'b', 'f' or 'g': that section alone (after the floor); anything else runs every section")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--churn", type=int, default=2,
                     help="section (f): lists of gradient-sized temporaries made and dropped before each backward")
@@ -484,6 +491,13 @@ def main(argv=None):
         print()
         table.print()
         return
+    if "g" in args.only:
+        lion_section(table, timer, device, args.paths_elements or (2**20 if args.quick else 16 * 2**20),
+                     args.tensors, bw_rw)
+    if args.only == "g":
+        print()
+        table.print()
+        return
 
     # (a) fp32 ------------------------------------------------------------------------------
     table.section(f"(a) fp32 params and grads, full step (x floor: Adam floor {adam_floor:.1f} ms)")
@@ -538,6 +552,36 @@ def main(argv=None):
     table.print()
 
 
+def lion_section(table, timer, device, total, n, bw_rw):
+    """(g): Lion's step_ and kernel beside AdamW's, interleaved round by round."""
+    sizes = tree_sizes(total, n)
+    params, grads = make_tree(sizes, torch.float32, device), make_tree(sizes, torch.float32, device, seed=1)
+    fresh = lambda: {k: v.clone() for k, v in params.items()}  # noqa: E731
+    gs = list(grads.values())
+    one, yes = torch.ones((), device=device), torch.tensor(True, device=device)
+    adam_p, lion_p = list(fresh().values()), list(fresh().values())
+    m, v, mu = ([torch.zeros_like(x) for x in adam_p] for _ in range(3))
+    adam_t, lion_t = torch.zeros((), device=device), torch.zeros((), device=device)
+    fns = {
+        "step_": mixed_step(fresh(), grads, True),
+        "lion_step_": mixed_step(fresh(), grads, True, tx=af.lion(LR / 10)),
+        "adam_kernel": lambda: ops.adam_step_(adam_p, gs, m, v, None, None, adam_t, one, yes, lr=LR,
+                                              decoupled_weight_decay=True),
+        "lion_kernel": lambda: ops.lion_step_(lion_p, gs, mu, None, lion_t, one, yes, lr=LR / 10),
+    }
+    times = timer.interleaved(fns)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    floor = {b: b * total / (bw_rw * 1e9) * 1e3 for b in (20, 28)}
+    table.section(f"(g) Lion beside AdamW, {n} tensors / {total / 2**20:.1f}M elements fp32, rows interleaved "
+                  f"round by round (x floor: 28 B/elem for AdamW, 20 for Lion)")
+    table.add("mixed_precision(adamw, NoOpLossScale()).step_ (in place)", times["step_"], floor[28])
+    table.add("mixed_precision(lion, NoOpLossScale()).step_ (in place)", times["lion_step_"], floor[20], None,
+              f"{med['lion_step_'] / med['step_']:5.2f}x AdamW's step_ (target <= 0.9x)")
+    table.add("ops.adam_step_ alone (AdamW)", times["adam_kernel"], floor[28])
+    table.add("ops.lion_step_ alone", times["lion_kernel"], floor[20], None,
+              f"{med['lion_kernel'] / med['adam_kernel']:5.2f}x AdamW's kernel")
+
+
 def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     """(e): every step path against torch AdamW(fused=True).step() alone, same run."""
     sizes = tree_sizes(total, n_few)
@@ -559,6 +603,7 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
         "many_update": f"update + apply_updates, {n_many} tensors",
         "flat_trainer": f"ModuleTrainer(model, af.adamw(1e-3), flat=True).step(), {n_few} tensors",
         "many_flat_trainer": f"ModuleTrainer(..., flat=True).step(), {n_many} tensors",
+        "lion_step_": "mixed_precision(lion, NoOpLossScale()).step_ (in place)",
     }
     fns = {
         "torch": torch_step(fresh(), grads, device, fused=True, clip=False, scaler=False),
@@ -573,6 +618,7 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
         "many_update": pure_update_step({k: v.clone() for k, v in mparams.items()}, mgrads),
         "flat_trainer": flat_trainer_step(params, grads),
         "many_flat_trainer": flat_trainer_step(mparams, mgrads),
+        "lion_step_": mixed_step(fresh(), grads, True, tx=af.lion(LR / 10)),
     }
     times = timer.interleaved(fns)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -583,6 +629,8 @@ def paths_section(table, timer, device, total, n_few, n_many, floor_ms):
     for key, target in (("update", 1.5), ("step", 1.3), ("step_", 1.05), ("trainer", 1.1)):
         table.add(names[key], times[key], floor_ms, None,
                   f"{med[key] / t0:5.2f}x torch alone (target <= {target}x)")
+    table.add(names["lion_step_"], times["lion_step_"], floor_ms, None,
+              f"{med['lion_step_'] / med['step_']:5.2f}x AdamW's step_ (one moment: target <= 0.9x)")
     table.add(names["recipe"], times["recipe"], floor_ms, None, "the next row's baseline")
     table.add(names["trainer_dls"], times["trainer_dls"], floor_ms, None,
               f"{med['recipe'] / med['trainer_dls']:5.2f}x faster than torch's recipe (target >= 1.6x)")

@@ -10,7 +10,8 @@
 #      check_norm finite past fp32's range of the sum, as on the CPU) and the CUDA tests of the
 #      other test files (-k cuda),
 #   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every step path
-#      against torch's fused AdamW, and 10,000 tensors against 200),
+#      against torch's fused AdamW, and 10,000 tensors against 200; (g): Lion's step_ and kernel
+#      beside AdamW's),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
 #      compute-sanitizer, when present and time is left,
 #   7. prints a short table.
@@ -172,6 +173,11 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
         ops.adam_step(pu, grads, st, st2, st3, model, step, one, fin, lr=1e-3, amsgrad=True, weight_decay=0.1,
                       decoupled_weight_decay=True)
         ops.sgd_step(pu, grads, st, model, step, one, fin, lr=0.1, momentum=0.9)
+        ops.lion_step(pu, grads, st, model, step, one, fin, lr=1e-4, weight_decay=0.1)
+    # the generic optimizers' kernel (ext/cuda/optimizers.cu): Lion in place, pure, as an update
+    ops.lion_step_(ps, grads, st, model, step, one, yes, lr=1e-4, weight_decay=0.1)
+    ops.lion_update(ps, grads, st, step, one, lr=1e-4, weight_decay=0.1)
+    ops.lion_update(None, grads, st, step, one, lr=1e-4)
     ops.apply_updates(xs, grads)
 s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
 ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,

@@ -21,6 +21,7 @@
 #pragma once
 
 #include "optim_scalars.h"
+#include "optimizers/lion.h"
 
 // X(name, type) for every generic optimizer.
-#define AMPFUNC_OPTIMIZERS(X)
+#define AMPFUNC_OPTIMIZERS(X) X(lion, ::ampfunc::optimizers::Lion)

@@ -2066,3 +2066,43 @@ def test_cuda_validation_refuses_before_writing_with_the_cpu_message():
     assert all(bool((x == 1).all()) for x in p) and all(bool((x == 0).all()) for x in m)
     with pytest.raises(ValueError, match=r"^ampfunc: tensors\[1\] is on cpu but the call's tensors are on cuda:0"):
         ops.check_norm([p[0], torch.ones(5)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Lion: the generic optimizers' CUDA kernel (ext/cuda/optimizers.cu), against the reference twin
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_lion_on_cuda_is_the_reference_twin_in_place_out_of_place_and_as_an_update(grad_dtype, weight_decay):
+    gen = torch.Generator().manual_seed(7)
+    sizes = [1, 7, 4099, CHUNK, 3 * CHUNK + 17] + [1 + i % 50 for i in range(300)]
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
+    mus = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
+    model = [p.bfloat16() for p in params]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=weight_decay)
+    cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
+    for finite in (True, False):
+        rp, rm, rmodel, rstep = [p.clone() for p in params], [m.clone() for m in mus], [x.clone() for x in model], \
+            torch.tensor(3.0)
+        ops._REFERENCE["lion_step_"](rp, grads, rm, rmodel, rstep, torch.tensor(0.5), torch.tensor(finite), kw["lr"],
+                                     None, 0.9, 0.99, weight_decay)
+        cp, cm, cmodel, cstep = cuda(params), cuda(mus), cuda(model), torch.tensor(3.0, device="cuda")
+        new = ops.lion_step(cp, cuda(grads), cm, cmodel, cstep, torch.tensor(0.5, device="cuda"),
+                            torch.tensor(finite, device="cuda"), **kw)
+        ops.lion_step_(cp, cuda(grads), cm, cmodel, cstep, torch.tensor(0.5, device="cuda"),
+                       torch.tensor(finite, device="cuda"), **kw)
+        for got, want in zip(cp + cm + new[0] + new[1], rp + rm + rp + rm):
+            assert torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-7)
+        for got in (cmodel, new[2]):
+            assert all(torch.allclose(a.cpu().float(), b.float(), rtol=1e-2, atol=0) for a, b in zip(got, rmodel))
+        assert cstep.item() == new[3].item() == rstep.item() == (4.0 if finite else 3.0)
+    d, m, s = ops.lion_update(cuda(params), cuda(grads), cuda(mus), torch.tensor(3.0, device="cuda"), **kw)
+    rd, rm2, rs = ops._REFERENCE["lion_update"](params, grads, mus, torch.tensor(3.0), torch.ones(()), kw["lr"], None,
+                                                0.9, 0.99, weight_decay)
+    for got, want in zip(d + m, rd + rm2):
+        assert torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-7)
+    assert s.item() == rs.item() == 4.0
