@@ -16,7 +16,8 @@
 //   glue/cpu_ops.h     the CPU implementations of the ops (ext/cpu/ does the arithmetic)
 //   glue/cuda_ops.h    the CUDA implementations (ext/cuda/'s launchers), with AMPFUNC_WITH_CUDA
 //   glue/direct.h      the direct door: eager CPU calls without the dispatcher
-//   glue/optimizers.h  the generic optimizers' ops (ext/optimizers.h), CPU and CUDA
+//   glue/optimizers.h  the generic optimizers' ops (ext/optimizers.h), CPU and CUDA, and their
+//                      direct door
 // and this file, the registration: the dispatcher's kernels and the direct door's module.
 
 #include "glue/common.h"
@@ -117,6 +118,13 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("sgd_update", &direct::sgd_update);
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);
+#define AMPFUNC_DIRECT_OPTIMIZER(name, Op)                                           \
+  m.def(#name "_step_", &direct::optim<Op, OptimForm::kInPlace>);                    \
+  m.def(#name "_step", &direct::optim<Op, OptimForm::kOutOfPlace>);                  \
+  m.def(#name "_step_checked", &direct::optim<Op, OptimForm::kOutOfPlace, true>);    \
+  m.def(#name "_update", &direct::optim<Op, OptimForm::kUpdate>);
+    AMPFUNC_OPTIMIZERS(AMPFUNC_DIRECT_OPTIMIZER)
+#undef AMPFUNC_DIRECT_OPTIMIZER
     m.def("kernel_ready", &direct::kernel_ready);
     m.def("dict_values_aligned", &direct::dict_values_aligned);
     m.def("same_objects", &direct::same_objects);

@@ -59,11 +59,16 @@ def _args(name):
         "sgd_update": (p, g, m, step, gs, 0.05, None, 0.01, 0.9, 0.0, False, False),
         "adam_update": (p, g, m, v, vmax, step, gs, 1e-3, None, 0.9, 0.99, 1e-8, 0.01, True, True, False),
         "apply_updates": (p, _tree(5)),
+        # the generic optimizers' (ext/optimizers.h): one binding per form for all of them
+        "lion_step_": (p, g, m, model, step, gs, fin, 1e-2, None, 0.9, 0.99, 0.1),
+        "lion_step": (p, g, m, model, step, gs, fin, 0.0, lr_t, 0.8, 0.95, 0.0),
+        "lion_step_checked": (p, g, m, model, step, gs, 1e-2, None, 0.9, 0.99, 0.1),
+        "lion_update": (p, g, m, step, gs, 0.0, lr_t, 0.9, 0.99, 0.1),
     }[name]
 
 
 OPS = ["check", "check_norm", "unscale_", "unscale", "sgd_step_", "sgd_step", "adam_step_", "adam_step",
-       "sgd_update", "adam_update", "apply_updates"]
+       "sgd_update", "adam_update", "apply_updates", "lion_step_", "lion_step", "lion_update"]
 
 
 def _clone(args):
@@ -91,7 +96,7 @@ def test_the_direct_door_gives_the_dispatchers_bits_in_its_outputs_and_in_place_
         assert torch.equal(x, y) or torch.equal(x.nan_to_num(), y.nan_to_num())
 
 
-WRITTEN = {"unscale_": [0], "sgd_step_": [0, 2, 3, 4], "adam_step_": [0, 2, 3, 4, 5, 6]}
+WRITTEN = {"unscale_": [0], "sgd_step_": [0, 2, 3, 4], "adam_step_": [0, 2, 3, 4, 5, 6], "lion_step_": [0, 2, 3, 4]}
 
 
 @pytest.mark.parametrize("name", sorted(WRITTEN))
@@ -156,15 +161,16 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("name", ["adam_step_", "lion_step_"])
 @pytest.mark.parametrize("bad", sorted(BAD))
-def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_written(bad):
-    a, b = BAD[bad](_args("adam_step_")), BAD[bad](_args("adam_step_"))
+def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_written(bad, name):
+    a, b = BAD[bad](_args(name)), BAD[bad](_args(name))
     snapshot = [t.clone() for t in _flat(a)]
     versions = [t._version for t in _flat(a)]
     with pytest.raises((ValueError, TypeError)) as direct:
-        DOOR.adam_step_(*a)
+        getattr(DOOR, name)(*a)
     with pytest.raises((ValueError, TypeError)) as dispatched:
-        torch.ops.ampfunc.adam_step_(*b)
+        getattr(torch.ops.ampfunc, name)(*b)
     assert type(direct.value) is type(dispatched.value)
     assert str(direct.value).splitlines()[0] == str(dispatched.value).splitlines()[0]
     assert str(direct.value).startswith("ampfunc: ")
@@ -175,13 +181,13 @@ def test_bad_input_gets_the_dispatchers_error_through_the_door_and_nothing_is_wr
     assert [t._version for t in _flat(a)] == versions
 
 
-@pytest.mark.parametrize("name", ["sgd_step_", "adam_step_"])
+@pytest.mark.parametrize("name", ["sgd_step_", "adam_step_", "lion_step_"])
 def test_a_skipped_step_through_the_door_bumps_as_a_taken_one(name):
     # the door bumps once the arguments are validated, before the skip is read: what a version
     # counter says does not depend on the step's finiteness (a torch in-place op bumps even when
     # it writes the values already there)
     a = list(_args(name))
-    a[{"sgd_step_": 6, "adam_step_": 8}[name]] = torch.tensor(False)
+    a[{"sgd_step_": 6, "adam_step_": 8, "lion_step_": 6}[name]] = torch.tensor(False)
     before = [[t._version for t in _flat(x)] for x in a]
     snapshot = [t.clone() for t in _flat(a)]
     getattr(DOOR, name)(*a)
@@ -490,3 +496,130 @@ def test_a_long_in_place_call_bumps_every_written_tensor_once_and_no_read_one():
     # per written view
     assert [t._version - b for t, b in zip(m + v, before[2] + before[3])] == [2 * n] * (2 * n)
     assert moments._version == 2 * n and step._version == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic optimizers (ext/optimizers.h): the door's one binding per form serves every one
+# ---------------------------------------------------------------------------------------------
+
+
+class _SpyDoor:
+    """The loaded door, recording which of its functions ampfunc.ops calls and what they answer."""
+
+    def __init__(self, door):
+        self._door, self.calls = door, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._door, name)
+
+        def spied(*args):
+            out = fn(*args)
+            self.calls.append((name, out is not NotImplemented))
+            return out
+
+        return spied
+
+
+def _lion_kw(lr=1e-2):
+    return dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("form", ["step_", "step", "step_checked", "update"])
+def test_eager_generic_optimizer_calls_take_the_direct_door(form, monkeypatch):
+    spy = _SpyDoor(DOOR)
+    monkeypatch.setattr(ops._loading, "_DIRECT", [spy])
+    p, g, m = _tree(0), _grads(1), _tree(2)
+    step, gs, fin = _scalars()
+    if form == "step_":
+        ops.lion_step_(p, g, m, None, step, gs, fin, **_lion_kw())
+    elif form == "step":
+        ops.lion_step(p, g, m, None, step, gs, fin, **_lion_kw())
+    elif form == "step_checked":
+        ops.lion_step_checked(p, g, m, None, step, gs, **_lion_kw())
+    else:
+        ops.lion_update(p, g, m, step, gs, **_lion_kw())
+    assert spy.calls == [(f"lion_{form}", True)]
+
+
+def test_mixed_precision_lion_step_in_place_takes_the_direct_door(monkeypatch):
+    import ampfunc as af
+
+    params = {"a": torch.randn(5), "b": torch.randn(3, 2)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    mp = af.mixed_precision(af.lion(1e-2, weight_decay=0.1), loss_scale=af.NoOpLossScale())
+    state = mp.init(params)
+    spy = _SpyDoor(DOOR)
+    monkeypatch.setattr(ops._loading, "_DIRECT", [spy])
+    mp.step_(params, grads, state)
+    assert ("lion_step_", True) in spy.calls
+    assert not [c for c in spy.calls if not c[1]]  # nothing handed back to the dispatcher
+
+
+@pytest.mark.parametrize("poison", ["none", "inf", "nan_scale"])
+@pytest.mark.parametrize("lr", [1e-2, "tensor"])
+def test_lion_step_checked_through_the_door_is_check_then_lion_step_bit_for_bit(poison, lr):
+    p, g, m, _, _, model, step, gs = _checked_args(poison, False)
+    a = (p, g, m, model, step, gs)
+    snapshot = [t.clone() for t in _flat(a)]
+    kw = _lion_kw(torch.full((), 1e-2) if lr == "tensor" else lr)
+    got = ops.lion_step_checked(*a, **kw)
+    for t, s in zip(_flat(a), snapshot):
+        torch.testing.assert_close(t, s, rtol=0, atol=0, equal_nan=True)
+    finite = ops.check(g)[0] & ~gs.isnan()
+    want = torch.ops.ampfunc.lion_step(*a, finite, *([0.0, kw["lr"]] if lr == "tensor" else [kw["lr"], None]),
+                                       0.9, 0.99, 0.1) + (finite,)
+    assert bool(got[4]) == (poison == "none")
+    for x, y in zip(_flat(list(got)), _flat(list(want))):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except (ValueError, TypeError) as e:
+        return type(e), str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_lion_step_checked_through_the_door_refuses_bad_input_as_lion_step_does(bad):
+    # (an out-of-place step only reads its inputs: a state aliasing a param is no error for either)
+    a = BAD[bad](_args("lion_step_checked"))
+    direct = _raised(DOOR.lion_step_checked, *a)
+    dispatched = _raised(torch.ops.ampfunc.lion_step, *a[:6], torch.ones((), dtype=torch.bool), *a[6:])
+    assert direct == dispatched
+    assert (direct is None) == (bad == "aliased_state")
+
+
+def test_a_generic_optimizer_call_the_door_cannot_take_goes_to_the_dispatcher():
+    a = list(_args("lion_step"))
+    a[1] = [t.clone().requires_grad_() if i == 0 else t for i, t in enumerate(a[1])]  # grad mode is on
+    assert DOOR.lion_step(*a) is NotImplemented
+    out = ops.lion_step(*a[:7], lr=1e-2, beta1=0.8, beta2=0.95)  # served by torch.ops.ampfunc
+    assert len(out) == 4 and all(torch.isfinite(t).all() for t in out[0])
+    u = _args("lion_update")
+    with _Counting() as mode:  # a dispatch mode: handed back, and the mode sees the op
+        assert DOOR.lion_update(*u) is NotImplemented
+        ops.lion_update(*u[:5], lr=1e-2)
+    assert any("ampfunc.lion_update" in s for s in mode.seen)
+
+
+def test_a_compiled_generic_optimizer_step_calls_the_library_op():
+    # traced calls keep torch.ops.ampfunc (the door is for eager calls only)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step_fn(p, g, m, step):
+        ops.lion_step_(p, g, m, None, step, torch.ones(()), torch.ones((), dtype=torch.bool), **_lion_kw())
+
+    eager, compiled = (_tree(0), _tree(2), torch.zeros(())), (_tree(0), _tree(2), torch.zeros(()))
+    g = _tree(1)
+    step_fn(eager[0], g, eager[1], eager[2])
+    torch._dynamo.reset()
+    torch.compile(step_fn, fullgraph=True, backend=backend)(compiled[0], g, compiled[1], compiled[2])
+    assert any("ampfunc.lion_step_" in s for s in seen), seen
+    for x, y in zip(_flat(list(eager)), _flat(list(compiled))):
+        assert torch.equal(x, y)

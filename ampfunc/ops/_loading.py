@@ -67,7 +67,7 @@ def _through_door(name: str, args: tuple):
     door = _DIRECT[0]
     if door is None or _is_compiling():
         return NotImplemented
-    fn = getattr(door, name, None)  # the generic optimizers' ops take the dispatcher
+    fn = getattr(door, name, None)  # None: no binding (update_scale_), the dispatcher serves it
     return NotImplemented if fn is None else fn(*args)
 
 # The out-of-place optimizer ops whose new state lists and updates come back packed in eager mode.

@@ -4,7 +4,9 @@
 // one's ops <name>_step_, <name>_step and <name>_update read their arguments off the
 // dispatcher's stack in the order of the schema ampfunc/ops derives from the same spec,
 // validate them (check_step_args / check_update_args: the lists from the spec), and run the CPU
-// pass (ext/cpu/kernels.h: optim_pass) or the CUDA launcher (ext/cuda/optimizers.cu).
+// pass (ext/cpu/kernels.h: optim_pass) or the CUDA launcher (ext/cuda/optimizers.cu). Their eager
+// CPU calls take the direct door (direct.h) through one generic binding per form (the end of this
+// file), which reads the same arguments off Python's and runs the same validation and pass.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,6 +17,7 @@
 
 #include "common.h"
 #include "cpu_ops.h"
+#include "direct.h"
 #include "spec.h"
 #include "validation.h"
 
@@ -43,10 +46,21 @@ const OptimizerSpec& spec_of() {
   return spec;
 }
 
+// The name of an op of Op, for the errors and the profiler.
+template <class Op, OptimForm F>
+const std::string& op_name() {
+  static const std::string name = std::string(Op::kName) + (F == OptimForm::kInPlace      ? "_step_"
+                                                            : F == OptimForm::kOutOfPlace ? "_step"
+                                                                                          : "_update");
+  return name;
+}
+
 // One call's arguments, in schema order (ampfunc/ops/_spec.py: step_spec, update_spec).
 template <class Op>
 struct OptimCall {
   std::string name;  // the op's name, for the errors
+  // The lists as the dispatcher hands them (owned); a direct call borrows its tensors from Python
+  // and leaves these empty.
   std::vector<Tensor> params, grads, model_params;
   std::array<std::vector<Tensor>, Op::kState> state;
   Tensor step, grad_scale, finite;
@@ -70,8 +84,7 @@ OptimCall<Op> read_call(const c10::OperatorHandle& op, torch::jit::Stack* stack)
   const size_t n = op.schema().arguments().size();
   auto args = torch::jit::last(*stack, n);
   OptimCall<Op> c;
-  c.name = std::string(Op::kName) + (F == OptimForm::kInPlace ? "_step_" : F == OptimForm::kOutOfPlace ? "_step"
-                                                                                                        : "_update");
+  c.name = op_name<Op, F>();
   size_t i = 0;
   c.params = args[i++].toTensorVector();
   c.grads = args[i++].toTensorVector();
@@ -97,7 +110,8 @@ OptimCall<Op> read_call(const c10::OperatorHandle& op, torch::jit::Stack* stack)
 template <class Op, OptimForm F>
 at::Device validate_call(const OptimCall<Op>& c) {
   const char* name = c.name.c_str();
-  const at::Device dev = F == OptimForm::kUpdate ? device_of(c.grads, c.step) : device_of(c.params, c.step);
+  const Tensors& first = F == OptimForm::kUpdate ? c.G : c.P;  // device_of's rule, on the views
+  const at::Device dev = first.empty() ? c.step.device() : first[0].device();
   if (c.lr_tensor.has_value()) check_scalar(name, "lr_tensor", *c.lr_tensor, at::kFloat, dev);
   if (F == OptimForm::kUpdate) {
     check_update_args(name, spec_of<Op>(), c.P, c.G, c.state_ptrs(), c.hyper, c.step, c.grad_scale, dev);
@@ -117,8 +131,30 @@ const std::vector<const OptimizerSpec*>& optimizer_specs() {
 
 // ---- CPU ----
 
-template <class Op, OptimForm F>
-void run_cpu(OptimCall<Op>& c, torch::jit::Stack* stack) {
+// Where run_cpu puts an out-of-place call's results, in schema order: the dispatcher's stack, or
+// (the direct door) held until the GIL is taken again and handed to Python as a tuple.
+struct StackOut {
+  torch::jit::Stack* stack;
+  void list(std::vector<Tensor>&& ts) { torch::jit::push(*stack, c10::IValue(std::move(ts))); }
+  void tensor(Tensor t) { torch::jit::push(*stack, std::move(t)); }
+};
+
+struct HeldOut {
+  std::vector<std::vector<Tensor>> lists;
+  std::vector<Tensor> tensors;  // after the lists
+  void list(std::vector<Tensor>&& ts) { lists.push_back(std::move(ts)); }
+  void tensor(Tensor t) { tensors.push_back(std::move(t)); }
+  pybind11::tuple to_python() {  // with the GIL
+    pybind11::tuple out(lists.size() + tensors.size());
+    size_t i = 0;
+    for (auto& l : lists) out[i++] = pybind11::cast(std::move(l));
+    for (auto& t : tensors) out[i++] = pybind11::cast(std::move(t));
+    return out;
+  }
+};
+
+template <class Op, OptimForm F, class Out>
+void run_cpu(OptimCall<Op>& c, Out& sink) {
   const at::Device dev(at::kCPU);
   const double lr = lr_value(c.name.c_str(), c.lr, c.lr_tensor, dev);
   const bool lr_is_tensor = c.lr_tensor.has_value();
@@ -155,10 +191,10 @@ void run_cpu(OptimCall<Op>& c, torch::jit::Stack* stack) {
       for (int k = 0; k < Op::kState; ++k) ampfunc::cpu::copy(s_work[k]->tensors, so[k]);
       ampfunc::cpu::copy(m.tensors, mo);
     }
-    torch::jit::push(*stack, c10::IValue(std::move(p_out)));
-    for (auto& s : s_out) torch::jit::push(*stack, c10::IValue(std::move(s)));
-    torch::jit::push(*stack, c10::IValue(std::move(m_out)));
-    torch::jit::push(*stack, at::scalar_tensor(applied ? next_step : old_step, at::kFloat));
+    sink.list(std::move(p_out));
+    for (auto& s : s_out) sink.list(std::move(s));
+    sink.list(std::move(m_out));
+    sink.tensor(at::scalar_tensor(applied ? next_step : old_step, at::kFloat));
   } else {
     std::vector<Tensor> d_out = packed_empty_like(g.tensors, at::kFloat);
     std::vector<std::vector<Tensor>> s_out;
@@ -168,9 +204,9 @@ void run_cpu(OptimCall<Op>& c, torch::jit::Stack* stack) {
     ampfunc::cpu::OptimLists out{&none, {}};
     for (const Tensors& t : so) out.state.push_back(&t);
     ampfunc::cpu::optim_pass<Op>(in, g.tensors, out, none, &d, scalars);
-    torch::jit::push(*stack, c10::IValue(std::move(d_out)));
-    for (auto& s : s_out) torch::jit::push(*stack, c10::IValue(std::move(s)));
-    torch::jit::push(*stack, at::scalar_tensor(next_step, at::kFloat));
+    sink.list(std::move(d_out));
+    for (auto& s : s_out) sink.list(std::move(s));
+    sink.tensor(at::scalar_tensor(next_step, at::kFloat));
   }
 }
 
@@ -287,7 +323,8 @@ void optim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   OptimCall<Op> c = read_call<Op, F>(op, stack);
   const at::Device dev = validate_call<Op, F>(c);
   if (dev.is_cpu()) {
-    run_cpu<Op, F>(c, stack);
+    StackOut out{stack};
+    run_cpu<Op, F>(c, out);
     return;
   }
 #ifdef AMPFUNC_WITH_CUDA
@@ -296,5 +333,73 @@ void optim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   TORCH_CHECK(false, "ampfunc: ", c.name, " on ", dev.str(), " needs a build with CUDA");
 #endif
 }
+
+// ---- The direct door ----
+
+namespace direct {
+
+// An eager CPU call of one of Op's ops (direct.h): the arguments read off Python's in schema
+// order, NotImplemented for anything the door does not take (then ampfunc.ops calls the op), else
+// the dispatcher kernel's validation, pass and results, the written tensors' versions bumped.
+// kChecked: <name>_step_checked, the out-of-place step without `finite`, run as the composition
+// it stands for (ampfunc/ops/_forms.py): check's flag of the grads and-ed with grad_scale not
+// being NaN, then <name>_step with that flag, which is handed back last.
+template <class Op, OptimForm F, bool kChecked = false>
+py::object optim(const py::args& a) {
+  static_assert(!kChecked || F == OptimForm::kOutOfPlace, "checked: the out-of-place step");
+  HANDLE_TH_ERRORS
+  Args x(a);
+  OptimCall<Op> c;
+  c.P = x.list();
+  c.G = x.list();
+  for (int k = 0; k < Op::kState; ++k) c.S[k] = x.list();
+  if (F != OptimForm::kUpdate) c.M = x.list();
+  const Tensor *step = x.tensor(), *gs = x.tensor();
+  const Tensor* fin = F == OptimForm::kUpdate || kChecked ? nullptr : x.tensor();
+  c.lr = x.real();
+  c.lr_tensor = x.optional_tensor();
+  for (int k = 0; k < Op::kHypers; ++k) {
+    const std::string kind = Op::kHyperKinds[k];
+    c.hyper.push_back(kind == "bool" ? (x.flag() ? 1.0 : 0.0)
+                      : kind == "int" ? static_cast<double>(x.integer())
+                                      : x.real());
+  }
+  if (!x.usable()) return not_handled();
+  c.name = op_name<Op, F>();
+  c.step = *step;
+  c.grad_scale = *gs;
+  if (fin != nullptr) c.finite = *fin;
+  static const std::string label = "ampfunc::" + op_name<Op, F>() + (kChecked ? "_checked" : "");
+  if constexpr (F == OptimForm::kInPlace) {
+    return run(label.c_str(), [&] {
+      validate_call<Op, F>(c);
+      HeldOut none;
+      run_cpu<Op, F>(c, none);
+      bump(c.P);
+      for (const Tensors& s : c.S) bump(s);
+      bump(c.M);
+      bump(c.step);
+    });
+  } else {
+    HeldOut out;
+    {
+      py::gil_scoped_release no_gil;
+      RECORD_FUNCTION(label.c_str(), std::vector<c10::IValue>());
+      PackOutputs pack(true);  // an eager call
+      if constexpr (kChecked) {
+        Tensor finite = c.grad_scale.isnan().bitwise_not();
+        if (!c.G.empty()) finite = std::get<0>(check_cpu(c.G, false)).bitwise_and(finite);
+        c.finite = finite;
+      }
+      validate_call<Op, F>(c);
+      run_cpu<Op, F>(c, out);
+      if constexpr (kChecked) out.tensor(c.finite);
+    }
+    return out.to_python();
+  }
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+}  // namespace direct
 
 }  // namespace
