@@ -507,7 +507,9 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         if opt is None:
             raise ValueError(f"{where}: the state's optimizer state is not the one this transform's init makes "
                              "(a state from another setting?) -- call init again")
-        ref = join_master(params, state.master) if split else (state.master if state.master is not None else params)
+        # The moments' layout follows each master's dtype and shape; a split master is fp32 where its
+        # param is bf16, which is the param's arithmetic dtype: the params say it without a join.
+        ref = params if split else (state.master if state.master is not None else params)
         for f in MOMENT_FIELDS:
             if f in opt._fields and getattr(opt, f) is not None:
                 check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
