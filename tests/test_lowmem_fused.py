@@ -274,3 +274,35 @@ def test_the_op_compiles_fullgraph_and_gives_the_eager_numbers():
         op(*_with(eager, _clone(grads)), s2, torch.ones(()), torch.tensor(i != 1), maps, bases, 1e-2, None, 0.9, 0.999,
            1e-8, 0.1, True, False)
         assert _same(list(state), list(eager)) and _same(s1, s2)
+
+
+def test_the_q8_codes_at_the_maps_midpoints_and_their_neighbours_are_the_reference_codes():
+    # beta1 = 0 makes the new first moment the gradient itself, and a 1.0 in every block makes its
+    # absmax 1: the values the kernel encodes are exactly these, ties and specials included.
+    op = _compiled()
+    mids = af.lowbits.map_midpoints(True)
+    up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+    specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-30, -1e-30, 1.0, -1.0, 0.999999, -0.999999])
+    vals = torch.cat([mids, up, down, af.lowbits.dynamic_map(True), specials])
+    vals = vals.clamp(-1.0, 1.0)
+    blocks = -(-vals.numel() // 255)
+    vals = torch.cat([vals, torch.zeros(blocks * 255 - vals.numel())]).reshape(blocks, 255)
+    g = torch.cat([torch.ones(blocks, 1), vals], dim=1).reshape(-1)
+    g = torch.cat([g, torch.ones(4096 - g.numel() % 4096 if g.numel() < 4096 else 0)])
+    n = g.numel()
+    assert n % 256 == 0 and n >= 4096
+    maps, bases = q8_lookup()
+
+    def fresh():
+        c1, a1 = af.lowbits.quantize_q8(torch.zeros(n), True)
+        c2, a2 = af.lowbits.quantize_q8(torch.zeros(n), False)
+        return [torch.zeros(n).bfloat16()], [torch.zeros(n, dtype=torch.int16)], [c1], [a1], [c2], [a2]
+
+    a, b = fresh(), fresh()
+    hyper = (0.0, 0.5, 1e-8, 0.0, False, False)
+    op(*_with(a, [g]), torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-3, None, *hyper)
+    _ref_adam_lowmem_step_(*_with(b, [g]), torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-3,
+                           None, *hyper)
+    assert torch.equal(a[2][0], af.lowbits.quantize_q8(g, True)[0])
+    assert _same(list(a), list(b))

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,17 +58,45 @@ inline uint16_t f_bf16_rne(float x) {  // torch's float -> bfloat16: round to ne
 }
 
 // One dynamic map's tables (ampfunc.lowbits.q8_lookup): its 256 values, its 255 midpoints and a
-// NaN, and for each top 16 bits of an fp32 pattern the code of the smallest value with them.
+// NaN, and for each top 16 bits of an fp32 pattern the code of the smallest value with them;
+// `step`, derived from those (build_steps): per top-16-bit bucket, b | T << 8.
 struct Maps {
   const float* qmap;
   const float* mid;
   const uint8_t* base;
+  const int32_t* step;
 };
 
 inline uint8_t encode_one(float y, const Maps& mp) {
   if (y != y) return 255;
   const uint32_t b = mp.base[fbits(y) >> 16];
   return uint8_t(b + (y >= mp.mid[b] ? 1u : 0u));  // mid[255] is NaN: never
+}
+
+// The step table of one map from its base and midpoints: for bucket t, the first k' at which
+// the code is b + 1 (65536: never), k' the low 16 bits, reversed for a negative bucket so the
+// value grows with k'. Buckets of infinities/NaN: only k = 0 (the infinity) is a number.
+void build_steps(const Maps& mp, int32_t* out) {
+  for (uint32_t t = 0; t < 65536; ++t) {
+    const uint32_t b = mp.base[t];
+    const bool neg = t & 0x8000u;
+    auto up = [&](uint32_t kp) {
+      const uint32_t k = neg ? 65535u - kp : kp;
+      return encode_one(bitsf((t << 16) | k), mp) != b;
+    };
+    uint32_t T;
+    if ((t & 0x7F80u) == 0x7F80u) {
+      T = neg ? (up(65535) ? 65535u : 65536u) : (up(0) ? 0u : 1u);
+    } else {
+      uint32_t lo = 0, hi = 65536;  // first kp in [lo, hi) with up(kp)
+      while (lo < hi) {
+        const uint32_t mid = (lo + hi) / 2;
+        if (up(mid)) hi = mid; else lo = mid + 1;
+      }
+      T = lo;
+    }
+    out[t] = int32_t(b | (T << 8));
+  }
 }
 
 // qmap[code] * absmax for the n codes of one block.
@@ -85,7 +114,10 @@ inline void decode_block(const uint8_t* codes, float* out, int64_t n, const floa
 #endif
 }
 
-// The codes of n normalized values: code b or b + 1 from one table load and one comparison.
+// The codes of n normalized values. Every top-16-bit bucket holds at most one midpoint, so a
+// value's code is b or b + 1 and, within its bucket, b + 1 exactly from a threshold T on its low
+// 16 bits (reversed for a negative value, whose magnitude grows with them): one table load (the
+// step table) and one integer comparison, the same codes as encode_one.
 inline void encode_block(const float* y, uint8_t* out, int64_t n, const Maps& mp) {
 #ifdef AMPFUNC_LOWMEM_GATHER
   alignas(64) int32_t codes[kBlock];
@@ -93,14 +125,14 @@ inline void encode_block(const float* y, uint8_t* out, int64_t n, const Maps& mp
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(y + j);
-    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-    // 4 bytes read at each byte index (the table is padded by 16 bytes), the low one kept
-    const __m256i b =
-        _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(mp.base), top, 1), low_byte);
-    const __m256 mid = _mm256_i32gather_ps(mp.mid, b, 4);
-    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(v, mid, _CMP_GE_OQ));  // all ones: +1
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i e = _mm256_i32gather_epi32(mp.step, _mm256_srli_epi32(bits, 16), 4);
+    const __m256i flip = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(0xFFFF));
+    const __m256i k = _mm256_xor_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF)), flip);
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), k);  // all ones: code b
+    const __m256i b1 = _mm256_add_epi32(_mm256_and_si256(e, low_byte), _mm256_set1_epi32(1));
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i code = _mm256_blendv_epi8(_mm256_sub_epi32(b, up), low_byte, nan);
+    const __m256i code = _mm256_blendv_epi8(_mm256_add_epi32(b1, below), low_byte, nan);
     _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j), code);
   }
   for (int64_t k = 0; k < j; ++k) out[k] = static_cast<uint8_t>(codes[k]);
@@ -357,6 +389,25 @@ void check_args(const Tensors& params, const Tensors& remainders, const Tensors&
   }
 }
 
+// The step tables of the two maps, built on the first call and again only when the tables
+// passed differ (they are q8_lookup()'s: one build per process). ~2M table probes per build.
+void step_tables(Maps& ms, Maps& mu) {
+  static std::mutex lock;
+  static std::vector<int32_t> steps(2 * 65536);
+  static std::vector<uint8_t> seen;
+  const std::lock_guard<std::mutex> guard(lock);
+  std::vector<uint8_t> now(reinterpret_cast<const uint8_t*>(ms.qmap),
+                           reinterpret_cast<const uint8_t*>(ms.qmap) + kMapsNumel * 4);
+  now.insert(now.end(), ms.base, ms.base + 2 * kBasesRow);
+  if (now != seen) {
+    build_steps(ms, steps.data());
+    build_steps(mu, steps.data() + 65536);
+    seen = std::move(now);
+  }
+  ms.step = steps.data();
+  mu.step = steps.data() + 65536;
+}
+
 }  // namespace
 
 // Adam / AdamW (decoupled_weight_decay) over split masters and bf16 / q8 / fp32 moments, in place.
@@ -395,7 +446,8 @@ void adam_lowmem_step__cpu(const Tensors& params, const Tensors& remainders, con
   const Tensor maps = qmaps.contiguous(), bases = qbases.contiguous();
   const float* mp = maps.data_ptr<float>();
   const uint8_t* bp = bases.data_ptr<uint8_t>();
-  const Maps ms{mp, mp + 256, bp}, mu{mp + 512, mp + 768, bp + kBasesRow};
+  Maps ms{mp, mp + 256, bp, nullptr}, mu{mp + 512, mp + 768, bp + kBasesRow, nullptr};
+  step_tables(ms, mu);
   std::vector<Leaf> leaves;
   std::vector<BlockFn> fns;
   std::vector<std::pair<int32_t, int64_t>> tasks;
