@@ -233,7 +233,7 @@ LD_FLAGS = ("-fopenmp",)
 
 
 def sources(src: Path, with_cuda: bool) -> list[str]:
-    out = [str(src / "bindings.cpp"), str(src / "cpu" / "kernels.cpp")]
+    out = [str(src / "bindings.cpp"), str(src / "cpu" / "kernels.cpp"), str(src / "cpu" / "lowmem.cpp")]
     if with_cuda:
         out += sorted(str(p) for p in (src / "cuda").glob("*.cu"))
     return out

@@ -25,14 +25,17 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ampfunc.loss_scale import DynamicLossScale
 from ampfunc.lowbits import (
     dequantize_q8,
     join_bf16,
     q8_absmax_numel,
     q8_eligible,
+    q8_lookup,
     quantize_q8,
     split_bf16,
 )
+from ampfunc.ops import _loading
 from ampfunc.tree import (
     PyTree,
     arithmetic_dtype,
@@ -488,9 +491,14 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
     ``master="fp32"`` step computes, bit for bit, and the moments are the reference's:
     decode, fp32 update, encode.
 
+    With the compiled kernels loaded, an in-place Adam/AdamW step on CPU tensors runs all of this
+    in one pass instead (:func:`_fused_step_`, the op ``adam_lowmem_step_``: the same bits); the
+    plain-torch rebuild above is the reference backend and serves every other call.
+
     Returns ``(params, state)`` as the engine's ``step``/``step_`` do. Cost: the fp32 step plus
     a join and a split pass per bf16 leaf and a decode and an encode pass per converted moment
-    (with transient fp32 copies of them); no host sync.
+    (with transient fp32 copies of them); no host sync. Fused: one pass over params, remainders,
+    grads and the stored moments, after the engine's read-only check of the gradients.
     """
     if split:
         check_split_master(params, state.master, where)
@@ -499,10 +507,17 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         if opt is None:
             raise ValueError(f"{where}: the state's optimizer state is not the one this transform's init makes "
                              "(a state from another setting?) -- call init again")
-        ref = join_master(params, state.master) if split else (state.master if state.master is not None else params)
+        # The moments' layout follows each master's dtype and shape; a split master is fp32 where its
+        # param is bf16, which is the param's arithmetic dtype: the params say it without a join.
+        ref = params if split else (state.master if state.master is not None else params)
         for f in MOMENT_FIELDS:
             if f in opt._fields and getattr(opt, f) is not None:
                 check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
+    fused_opt = opt if opt is not None or plan is None else plan.opt_state(state.inner)
+    if inplace and fused_opt is not None:
+        done = _fused_step_(core, plan, split, params, grads, state, fused_opt)
+        if done is not None:
+            return done
     params32 = join_master(params, state.master) if split else params
     inner32 = plan.replace_opt_state(state.inner, decode_state(opt), lambda x: x) if opt is not None else state.inner
     state32 = state._replace(master=None if split else state.master, inner=inner32)
@@ -523,3 +538,76 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         new_params, new_split = split_master(new_params32, params)
         return new_params, new32._replace(master=new_split, inner=inner)
     return new_params32, new32._replace(inner=inner)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused step: one kernel pass over the stored layouts
+# ----------------------------------------------------------------------------------------------
+
+_KERNEL_GRADS = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_MOMENTS = (torch.float32, torch.bfloat16, torch.uint8)
+
+
+def _kernels_loaded() -> bool:
+    if _loading._is_compiling():
+        return _loading._BACKEND[0] not in (None, "reference")
+    return _loading.load() != "reference"
+
+
+def _cpu_dense(ts: Sequence, dtypes: tuple) -> bool:
+    return all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+               and t.dtype in dtypes and t.is_contiguous() for t in ts)
+
+
+def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any):
+    """The in-place step as one ``adam_lowmem_step_`` pass, or None (nothing written) when the
+    call is not one the CPU kernel serves: another optimizer or AMSGrad, tensors off the CPU or
+    of other dtypes, gradients that do not fit their params (the plain path then names the leaf),
+    an fp32 master copy, or the compiled kernels not loaded. Cost: the gradients' check pass and
+    one kernel pass; the kernel reads ``finite`` on the host (CPU tensors: no device sync)."""
+    if plan.optimizer.name != "adam" or plan._hypers.get("amsgrad") or not _kernels_loaded():
+        return None
+    if not split and state.master is not None:
+        return None
+    p_leaves, spec = tree_flatten(params)
+    try:
+        g_leaves, g_spec = tree_flatten(grads)
+    except Exception:  # noqa: BLE001 - not a tree of tensors: the plain path names the fault
+        return None
+    allowed = (torch.bfloat16, torch.float32) if split else (torch.float32,)
+    if g_spec != spec or not _cpu_dense(p_leaves, allowed) or not _cpu_dense(g_leaves, _KERNEL_GRADS) or \
+            any(g.shape != p.shape for g, p in zip(g_leaves, p_leaves)):
+        return None
+    lists = []
+    for field in ("exp_avg", "exp_avg_sq"):
+        slot = getattr(opt, field)
+        if isinstance(slot, Q8Moment):
+            codes, absmax = tree_flatten(slot.codes)[0], tree_flatten(slot.absmax)[0]
+        else:
+            codes = tree_flatten(slot)[0]
+            absmax = [torch.empty(0, dtype=torch.float32) for _ in codes]
+        if len(codes) != len(p_leaves) or not _cpu_dense(codes, _KERNEL_MOMENTS) or \
+                not _cpu_dense(absmax, (torch.float32,)) or any(c.shape != p.shape for c, p in zip(codes, p_leaves)):
+            return None
+        lists += [codes, absmax]
+    if split:
+        remainders = tree_flatten(state.master.remainder)[0]
+    else:
+        remainders = [torch.empty(0, dtype=torch.int16) for _ in p_leaves]
+    on_check = None
+    if core.on_check is not None and not _loading._is_compiling():
+        hook = core.on_check
+        on_check = lambda finite, leaf_nonfinite: hook(  # noqa: E731
+            finite, leaf_nonfinite, lambda: [p for p, _ in leaves_with_paths(params)])
+    h = plan._hypers
+    maps, bases = q8_lookup()
+    with torch.no_grad():
+        finite, grad_scale, lr = plan._prologue(g_leaves, opt, state.loss_scale, core.group, on_check)
+        lr_value, lr_tensor = _loading._split_lr(lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
+        torch.ops.ampfunc.adam_lowmem_step_(
+            p_leaves, remainders, g_leaves, *lists, opt.step, grad_scale, finite, maps, bases, lr_value, lr_tensor,
+            h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["decoupled_weight_decay"], h["maximize"])
+        ls = state.loss_scale
+        if isinstance(ls, DynamicLossScale):
+            ls._adjust_(finite.to(ls.loss_scale.device))
+    return params, core._commit_stats(state, finite)

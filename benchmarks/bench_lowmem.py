@@ -17,6 +17,11 @@ bitsandbytes' 8-bit AdamW are timed beside them when they import (``--peers``).
 
     python benchmarks/bench_lowmem.py                 # 16M elements, 7 rounds
     python benchmarks/bench_lowmem.py --quick         # 1M elements, 3 rounds
+    python benchmarks/bench_lowmem.py --before --no-pure   # the fused step_ against the plain one
+
+With the compiled kernels loaded, the low-memory ``step_`` of adamw on CPU tensors is the fused
+``adam_lowmem_step_`` pass; ``--before`` adds rows timing the same ``step_`` through the
+plain-torch path (the fused op switched off for that call), in the same rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampfunc as af  # noqa: E402
+from ampfunc import lowmem  # noqa: E402
 from ampfunc.lowmem import storage_bytes  # noqa: E402
 
 ROWS = (("fp32-master", "fp32", "fp32"), ("split", "split", "fp32"), ("split+bf16", "split", "bf16"),
@@ -87,6 +93,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--peers", action="store_true", help="also time torchao / bitsandbytes 8-bit AdamW")
+    ap.add_argument("--before", action="store_true", help="also time the low-memory step_ through the plain-torch path")
+    ap.add_argument("--no-pure", action="store_true", help="time step_ only (not the pure step)")
     args = ap.parse_args()
     if args.quick:
         args.numel, args.rounds = 1 << 20, 3
@@ -116,7 +124,19 @@ def main() -> None:
             box["pp"], box["ps"] = tx.step(box["pp"], grads_pool[i % 3], box["ps"])
 
         steps[f"{name} step_"] = inplace
-        steps[f"{name} step"] = pure
+        if not args.no_pure:
+            steps[f"{name} step"] = pure
+        if args.before and master == "split":
+            box["bp"] = {k: v.clone() for k, v in params.items()}
+            box["bs"] = tx.init(box["bp"])
+
+            def plain(i, tx=tx, box=box):
+                fused, lowmem._fused_step_ = lowmem._fused_step_, lambda *a: None
+                try:
+                    box["bp"], box["bs"] = tx.step_(box["bp"], grads_pool[i % 3], box["bs"])
+                finally:
+                    lowmem._fused_step_ = fused
+            steps[f"{name} step_ (plain)"] = plain
     if args.peers:
         steps.update(_peers(params, grads_pool, device))
     times = {k: [] for k in steps}
@@ -132,7 +152,7 @@ def main() -> None:
             times[k].append(time.perf_counter() - t0)
     print(f"\n{'row':<40}{'median ms':>10}{'min-max ms':>16}{'vs fp32-master':>16}")
     for k, ts in times.items():
-        base = times["fp32-master step_" if k.endswith("step_") or "AdamW8bit" in k else "fp32-master step"]
+        base = times["fp32-master step" if k.endswith(" step") else "fp32-master step_"]
         ratio = statistics.median(b / t for b, t in zip(base, ts))
         print(f"{k:<40}{statistics.median(ts) * 1e3:>10.1f}{min(ts) * 1e3:>8.1f}-{max(ts) * 1e3:<7.1f}"
               f"{ratio:>12.2f}x faster" if ratio >= 1 else

@@ -14,6 +14,7 @@ import torch
 
 from ampfunc.ops import _loading, _spec
 from ampfunc.ops._loading import _is_compiling, load
+from ampfunc.ops._lowmem_reference import _ref_adam_lowmem_step_
 from ampfunc.ops._reference import (
     _flag_device,
     _fresh,
@@ -55,6 +56,13 @@ def validate_call(spec: _spec.OpSpec, values: dict) -> torch.device:
         t = values[a.name]
         if a.type == "Tensor?" and t is None:
             continue
+        if isinstance(a.shape, tuple):  # a table of fixed shape
+            if not isinstance(t, torch.Tensor) or t.dtype != a.dtypes[0] or tuple(t.shape) != a.shape or \
+                    t.device != dev or t.layout != torch.strided:
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"ampfunc: {a.name} is {got}; it takes {a.dtypes[0]} {a.shape} on {dev} "
+                                 f"({spec.name})")
+            continue
         _check_scalar(spec.name, a.name, t, a.dtypes[0], dev)
     params = spec.args[0]
     if params.when == _spec.GIVEN and not values[params.name] and values["grads"] and values.get("weight_decay"):
@@ -62,8 +70,30 @@ def validate_call(spec: _spec.OpSpec, values: dict) -> torch.device:
     # in schema order; the first present list is the reference (an update's params when given, else its grads)
     lists = [(a.name, list(values[a.name]), a.dtypes, a.writes) for a in spec.lists if _present(spec, a, values)]
     written_scalars = [(a.name, values[a.name]) for a in spec.tensors if a.writes]
-    _validate(spec.name, dev, lists, written_scalars)
+    _validate(spec.name, dev, lists, written_scalars, _shape_roles(spec, values))
     return dev
+
+
+def _shape_roles(spec: _spec.OpSpec, values: dict) -> dict:
+    """The shape of each tensor of the lists with a shape role (``_validate``'s ``shapes``)."""
+    ref = values[spec.ref] if spec.ref else []
+    out = {}
+    for a in spec.lists:
+        if a.shape == _spec.REMAINDER:
+            def want(i, ref=ref):
+                if ref[i].dtype == torch.bfloat16:
+                    return ref[i].shape, f"{spec.ref}[{i}] is bfloat16 of shape {tuple(ref[i].shape)}"
+                return torch.Size([0]), f"{spec.ref}[{i}] is {ref[i].dtype} (its own master: an empty remainder)"
+        elif a.shape == _spec.BLOCKS:
+            def want(i, ref=ref, codes=values[a.of], of=a.of):
+                if codes[i].dtype == torch.uint8:
+                    n = ref[i].numel() // 256
+                    return torch.Size([n]), f"the q8 {of}[{i}] has {n} blocks of 256"
+                return torch.Size([0]), f"{of}[{i}] is not q8 (an empty absmax)"
+        else:
+            continue
+        out[a.name] = want
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +149,8 @@ def _optimizer_twins(opt: _spec.Optimizer) -> dict:
 def _twins() -> dict:
     twins = {"check": _ref_check, "check_norm": _ref_check_norm, "unscale_": _ref_unscale_,
              "unscale": _ref_unscale,
-             "apply_updates": _ref_apply_updates, "update_scale_": _ref_update_scale_}
+             "apply_updates": _ref_apply_updates, "update_scale_": _ref_update_scale_,
+             "adam_lowmem_step_": _ref_adam_lowmem_step_}
     for opt in _spec.OPTIMIZERS.values():
         twins.update(_optimizer_twins(opt))
     return twins

@@ -28,6 +28,14 @@ FP32 = (torch.float32,)
 ANY64 = ANY + (torch.float64,)
 BOOL = (torch.bool,)
 INT32 = (torch.int32,)
+INT16 = (torch.int16,)
+UINT8 = (torch.uint8,)
+SPLIT = (torch.float32, torch.bfloat16)  # a split master's param: bf16 (with a remainder) or fp32
+MOMENT = (torch.float32, torch.bfloat16, torch.uint8)  # a moment stored fp32, bf16 or as q8 codes
+
+# The shape roles of a list (Arg.shape): the reference list's shape (None), ...
+REMAINDER = "remainder"  # ... the reference tensor's shape where it is bf16, else (0,)
+BLOCKS = "blocks"  # ... (numel // 256,) of the reference tensor where `of`'s tensor is uint8, else (0,)
 
 GIVEN = "given"  # `when` of an optional list: present when the caller passes a non-empty one
 
@@ -39,7 +47,9 @@ class Arg(NamedTuple):
     ``dtypes``: what a tensor (every tensor of a list) may be. ``writes``: the op updates it in
     place. ``when``: a list the op uses only when the hyper-parameter of that name is nonzero
     (or :data:`GIVEN`: when non-empty). ``default``: a hyper-parameter's default in the Python
-    function."""
+    function. ``shape``: a list's shape role, each tensor shaped as the reference list's (None),
+    :data:`REMAINDER` or :data:`BLOCKS` (then ``of`` names the list of codes whose uint8 tensors
+    have the blocks); a tensor's fixed shape (a tuple) for a table that is not a 0-d tensor."""
 
     name: str
     type: str
@@ -47,6 +57,8 @@ class Arg(NamedTuple):
     writes: bool = False
     when: Optional[str] = None
     default: object = None
+    shape: object = None
+    of: Optional[str] = None
 
 
 class Ret(NamedTuple):
@@ -214,7 +226,25 @@ UPDATE_SCALE_ = OpSpec("update_scale_", (
     Arg("backoff_factor", "float"), Arg("growth_interval", "int"), Arg("min_scale", "float"),
     Arg("max_scale", "float"), Arg("hysteresis", "int")))
 
-OPS: dict = {s.name: s for s in (CHECK, UNSCALE_, UNSCALE, CHECK_NORM, APPLY_UPDATES, UPDATE_SCALE_)}
+# Adam / AdamW over the low-memory layouts (ampfunc.lowmem): a split master (bf16 params and
+# their int16 remainders, or fp32 params with empty ones) and moments stored per param as fp32,
+# bf16 or q8 codes (uint8, with an fp32 absmax per block of 256). ``qmaps``/``qbases`` are
+# ampfunc.lowbits.q8_lookup()'s tables. In place; nothing written when ``finite`` is false.
+LOWMEM_ADAM_STEP_ = OpSpec("adam_lowmem_step_", (
+    Arg("params", "Tensor[]", SPLIT, True), Arg("remainders", "Tensor[]", INT16, True, shape=REMAINDER),
+    Arg("grads", "Tensor[]", ANY), Arg("exp_avgs", "Tensor[]", MOMENT, True),
+    Arg("exp_avg_absmax", "Tensor[]", FP32, True, shape=BLOCKS, of="exp_avgs"),
+    Arg("exp_avg_sqs", "Tensor[]", MOMENT, True),
+    Arg("exp_avg_sq_absmax", "Tensor[]", FP32, True, shape=BLOCKS, of="exp_avg_sqs"),
+    Arg("step", "Tensor", FP32, True), Arg("grad_scale", "Tensor", FP32), Arg("finite", "Tensor", BOOL),
+    Arg("qmaps", "Tensor", FP32, shape=(1024,)), Arg("qbases", "Tensor", UINT8, shape=(2, 65552)), Arg("lr", "float"),
+    Arg("lr_tensor", "Tensor?", FP32), Arg("beta1", "float", default=0.9), Arg("beta2", "float", default=0.999),
+    Arg("eps", "float", default=1e-8), Arg("weight_decay", "float", default=0.0),
+    Arg("decoupled_weight_decay", "bool", default=False), Arg("maximize", "bool", default=False)),
+    ref="params")
+
+OPS: dict = {s.name: s for s in (CHECK, UNSCALE_, UNSCALE, CHECK_NORM, APPLY_UPDATES, UPDATE_SCALE_,
+                                 LOWMEM_ADAM_STEP_)}
 OPTIMIZERS: dict = {}
 DIRECT_ONLY: dict = {}  # the checked steps: served by the direct door only, never a library op
 

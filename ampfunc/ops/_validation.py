@@ -24,7 +24,9 @@ _FP32 = (torch.float32,)
 
 _ANY64 = _ANY + (torch.float64,)
 
-_DT_WORDS = {_ANY: "float32, float16 or bfloat16", _FP32: "float32", _ANY64: "float32, float16, bfloat16 or float64"}
+_DT_WORDS = {_ANY: "float32, float16 or bfloat16", _FP32: "float32", _ANY64: "float32, float16, bfloat16 or float64",
+             (torch.int16,): "int16", (torch.float32, torch.bfloat16): "float32 or bfloat16",
+             (torch.float32, torch.bfloat16, torch.uint8): "float32, bfloat16 or uint8 (q8 codes)"}
 
 _ERROR_ITEM = re.compile(r"\b([a-z_]+)\[(\d+)\]")
 
@@ -166,8 +168,11 @@ def _overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None
             group, hi = [span], span[1]
     return None
 
-def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
-    """``lists``: ``[(name, tensors, dtypes, written), ...]``, the first the reference list."""
+def _validate(op: str, dev: torch.device, lists, written_scalars=(), shapes=None) -> None:
+    """``lists``: ``[(name, tensors, dtypes, written), ...]``, the first the reference list.
+    ``shapes``: list name -> ``f(i) -> (shape, why)`` for a list whose tensors are not shaped as
+    the reference list's (ampfunc.ops._spec: the shape roles)."""
+    shapes = shapes or {}
     ref_name, ref = lists[0][0], lists[0][1]
     for name, ts, _, _ in lists:
         if len(ts) != len(ref):
@@ -178,7 +183,11 @@ def _validate(op: str, dev: torch.device, lists, written_scalars=()) -> None:
             if t is None:
                 raise ValueError(f"ampfunc: {name}[{i}] is undefined (None) ({op})")
             _check_tensor(op, name, i, t, dts, dev)
-            if k > 0 and t.shape != ref[i].shape:
+            if name in shapes:
+                want, why = shapes[name](i)
+                if t.shape != want:
+                    raise ValueError(f"ampfunc: {name}[{i}] has shape {tuple(t.shape)} but {why} ({op})")
+            elif k > 0 and t.shape != ref[i].shape:
                 raise ValueError(f"ampfunc: {name}[{i}] has shape {tuple(t.shape)} but {ref_name}[{i}] has shape "
                                  f"{tuple(ref[i].shape)} ({op})")
             if written and t.is_inference() and not torch.is_inference_mode_enabled():

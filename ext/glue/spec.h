@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common.h"
+#include "../cpu/lowmem_spec.h"  // adam_lowmem_step_'s lists (per-list dtypes, shape roles)
 
 namespace {
 

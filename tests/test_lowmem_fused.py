@@ -1,0 +1,308 @@
+"""The fused low-memory Adam/AdamW step (``ampfunc::adam_lowmem_step_``): its spec entry and C++
+table, the compiled CPU kernel against its plain-torch reference twin and against
+ampfunc.lowmem's plain-torch path, bit for bit; bad inputs refused by name before any write; and
+the op inside ``torch.compile(fullgraph=True)``."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampfunc as af
+from ampfunc import lowmem, ops
+from ampfunc.lowbits import q8_lookup, split_bf16
+from ampfunc.ops import _spec
+from ampfunc.ops._lowmem_reference import _ref_adam_lowmem_step_
+
+_OP = "adam_lowmem_step_"
+
+
+def _compiled():
+    if ops.backend() == "reference":
+        pytest.skip("compiled kernels not built")
+    return torch.ops.ampfunc.adam_lowmem_step_
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dtype.is_floating_point \
+        else t
+
+
+def _same(a, b):
+    la, lb = af.tree.tree_leaves(a), af.tree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and x.shape == y.shape and bool((_bits(x) == _bits(y)).all()) for x, y in zip(la, lb))
+
+
+def _clone(tree):
+    return af.tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+# ------------------------------------------------------------------------------------------------
+# The spec
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_schema_derived_from_the_spec():
+    want = ("adam_lowmem_step_(Tensor(a!)[] params, Tensor(b!)[] remainders, Tensor[] grads, "
+            "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_absmax, Tensor(e!)[] exp_avg_sqs, "
+            "Tensor(f!)[] exp_avg_sq_absmax, Tensor(g!) step, Tensor grad_scale, Tensor finite, Tensor qmaps, "
+            "Tensor qbases, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
+            "bool decoupled_weight_decay, bool maximize) -> ()")
+    derived = torch._C.parse_schema("ampfunc::" + _spec.OPS[_OP].schema())
+    assert str(derived) == str(torch._C.parse_schema("ampfunc::" + want))
+    assert str(torch.ops.ampfunc.adam_lowmem_step_.default._schema) == str(derived)
+
+
+def test_the_cpp_list_table_is_the_python_one():
+    header = (Path(__file__).resolve().parents[1] / "ext" / "cpu" / "lowmem_spec.h").read_text()
+    start = header.index("kAdamLowmemLists[] = {")
+    body = header[start:header.index("};", start)]
+    cpp = [(n, tuple(d.split(",")), s or None, o or None)
+           for n, d, s, o in re.findall(r'\{"(\w+)", "([\w,]+)", "(\w*)", "(\w*)"\}', body)]
+    python = [(a.name, tuple(str(d).removeprefix("torch.") for d in a.dtypes), a.shape, a.of)
+              for a in _spec.OPS[_OP].lists]
+    assert cpp == python
+    assert "lowmem_spec.h" in (Path(__file__).resolve().parents[1] / "ext" / "glue" / "spec.h").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel against its reference twin
+# ------------------------------------------------------------------------------------------------
+
+
+def _op_args(seed, grad_dtype=torch.bfloat16):
+    """A mixed call: bf16 params with nonzero remainders, an fp32 param, moments in q8, bf16 and
+    fp32, the q8 ones after a few updates (nonzero codes and absmax)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(32, 256), (4096,), (80,), (64, 80), (300,)]
+    kinds = ["q8", "q8", "fp32", "bf16", "fp32"]
+    p_dtypes = [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32]
+    params, rems, m, ma, v, va = [], [], [], [], [], []
+    for shape, kind, pd in zip(shapes, kinds, p_dtypes):
+        master = torch.randn(shape, generator=g)
+        if pd == torch.bfloat16:
+            hi, lo = split_bf16(master)
+            params.append(hi)
+            rems.append(lo)
+        else:
+            params.append(master)
+            rems.append(torch.zeros(0, dtype=torch.int16))
+        m32 = torch.randn(shape, generator=g) * 1e-2
+        v32 = torch.rand(shape, generator=g) * 1e-3
+        if kind == "q8":
+            (c1, a1), (c2, a2) = af.lowbits.quantize_q8(m32, True), af.lowbits.quantize_q8(v32, False)
+            m.append(c1), ma.append(a1), v.append(c2), va.append(a2)
+        else:
+            dt = torch.bfloat16 if kind == "bf16" else torch.float32
+            m.append(m32.to(dt)), v.append(v32.to(dt))
+            ma.append(torch.zeros(0)), va.append(torch.zeros(0))
+    return params, rems, m, ma, v, va
+
+
+def _with(state, grads):
+    """The op's lists in schema order: ``state`` is ``(params, remainders, m, m_absmax, v, v_absmax)``."""
+    return [state[0], state[1], grads, *state[2:]]
+
+
+def _grads(params, seed, dtype):
+    g = torch.Generator().manual_seed(10_000 + seed)
+    return [torch.randn(p.shape, generator=g).to(dtype) for p in params]
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_the_kernel_is_its_reference_twin_bit_for_bit_over_20_steps_with_a_skip(decoupled, grad_dtype):
+    op = _compiled()
+    state = _op_args(0)
+    ref_state = _clone(list(state))
+    step, ref_step = torch.zeros(()), torch.zeros(())
+    maps, bases = q8_lookup()
+    lr_tensor = torch.tensor(3e-3)
+    for i in range(20):
+        grads = _grads(state[0], i, grad_dtype)
+        finite = torch.tensor(i != 9)
+        scale = torch.tensor(0.5)
+        lr = (0.0, lr_tensor) if i % 2 else (1e-2, None)
+        hyper = (0.9, 0.999, 1e-8, 0.05, decoupled, i == 4)
+        before = _clone(list(state))
+        op(*_with(state, grads), step, scale, finite, maps, bases, *lr, *hyper)
+        _ref_adam_lowmem_step_(*_with(ref_state, grads), ref_step, scale, finite, maps, bases, *lr, *hyper)
+        assert _same(list(state), ref_state), f"step {i}"
+        assert _same(step, ref_step)
+        if i == 9:
+            assert _same(list(state), before) and float(step) == 9.0
+    assert float(step) == 19.0
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine's fused path against its plain-torch path
+# ------------------------------------------------------------------------------------------------
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(32, 256, generator=g).to(torch.bfloat16),   # q8 (32 blocks)
+            "w": torch.randn(64, 80, generator=g).to(torch.bfloat16),      # 5120: q8
+            "b": torch.randn(80, generator=g).to(torch.bfloat16),          # small: fp32 moments
+            "ln": torch.randn(80, generator=g)}                            # fp32: its own master
+
+
+def _tree_grads(params, seed, scale=16.0):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return {k: (torch.randn(v.shape, generator=g) * scale).to(v.dtype) for k, v in params.items()}
+
+
+def _tx(kind, moments, clip):
+    opt = af.adamw(1e-2, weight_decay=0.1, moments=moments) if kind == "adamw" else \
+        af.adam(af.optim.linear_schedule(1e-2, 1e-3, 20), weight_decay=0.01, moments=moments)
+    inner = af.chain(af.clip_by_global_norm(1.0), opt) if clip else opt
+    return af.mixed_precision(inner, af.DynamicLossScale(2.0 ** 4, growth_interval=3), master="split")
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "q8"])
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monkeypatch):
+    _compiled()
+    params = _params()
+    tx = _tx(kind, moments, clip=kind == "adamw")
+    p_fused, s_fused = _clone(params), tx.init(_clone(params))
+    p_plain, s_plain = _clone(params), tx.init(_clone(params))
+    fused_calls = []
+    real = lowmem._fused_step_
+
+    def counting(*args):
+        out = real(*args)
+        fused_calls.append(out is not None)
+        return out
+
+    for i in range(20):
+        grads = _tree_grads(params, i)
+        if i == 10:
+            grads["w"][1, 2] = float("inf")  # a skipped step in the middle
+        monkeypatch.setattr(lowmem, "_fused_step_", counting)
+        p_fused, s_fused = tx.step_(p_fused, _clone(grads), s_fused)
+        monkeypatch.setattr(lowmem, "_fused_step_", lambda *a: None)
+        p_plain, s_plain = tx.step_(p_plain, _clone(grads), s_plain)
+        assert _same(p_fused, p_plain), f"step {i}"
+        assert _same((s_fused.master, s_fused.inner, s_fused.loss_scale, s_fused.finite, s_fused.skipped),
+                     (s_plain.master, s_plain.inner, s_plain.loss_scale, s_plain.finite, s_plain.skipped)), f"step {i}"
+    assert fused_calls == [True] * 20
+    assert int(s_fused.skipped) >= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    # each spoils one argument of the schema-ordered lists and returns the name the error must give
+    def absmax_shape(a):
+        a[4][0] = torch.zeros(5)
+        return "exp_avg_absmax[0]"
+
+    def remainder_dtype(a):
+        a[1][1] = a[1][1].to(torch.int32)
+        return "remainders[1]"
+
+    def remainder_of_fp32(a):
+        a[1][4] = torch.zeros(300, dtype=torch.int16)
+        return "remainders[4]"
+
+    def moments_unlike(a):
+        a[5][3] = a[5][3].float()
+        return "exp_avg_sqs[3]"
+
+    def fp16_param(a):
+        a[0][2] = a[0][2].half()
+        return "params[2]"
+
+    def short_list(a):
+        a[6] = a[6][:-1]
+        return "exp_avg_sq_absmax"
+
+    def grad_shape(a):
+        a[2][1] = torch.zeros(4095, dtype=torch.bfloat16)
+        return "grads[1]"
+
+    def q8_absmax_dtype(a):
+        a[6][1] = a[6][1].double()
+        return "exp_avg_sq_absmax[1]"
+
+    return [absmax_shape, remainder_dtype, remainder_of_fp32, moments_unlike, fp16_param, short_list, grad_shape,
+            q8_absmax_dtype]
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("spoil", _bad_calls(), ids=lambda f: f.__name__)
+def test_bad_inputs_are_refused_by_name_before_any_write(backend, spoil):
+    op = _compiled() if backend == "compiled" else ops.references()[_OP]
+    state = _op_args(1)
+    args = _with(list(state), _grads(state[0], 0, torch.bfloat16))
+    name = spoil(args)
+    before = _clone(args)
+    step = torch.zeros(())
+    maps, bases = q8_lookup()
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(name)):
+        op(*args, step, torch.tensor(1.0), torch.tensor(True), maps, bases, 1e-2, None, 0.9, 0.999, 1e-8, 0.0,
+           False, False)
+    assert _same(args, before) and float(step) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_op_compiles_fullgraph_and_gives_the_eager_numbers():
+    op = _compiled()
+    maps, bases = q8_lookup()
+
+    def step(state, grads, step_t, finite):
+        params, rems, m, ma, v, va = state
+        torch.ops.ampfunc.adam_lowmem_step_(params, rems, grads, m, ma, v, va, step_t, torch.ones(()), finite, maps,
+                                            bases, 1e-2, None, 0.9, 0.999, 1e-8, 0.1, True, False)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    state, eager = _op_args(2), _op_args(2)
+    s1, s2 = torch.zeros(()), torch.zeros(())
+    for i in range(3):
+        grads = _grads(state[0], i, torch.float32)
+        compiled(state, grads, s1, torch.tensor(i != 1))
+        op(*_with(eager, _clone(grads)), s2, torch.ones(()), torch.tensor(i != 1), maps, bases, 1e-2, None, 0.9, 0.999,
+           1e-8, 0.1, True, False)
+        assert _same(list(state), list(eager)) and _same(s1, s2)
+
+
+def test_the_q8_codes_at_the_maps_midpoints_and_their_neighbours_are_the_reference_codes():
+    # beta1 = 0 makes the new first moment the gradient itself, and a 1.0 in every block makes its
+    # absmax 1: the values the kernel encodes are exactly these, ties and specials included.
+    op = _compiled()
+    mids = af.lowbits.map_midpoints(True)
+    up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+    specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-30, -1e-30, 1.0, -1.0, 0.999999, -0.999999])
+    vals = torch.cat([mids, up, down, af.lowbits.dynamic_map(True), specials])
+    vals = vals.clamp(-1.0, 1.0)
+    blocks = -(-vals.numel() // 255)
+    vals = torch.cat([vals, torch.zeros(blocks * 255 - vals.numel())]).reshape(blocks, 255)
+    g = torch.cat([torch.ones(blocks, 1), vals], dim=1).reshape(-1)
+    g = torch.cat([g, torch.ones(4096 - g.numel() % 4096 if g.numel() < 4096 else 0)])
+    n = g.numel()
+    assert n % 256 == 0 and n >= 4096
+    maps, bases = q8_lookup()
+
+    def fresh():
+        c1, a1 = af.lowbits.quantize_q8(torch.zeros(n), True)
+        c2, a2 = af.lowbits.quantize_q8(torch.zeros(n), False)
+        return [torch.zeros(n).bfloat16()], [torch.zeros(n, dtype=torch.int16)], [c1], [a1], [c2], [a2]
+
+    a, b = fresh(), fresh()
+    hyper = (0.0, 0.5, 1e-8, 0.0, False, False)
+    op(*_with(a, [g]), torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-3, None, *hyper)
+    _ref_adam_lowmem_step_(*_with(b, [g]), torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-3,
+                           None, *hyper)
+    assert torch.equal(a[2][0], af.lowbits.quantize_q8(g, True)[0])
+    assert _same(list(a), list(b))
