@@ -514,6 +514,13 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
             if f in opt._fields and getattr(opt, f) is not None:
                 check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
     fused_opt = opt if opt is not None or plan is None else plan.opt_state(state.inner)
+    if inplace and fused_opt is not None and opt is None:
+        # moments="fp32": the fused pass reads the stored moments in whatever layout they have, so
+        # a state made with bf16 or q8 moments is refused here, as the plain road's engine does.
+        ref = params if split else (state.master if state.master is not None else params)
+        for f in MOMENT_FIELDS:
+            if f in fused_opt._fields and getattr(fused_opt, f) is not None:
+                check_moment(getattr(fused_opt, f), ref, "fp32", f"state.inner.{f}", where)
     if inplace and fused_opt is not None:
         done = _fused_step_(core, plan, split, params, grads, state, fused_opt)
         if done is not None:

@@ -365,3 +365,28 @@ def test_the_main_jobs_have_the_low_memory_rows():
     assert parse_configs("bf16-split,bf16_lowmem") == ["bf16-split", "bf16-lowmem"]
     assert (CONFIGS["bf16-split"].master, CONFIGS["bf16-split"].moments) == ("split", "fp32")
     assert (CONFIGS["bf16-lowmem"].master, CONFIGS["bf16-lowmem"].moments) == ("split", "q8")
+
+
+def test_fused_step_refuses_a_state_made_with_other_moments_before_any_write():
+    # moments="fp32" with a split master: the fused pass would read q8/bf16 moments as they are.
+    p = {"w": torch.randn(4096).bfloat16(), "v": torch.randn(8)}
+    g = {"w": torch.randn(4096).bfloat16(), "v": torch.randn(8)}
+    fp32_moments = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master="split")
+    for made in ("q8", "bf16"):
+        state = af.mixed_precision(af.adamw(1e-3, moments=made), af.NoOpLossScale(), master="split").init(p)
+        snapshot_p, snapshot_s = _clone(p), _clone(state)
+        with pytest.raises(ValueError, match="state.inner.exp_avg"):
+            fp32_moments.step_(p, g, state)
+        assert _same(p, snapshot_p) and _same(state, snapshot_s)
+
+
+def test_split_step_refuses_aliased_params_naming_them():
+    # Two leaves of one tensor would each pair their low half with the other's high half.
+    shared = torch.randn(4096).bfloat16()
+    p = {"a": shared, "b": shared}
+    tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master="split")
+    state = tx.init(p)
+    snapshot = shared.clone()
+    with pytest.raises(ValueError, match="'a' and params leaf 'b'"):
+        tx.step_(p, {"a": torch.randn(4096).bfloat16(), "b": torch.randn(4096).bfloat16()}, state)
+    assert torch.equal(shared, snapshot)
