@@ -753,32 +753,23 @@ class Engine:
         self._check_state(state, where)
         if inplace and not _compiling():
             state.loss_scale.check_writable(where)
-            self._check_lowmem_written(params, state, where)
+            # It writes the params, the split remainders (or masters) and the whole inner state:
+            # with a split master, two aliased bf16 params would each pair their remainder with
+            # the other's high half. Checked every step (the low-memory kernel does not check).
+            written = [("params", params, tree_leaves(params))]
+            if state.master is not None:
+                written.append(("state.master", state.master, tree_leaves(state.master)))
+            self._check_written(state, None, written, where)
         self._core.on_check = self.on_check
         return lowmem_step(self._core, self.plan, self.master == "split", params, grads, state, inplace=inplace,
                            where=where, trust_grads=trust_grads, moments=self.moments)
-
-    def _check_lowmem_written(self, params, state, where):
-        """The in-place low-memory step writes the params, the split remainders (or masters) and
-        every tensor of the inner state: none may share memory with another (with a split master,
-        two aliased bf16 params would each pair their remainder with the other's high half).
-        Cost: a sort of the written tensors' spans per step; no host sync."""
-        named = [("params", params, tree_leaves(params))]
-        if state.master is not None:
-            named.append(("state.master", state.master, tree_leaves(state.master)))
-        inner = [t for t in tree_leaves(state.inner) if isinstance(t, torch.Tensor)]
-        named.append(("state.inner", state.inner, inner))
-        extra = [t for t in (state.finite, state.skipped) if isinstance(t, torch.Tensor)]
-        extra += [t for t in tree_leaves(state.loss_scale) if isinstance(t, torch.Tensor)]
-        named.append(("state.loss_scale/finite/skipped", extra, extra))
-        check_no_overlap(where, named)
 
     def _check_written(self, state, opt, written, where):
         """No two tensors an in-place step writes may share memory (nor one overlap itself)."""
         extra = [t for t in (state.finite, state.skipped) if isinstance(t, torch.Tensor)]
         extra += [t for t in tree_leaves(state.loss_scale) if isinstance(t, torch.Tensor)]
         named = list(written)
-        if opt is None:  # generic: every tensor of the inner state is written
+        if opt is None:  # generic or low-memory: every tensor of the inner state is written
             inner_leaves = [t for t in tree_leaves(state.inner) if isinstance(t, torch.Tensor)]
             named.append(("state.inner", state.inner, inner_leaves))
         else:

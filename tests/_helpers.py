@@ -82,6 +82,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
+def same_tree_bits(a, b) -> bool:
+    """Whether two pytrees have as many tensor leaves, each of the same dtype, shape and bits."""
+    la, lb = af.tree.tree_leaves(a), af.tree.tree_leaves(b)
+    return len(la) == len(lb) and all(same_bits(x, y) for x, y in zip(la, lb))
+
+
 # -- the apex facades' fused steps against their old paths ------------------------------------
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ampfunc as af
+from _helpers import clone_tree, same_tree_bits
 from ampfunc import lowmem, ops
 from ampfunc.lowbits import q8_lookup, split_bf16
 from ampfunc.ops import _spec
@@ -22,21 +23,6 @@ def _compiled():
     if ops.backend() == "reference":
         pytest.skip("compiled kernels not built")
     return torch.ops.ampfunc.adam_lowmem_step_
-
-
-def _bits(t):
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dtype.is_floating_point \
-        else t
-
-
-def _same(a, b):
-    la, lb = af.tree.tree_leaves(a), af.tree.tree_leaves(b)
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and x.shape == y.shape and bool((_bits(x) == _bits(y)).all()) for x, y in zip(la, lb))
-
-
-def _clone(tree):
-    return af.tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,7 +102,7 @@ def _grads(params, seed, dtype):
 def test_the_kernel_is_its_reference_twin_bit_for_bit_over_20_steps_with_a_skip(decoupled, grad_dtype):
     op = _compiled()
     state = _op_args(0)
-    ref_state = _clone(list(state))
+    ref_state = clone_tree(list(state))
     step, ref_step = torch.zeros(()), torch.zeros(())
     maps, bases = q8_lookup()
     lr_tensor = torch.tensor(3e-3)
@@ -126,13 +112,13 @@ def test_the_kernel_is_its_reference_twin_bit_for_bit_over_20_steps_with_a_skip(
         scale = torch.tensor(0.5)
         lr = (0.0, lr_tensor) if i % 2 else (1e-2, None)
         hyper = (0.9, 0.999, 1e-8, 0.05, decoupled, i == 4)
-        before = _clone(list(state))
+        before = clone_tree(list(state))
         op(*_with(state, grads), step, scale, finite, maps, bases, *lr, *hyper)
         _ref_adam_lowmem_step_(*_with(ref_state, grads), ref_step, scale, finite, maps, bases, *lr, *hyper)
-        assert _same(list(state), ref_state), f"step {i}"
-        assert _same(step, ref_step)
+        assert same_tree_bits(list(state), ref_state), f"step {i}"
+        assert same_tree_bits(step, ref_step)
         if i == 9:
-            assert _same(list(state), before) and float(step) == 9.0
+            assert same_tree_bits(list(state), before) and float(step) == 9.0
     assert float(step) == 19.0
 
 
@@ -167,8 +153,8 @@ def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monke
     _compiled()
     params = _params()
     tx = _tx(kind, moments, clip=kind == "adamw")
-    p_fused, s_fused = _clone(params), tx.init(_clone(params))
-    p_plain, s_plain = _clone(params), tx.init(_clone(params))
+    p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
+    p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
     fused_calls = []
     real = lowmem._fused_step_
 
@@ -182,11 +168,11 @@ def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monke
         if i == 10:
             grads["w"][1, 2] = float("inf")  # a skipped step in the middle
         monkeypatch.setattr(lowmem, "_fused_step_", counting)
-        p_fused, s_fused = tx.step_(p_fused, _clone(grads), s_fused)
+        p_fused, s_fused = tx.step_(p_fused, clone_tree(grads), s_fused)
         monkeypatch.setattr(lowmem, "_fused_step_", lambda *a: None)
-        p_plain, s_plain = tx.step_(p_plain, _clone(grads), s_plain)
-        assert _same(p_fused, p_plain), f"step {i}"
-        assert _same((s_fused.master, s_fused.inner, s_fused.loss_scale, s_fused.finite, s_fused.skipped),
+        p_plain, s_plain = tx.step_(p_plain, clone_tree(grads), s_plain)
+        assert same_tree_bits(p_fused, p_plain), f"step {i}"
+        assert same_tree_bits((s_fused.master, s_fused.inner, s_fused.loss_scale, s_fused.finite, s_fused.skipped),
                      (s_plain.master, s_plain.inner, s_plain.loss_scale, s_plain.finite, s_plain.skipped)), f"step {i}"
     assert fused_calls == [True] * 20
     assert int(s_fused.skipped) >= 1
@@ -242,13 +228,13 @@ def test_bad_inputs_are_refused_by_name_before_any_write(backend, spoil):
     state = _op_args(1)
     args = _with(list(state), _grads(state[0], 0, torch.bfloat16))
     name = spoil(args)
-    before = _clone(args)
+    before = clone_tree(args)
     step = torch.zeros(())
     maps, bases = q8_lookup()
     with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(name)):
         op(*args, step, torch.tensor(1.0), torch.tensor(True), maps, bases, 1e-2, None, 0.9, 0.999, 1e-8, 0.0,
            False, False)
-    assert _same(args, before) and float(step) == 0.0
+    assert same_tree_bits(args, before) and float(step) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,9 +257,9 @@ def test_the_op_compiles_fullgraph_and_gives_the_eager_numbers():
     for i in range(3):
         grads = _grads(state[0], i, torch.float32)
         compiled(state, grads, s1, torch.tensor(i != 1))
-        op(*_with(eager, _clone(grads)), s2, torch.ones(()), torch.tensor(i != 1), maps, bases, 1e-2, None, 0.9, 0.999,
-           1e-8, 0.1, True, False)
-        assert _same(list(state), list(eager)) and _same(s1, s2)
+        op(*_with(eager, clone_tree(grads)), s2, torch.ones(()), torch.tensor(i != 1), maps, bases, 1e-2, None, 0.9,
+           0.999, 1e-8, 0.1, True, False)
+        assert same_tree_bits(list(state), list(eager)) and same_tree_bits(s1, s2)
 
 
 def test_the_q8_codes_at_the_maps_midpoints_and_their_neighbours_are_the_reference_codes():
@@ -305,4 +291,4 @@ def test_the_q8_codes_at_the_maps_midpoints_and_their_neighbours_are_the_referen
     _ref_adam_lowmem_step_(*_with(b, [g]), torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-3,
                            None, *hyper)
     assert torch.equal(a[2][0], af.lowbits.quantize_q8(g, True)[0])
-    assert _same(list(a), list(b))
+    assert same_tree_bits(list(a), list(b))

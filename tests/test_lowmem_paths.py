@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import ampfunc as af
+from _helpers import clone_tree, same_tree_bits
 from ampfunc.lowmem import Q8Moment, SplitMaster, storage_bytes
 
 
@@ -36,16 +37,6 @@ def _bits(t):
         else t
 
 
-def _same(a, b):
-    la, lb = af.tree.tree_leaves(a), af.tree.tree_leaves(b)
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and x.shape == y.shape and bool((_bits(x) == _bits(y)).all()) for x, y in zip(la, lb))
-
-
-def _clone(tree):
-    return af.tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
-
-
 def _tx(master, moments="fp32", **kw):
     inner = af.chain(af.clip_by_global_norm(1.0), af.adamw(1e-2, weight_decay=0.1, moments=moments))
     return af.mixed_precision(inner, af.DynamicLossScale(2.0 ** 4, growth_interval=3), master=master, **kw)
@@ -55,7 +46,7 @@ def _tx(master, moments="fp32", **kw):
 def test_split_master_equals_the_fp32_master_bit_for_bit(inplace):
     params = _params()
     a, b = _tx("fp32"), _tx("split")
-    pa, pb = _clone(params), _clone(params)
+    pa, pb = clone_tree(params), clone_tree(params)
     sa, sb = a.init(pa), b.init(pb)
     assert isinstance(sb.master, SplitMaster)
     ties = 0
@@ -64,10 +55,10 @@ def test_split_master_equals_the_fp32_master_bit_for_bit(inplace):
         if i == 7:
             grads["w"][0, 0] = float("inf")  # a skipped step on both sides
         step_a, step_b = (a.step_, b.step_) if inplace else (a.step, b.step)
-        pa, sa = step_a(pa, _clone(grads), sa)
-        pb, sb = step_b(pb, _clone(grads), sb)
+        pa, sa = step_a(pa, clone_tree(grads), sa)
+        pb, sb = step_b(pb, clone_tree(grads), sb)
         ma, mb = sa.master, af.master_params(pb, sb)
-        assert _same(ma, mb), f"step {i}"
+        assert same_tree_bits(ma, mb), f"step {i}"
         for k in params:
             if pa[k].dtype == torch.bfloat16:
                 differ = _bits(pa[k]) != _bits(pb[k])
@@ -75,8 +66,8 @@ def test_split_master_equals_the_fp32_master_bit_for_bit(inplace):
                 assert bool((tie | ~differ).all()), f"step {i}, leaf {k}"
                 ties += int(differ.sum())
             else:
-                assert _same(pa[k], pb[k])
-        assert _same(sa.inner, sb.inner) and _same(sa.loss_scale, sb.loss_scale)
+                assert same_tree_bits(pa[k], pb[k])
+        assert same_tree_bits(sa.inner, sb.inner) and same_tree_bits(sa.loss_scale, sb.loss_scale)
     assert int(sb.skipped) == 1
 
 
@@ -101,22 +92,22 @@ def test_low_precision_moments_match_the_reference(master, moments):
 
     params = _params()
     low, full = _tx(master, moments), _tx(master, "fp32")
-    p_low, s_low = _clone(params), low.init(_clone(params))
+    p_low, s_low = clone_tree(params), low.init(clone_tree(params))
     for i in range(5):
         grads = _grads(params, i, scale=16.0)
         adam_low = s_low.inner[1]
         ref_state = s_low._replace(inner=(s_low.inner[0], adam_low._replace(
             exp_avg=dict(zip(sorted(params), decode_moment(adam_low.exp_avg, True))),
             exp_avg_sq=dict(zip(sorted(params), decode_moment(adam_low.exp_avg_sq, False))))))
-        p_ref, s_ref = full.step(_clone(p_low), _clone(grads), _clone(ref_state))
+        p_ref, s_ref = full.step(clone_tree(p_low), clone_tree(grads), clone_tree(ref_state))
         p_low, s_low = low.step_(p_low, grads, s_low)
         adam_ref, adam_new = s_ref.inner[1], s_low.inner[1]
         keys = sorted(params)
         want_m = encode_moment([adam_ref.exp_avg[k] for k in keys], adam_new.exp_avg, True)
         want_v = encode_moment([adam_ref.exp_avg_sq[k] for k in keys], adam_new.exp_avg_sq, False)
-        assert _same(want_m, adam_new.exp_avg) and _same(want_v, adam_new.exp_avg_sq), f"step {i}"
-        assert _same(p_ref, p_low)
-        assert _same(af.master_params(p_ref, s_ref), af.master_params(p_low, s_low))
+        assert same_tree_bits(want_m, adam_new.exp_avg) and same_tree_bits(want_v, adam_new.exp_avg_sq), f"step {i}"
+        assert same_tree_bits(p_ref, p_low)
+        assert same_tree_bits(af.master_params(p_ref, s_ref), af.master_params(p_low, s_low))
     if moments == "q8":
         assert isinstance(s_low.inner[1].exp_avg, Q8Moment)
         assert s_low.inner[1].exp_avg.codes["emb"].dtype == torch.uint8
@@ -126,16 +117,16 @@ def test_low_precision_moments_match_the_reference(master, moments):
 def test_a_skipped_step_changes_no_bit(inplace):
     params = _params()
     tx = _tx("split", "q8")
-    p, s = _clone(params), tx.init(_clone(params))
+    p, s = clone_tree(params), tx.init(clone_tree(params))
     for i in range(3):
         p, s = tx.step_(p, _grads(params, i, scale=16.0), s)
-    before_p, before_s = _clone(p), _clone(s)
+    before_p, before_s = clone_tree(p), clone_tree(s)
     bad = _grads(params, 9, scale=16.0)
     bad["emb"][3, 3] = float("nan")
     p2, s2 = (tx.step_ if inplace else tx.step)(p, bad, s)
     assert not bool(s2.finite)
-    assert _same(p2, before_p)
-    assert _same((s2.master, s2.inner), (before_s.master, before_s.inner))
+    assert same_tree_bits(p2, before_p)
+    assert same_tree_bits((s2.master, s2.inner), (before_s.master, before_s.inner))
 
 
 def test_bytes_per_parameter_from_storage():
@@ -154,7 +145,7 @@ def test_bytes_per_parameter_from_storage():
 def test_checkpoint_resumes_bit_for_bit():
     params = _params()
     tx = _tx("split", "q8")
-    p, s = _clone(params), tx.init(_clone(params))
+    p, s = clone_tree(params), tx.init(clone_tree(params))
     for i in range(3):
         p, s = tx.step_(p, _grads(params, i, scale=16.0), s)
     buf = io.BytesIO()
@@ -165,18 +156,18 @@ def test_checkpoint_resumes_bit_for_bit():
     for i in range(3, 6):
         p, s = tx.step_(p, _grads(params, i, scale=16.0), s)
         p2, s2 = tx.step_(p2, _grads(params, i, scale=16.0), s2)
-    assert _same(p, p2) and _same(s, s2)
+    assert same_tree_bits(p, p2) and same_tree_bits(s, s2)
 
 
 def test_accumulate_composes():
     params = _params()
     inner = af.accumulate(af.adamw(1e-2, moments="q8"), 2)
     tx = af.mixed_precision(inner, af.NoOpLossScale(), master="split")
-    p, s = _clone(params), tx.init(_clone(params))
+    p, s = clone_tree(params), tx.init(clone_tree(params))
     for i in range(4):
         p, s = tx.step(p, _grads(params, i, dtype=torch.float32), s)
     moved = af.master_params(p, s)
-    assert not _same(moved, {k: v.float() for k, v in params.items()})
+    assert not same_tree_bits(moved, {k: v.float() for k, v in params.items()})
 
 
 def test_bad_inputs_are_refused_by_name_before_any_write():
@@ -195,13 +186,13 @@ def test_bad_inputs_are_refused_by_name_before_any_write():
     # a state from another setting: made with master="fp32" (or moments="fp32"), stepped as split / q8
     for made, used, what in ((_tx("fp32"), _tx("split"), "SplitMaster"), (_tx("split", "fp32"), _tx("split", "q8"),
                                                                          "Q8Moment")):
-        state = made.init(_clone(params))
-        p = _clone(params)
-        snapshot_p, snapshot_s = _clone(p), _clone(state)
+        state = made.init(clone_tree(params))
+        p = clone_tree(params)
+        snapshot_p, snapshot_s = clone_tree(p), clone_tree(state)
         for step in (used.step, used.step_):
             with pytest.raises((ValueError, TypeError), match=what):
                 step(p, _grads(params, 0), state)
-            assert _same(p, snapshot_p) and _same(state, snapshot_s)
+            assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
 
 
 def _model(seed=0, d=64):
@@ -250,7 +241,7 @@ def test_make_train_step_split_one_step_from_equal_states():
     assert bool(out.finite)
     masters = af.master_params(s_low.params, s_low)
     assert masters["1.weight"] is s_low.params["1.weight"]  # fp32 leaves are their own masters
-    assert _same(masters, s_ref.params)
+    assert same_tree_bits(masters, s_ref.params)
     differ = 0
     for k, p in s_low.params.items():
         if p.dtype == torch.bfloat16:
@@ -276,10 +267,10 @@ def test_make_train_step_split_equals_the_fp32_run_bit_for_bit_while_no_tie_is_m
         assert bool(out.finite)
         assert _ties(s_low) == 0, f"step {i}: this seed meets a tie; the comparison needs a run without one"
         masters = af.master_params(s_low.params, s_low)
-        assert _same(masters, s_ref.params), f"step {i}"
+        assert same_tree_bits(masters, s_ref.params), f"step {i}"
         for k, p in s_low.params.items():
             if p.dtype == torch.bfloat16:
-                assert _same(p, s_ref.params[k].to(torch.bfloat16)), f"step {i}, {k}"
+                assert same_tree_bits(p, s_ref.params[k].to(torch.bfloat16)), f"step {i}, {k}"
 
 
 @pytest.mark.slow
@@ -291,16 +282,16 @@ def test_compiled_step_is_one_graph_and_gives_the_eager_numbers():
     torch._dynamo.reset()
     params = _params()
     tx = _tx("split", "q8")
-    p_e, s_e = _clone(params), tx.init(_clone(params))
-    p_c, s_c = _clone(params), tx.init(_clone(params))
+    p_e, s_e = clone_tree(params), tx.init(clone_tree(params))
+    p_c, s_c = clone_tree(params), tx.init(clone_tree(params))
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(tx.step_, fullgraph=True, backend=counter)
     for i in range(3):
         grads = _grads(params, i, scale=16.0)
-        p_e, s_e = tx.step_(p_e, _clone(grads), s_e)
-        p_c, s_c = compiled(p_c, _clone(grads), s_c)
+        p_e, s_e = tx.step_(p_e, clone_tree(grads), s_e)
+        p_c, s_c = compiled(p_c, clone_tree(grads), s_c)
     assert counter.frame_count == 1
-    assert _same(p_e, p_c) and _same(s_e, s_c)
+    assert same_tree_bits(p_e, p_c) and same_tree_bits(s_e, s_c)
 
 
 @pytest.mark.slow
@@ -338,7 +329,7 @@ def test_module_trainer_split():
         out = model[2](model[1](model[0](x).float()).to(torch.bfloat16))
         trainer.scale(out.float().square().mean()).backward()
         assert bool(trainer.step())
-    assert not _same(w0, model[0].weight.detach())
+    assert not same_tree_bits(w0, model[0].weight.detach())
     masters = af.master_params(dict(model.named_parameters()), trainer.state)
     assert masters["0.weight"].dtype == torch.float32
     assert bool((masters["0.weight"].to(torch.bfloat16) == model[0].weight.detach()).float().mean() > 0.99)
@@ -374,10 +365,10 @@ def test_fused_step_refuses_a_state_made_with_other_moments_before_any_write():
     fp32_moments = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master="split")
     for made in ("q8", "bf16"):
         state = af.mixed_precision(af.adamw(1e-3, moments=made), af.NoOpLossScale(), master="split").init(p)
-        snapshot_p, snapshot_s = _clone(p), _clone(state)
+        snapshot_p, snapshot_s = clone_tree(p), clone_tree(state)
         with pytest.raises(ValueError, match="state.inner.exp_avg"):
             fp32_moments.step_(p, g, state)
-        assert _same(p, snapshot_p) and _same(state, snapshot_s)
+        assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
 
 
 def test_split_step_refuses_aliased_params_naming_them():
