@@ -28,16 +28,19 @@ the code whose interval between the fp32 midpoints of neighbouring map entries h
 value, a value exactly on a midpoint taking the larger code (torchao's rule), NaN the last
 code. Dequantizing is ``map[code] * absmax``. A block's largest magnitude comes back exactly
 (the map holds 1.0; in the signed map, -absmax comes back as the map's most negative entry,
-about -0.993 of it, as bitsandbytes). Tensors under :data:`Q8_MIN_NUMEL` elements, or whose
-size is not a multiple of the block, are kept in fp32 by the optimizers.
+about -0.993 of it, as bitsandbytes). An infinite value (a second moment that overflowed)
+makes its block's absmax inf: it takes its sign's extreme code and comes back infinite, as it
+would stay in fp32, and the block's finite values take the code of 0 and come back 0 (not
+``0 * inf``, which is NaN): while the block holds the inf its other elements keep no history,
+and :func:`ampfunc.monitor.moment_overflows` names the param. Tensors under
+:data:`Q8_MIN_NUMEL` elements, or whose size is not a multiple of the block, are kept in fp32
+by the optimizers.
 
 Everything here is elementwise or per block, so the reference twins of the fused kernels are
 these functions applied per leaf. Nothing reads a tensor back to the host.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -199,8 +202,7 @@ def map_midpoints(signed: bool, device=None) -> torch.Tensor:
 _LOOKUP_PAD = 16
 
 
-@functools.cache
-def _lookup_cpu() -> tuple:
+def _lookup_tables() -> tuple:
     maps, bases = [], []
     for signed in (True, False):
         qmap = dynamic_map(signed)
@@ -227,6 +229,11 @@ def _lookup_cpu() -> tuple:
     return torch.cat(maps), torch.stack(bases)
 
 
+# Built at import, not on first use: a torch.compile trace of a step reads them as constants
+# instead of tracing their construction (or a functools.cache wrapper, which dynamo ignores).
+_LOOKUP = _lookup_tables()
+
+
 def q8_lookup(device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables the fused kernels quantize with: ``(maps, bases)``.
 
@@ -242,9 +249,10 @@ def q8_lookup(device=None) -> tuple[torch.Tensor, torch.Tensor]:
       >>> maps.shape, bases.shape
       (torch.Size([1024]), torch.Size([2, 65552]))
 
-    Cost: built once on the CPU (cached), then one copy per call to another device.
+    Cost: built once on the CPU at import (about 10 ms), then one copy per call to another
+    device.
     """
-    maps, bases = _lookup_cpu()
+    maps, bases = _LOOKUP
     return maps.to(device), bases.to(device)
 
 
@@ -284,8 +292,8 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
       >>> absmax.tolist(), codes.dtype, float((dequantize_q8(codes, absmax, True) - x).abs().max()) < 0.02
       ([2.0], torch.uint8, True)
 
-    Cost: one absmax reduction and one binary search over 255 midpoints per element
-    (``torch.searchsorted``); no host sync.
+    Cost: one absmax reduction, one binary search over 255 midpoints per element
+    (``torch.searchsorted``) and an elementwise test for infinities; no host sync.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"quantize_q8: x must be float32, got {x.dtype}")
@@ -293,7 +301,9 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     absmax = blocks.abs().amax(dim=1)
     # torch's amax propagates NaN: a block holding NaN gets absmax NaN, so it dequantizes to NaN.
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    normed = blocks / divisor[:, None]
+    # An infinity (a second moment that overflowed) makes its block's absmax inf: it keeps its
+    # sign's extreme code (inf / inf would be NaN), and the block's finite values divide to 0.
+    normed = torch.where(torch.isinf(blocks), blocks.sign(), blocks / divisor[:, None])
     mids = map_midpoints(signed, device=x.device)
     codes = torch.searchsorted(mids, normed.reshape(-1), right=True)
     return codes.to(torch.uint8).reshape(x.shape), absmax
@@ -325,5 +335,9 @@ def dequantize_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> to
         raise ValueError(f"dequantize_q8: {codes.numel()} codes need absmax of shape ({blocks.shape[0]},), got "
                          f"{tuple(absmax.shape)}")
     qmap = dynamic_map(signed, device=codes.device)
-    values = qmap[blocks.to(torch.int64)] * absmax[:, None]
+    mapped = qmap[blocks.to(torch.int64)]
+    values = mapped * absmax[:, None]
+    # In a block whose absmax is inf, the code of 0 stays 0 (0 * inf would be NaN and spread one
+    # overflowed moment to its 255 neighbours); a NaN absmax still makes the whole block NaN.
+    values = torch.where((mapped == 0) & torch.isinf(absmax)[:, None], torch.zeros_like(values), values)
     return values.reshape(codes.shape)

@@ -41,6 +41,7 @@ import torch.distributed as torch_dist
 import torch.utils._pytree as torch_pytree
 
 from ampfunc import ops
+from ampfunc.lowmem import Q8Moment
 from ampfunc.tree import NAMESPACE, PyTree, leaves_with_paths, path_to_str
 
 __all__ = ["StepStats", "init_stats", "record", "skip_rate", "summary", "health", "nonfinite_paths",
@@ -366,7 +367,10 @@ def _second_moments(state: Any) -> list[tuple[str, torch.Tensor]]:
         names = [path_to_str((entry,)) for entry in acc]
         at = next((k for k, name in enumerate(names) if name in _SECOND_MOMENTS), None)
         if at is not None:
-            below = acc[at + 1:]
+            # A q8 moment (lowmem.Q8Moment) holds the tree twice, as codes and absmax: an
+            # overflow is an inf absmax (or an inf in a leaf kept fp32), named by the param.
+            skip = 2 if len(acc) > at + 1 and isinstance(acc[:at + 1](state), Q8Moment) else 1
+            below = acc[at + skip:]
             out.append((path_to_str(below) if len(below) else _param_above(state, acc, at), leaf))
     return out
 

@@ -205,6 +205,30 @@ def test_q8_ties_zero_blocks_extremes_and_nan():
     assert codes[1].item() == 0
 
 
+def test_q8_an_infinity_keeps_its_sign_and_its_block_neighbours_come_back_zero_not_nan():
+    # A second moment that overflowed: its block's absmax is inf. 0 * inf would be NaN and spread
+    # the overflow to the 255 neighbours (and from them into the params).
+    for signed in (True, False):
+        x = torch.rand(2 * Q8_BLOCK) * 1e-3
+        x[7] = float("inf")
+        if signed:
+            x[9] = float("-inf")
+            x[10] = -0.5
+        codes, absmax = quantize_q8(x, signed)
+        assert absmax[0].item() == float("inf") and absmax[1].item() < 1e-3
+        back = dequantize_q8(codes, absmax, signed)
+        assert back[7].item() == float("inf")
+        if signed:
+            assert back[9].item() == float("-inf") and back[10].item() == 0.0
+        assert not bool(back.isnan().any())
+        finite = torch.ones(Q8_BLOCK, dtype=torch.bool)
+        finite[[7, 9] if signed else [7]] = False
+        assert bool((back[:Q8_BLOCK][finite] == 0).all())
+        # the other block is untouched by its neighbour's overflow
+        ref_codes, ref_absmax = quantize_q8(x[Q8_BLOCK:], signed)
+        assert bool((codes[Q8_BLOCK:] == ref_codes).all()) and absmax[1] == ref_absmax[0]
+
+
 def test_q8_largest_value_round_trips_exactly():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16 * Q8_BLOCK, generator=g) * 3

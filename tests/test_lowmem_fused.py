@@ -122,6 +122,30 @@ def test_the_kernel_is_its_reference_twin_bit_for_bit_over_20_steps_with_a_skip(
     assert float(step) == 19.0
 
 
+def test_the_kernel_is_its_twin_when_a_q8_second_moment_overflows():
+    # A finite gradient of 1e30 squares past fp32's max: the q8 second moment's block has absmax
+    # inf, the overflowed element keeps the last code and its neighbours the code of 0.
+    op = _compiled()
+    state = _op_args(1)
+    ref_state = clone_tree(list(state))
+    step, ref_step = torch.zeros(()), torch.zeros(())
+    maps, bases = q8_lookup()
+    for i in range(4):
+        grads = _grads(state[0], i, torch.float32)
+        if i == 1:
+            grads[0][2, 9] = 1e30
+            grads[1][300] = -1e30
+        args = (step, torch.tensor(1.0), torch.tensor(True), maps, bases, 1e-2, None, 0.9, 0.999, 1e-8, 0.0, True,
+                False)
+        op(*_with(state, grads), *args)
+        _ref_adam_lowmem_step_(*_with(ref_state, grads), ref_step, *args[1:])
+        assert same_tree_bits(list(state), ref_state), f"step {i}"
+    v_absmax = state[5]
+    assert v_absmax[0][2].item() == float("inf") and v_absmax[1][1].item() == float("inf")
+    for k in range(2):  # the overflow stays in its block: no NaN anywhere, the other blocks finite
+        assert not bool(state[0][k].isnan().any()) and int(torch.isinf(v_absmax[k]).sum()) == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # The engine's fused path against its plain-torch path
 # ------------------------------------------------------------------------------------------------
@@ -217,8 +241,20 @@ def _bad_calls():
         a[6][1] = a[6][1].double()
         return "exp_avg_sq_absmax[1]"
 
+    def aliased_params(a):
+        a[0][1] = a[0][0].view(-1)[4096:]
+        return "params[0] and params[1] overlap in memory"
+
+    def one_tensor_for_both_moments(a):
+        a[5][2] = a[3][2]
+        return "exp_avgs[2] and exp_avg_sqs[2] overlap in memory"
+
+    def shared_absmax(a):
+        a[6][0] = a[4][0]
+        return "exp_avg_absmax[0] and exp_avg_sq_absmax[0] overlap in memory"
+
     return [absmax_shape, remainder_dtype, remainder_of_fp32, moments_unlike, fp16_param, short_list, grad_shape,
-            q8_absmax_dtype]
+            q8_absmax_dtype, aliased_params, one_tensor_for_both_moments, shared_absmax]
 
 
 @pytest.mark.parametrize("backend", ["compiled", "reference"])

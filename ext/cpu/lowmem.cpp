@@ -24,11 +24,13 @@
 #include "../optim_scalars.h"
 #include "lowmem_spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -99,8 +101,13 @@ void build_steps(const Maps& mp, int32_t* out) {
   }
 }
 
-// qmap[code] * absmax for the n codes of one block.
+// qmap[code] * absmax for the n codes of one block. In a block whose absmax is inf (a second
+// moment that overflowed) the code of 0 stays 0, not 0 * inf (ampfunc.lowbits.dequantize_q8).
 inline void decode_block(const uint8_t* codes, float* out, int64_t n, const float* qmap, float absmax) {
+  if (std::isinf(absmax)) {
+    for (int64_t j = 0; j < n; ++j) out[j] = qmap[codes[j]] == 0.f ? 0.f : qmap[codes[j]] * absmax;
+    return;
+  }
 #ifdef AMPFUNC_LOWMEM_GATHER
   const __m256 a = _mm256_set1_ps(absmax);
   int64_t j = 0;
@@ -222,10 +229,15 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
       amax = (ra[k] > amax || ra[k] != ra[k]) ? ra[k] : amax;
       vmax = (rb[k] > vmax || rb[k] != rb[k]) ? rb[k] : vmax;
     }
-    const fVec dm(amax > 0.f ? amax : 1.f), dv(vmax > 0.f ? vmax : 1.f);
-    for (int64_t j = 0; j < cnt; j += kVF) {
-      (fVec::loadu(m + j) / dm).store(m + j);
-      (fVec::loadu(v + j) / dv).store(v + j);
+    for (const auto& [x, a] : {std::pair<float*, float>{m, amax}, std::pair<float*, float>{v, vmax}}) {
+      const float d = a > 0.f ? a : 1.f;
+      if (std::isinf(a)) {
+        // An infinity keeps its sign's extreme code (inf / inf is NaN), as quantize_q8.
+        for (int64_t j = 0; j < cnt; ++j) x[j] = std::isinf(x[j]) ? std::copysign(1.f, x[j]) : x[j] / d;
+      } else {
+        const fVec dx(d);
+        for (int64_t j = 0; j < cnt; j += kVF) (fVec::loadu(x + j) / dx).store(x + j);
+      }
     }
     encode_block(m, static_cast<uint8_t*>(L.m) + s, cnt, ms);
     encode_block(v, static_cast<uint8_t*>(L.v) + s, cnt, mu);
@@ -321,6 +333,40 @@ void check_scalar(const Tensor& t, const char* name, at::ScalarType dt) {
                     ")");
 }
 
+// Two written tensors that share memory, named as the reference twin names them (its
+// ampfunc.ops validation): every written tensor is contiguous here, so a byte range each.
+struct Written {
+  const char* list;
+  size_t i;  // the leaf; SIZE_MAX for a 0-d argument
+  const Tensor* t;
+  std::string name() const { return i == SIZE_MAX ? std::string(list) : item(list, i); }
+};
+
+void check_disjoint(const std::vector<Written>& written) {
+  struct Span { uintptr_t lo, hi; size_t k; };
+  std::vector<Span> spans;
+  spans.reserve(written.size());
+  for (size_t k = 0; k < written.size(); ++k) {
+    const Tensor& t = *written[k].t;
+    if (t.numel() == 0) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({lo, lo + uintptr_t(t.numel()) * t.element_size(), k});
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.lo < b.lo || (a.lo == b.lo && a.k < b.k); });
+  // Sorted by start: a span overlaps an earlier one exactly when it starts below the furthest
+  // end so far, which is the first span of its run (ampfunc.ops.overlapping_pair's pair).
+  const Span* reach = nullptr;
+  for (const Span& b : spans) {
+    if (reach != nullptr && b.lo < reach->hi) {
+      const size_t i = std::min(reach->k, b.k), j = std::max(reach->k, b.k);
+      TORCH_CHECK_VALUE(false, "ampfunc: ", written[i].name(), " and ", written[j].name(),
+                        " overlap in memory; the tensors an in-place op writes must be distinct (", kOp, ")");
+    }
+    if (reach == nullptr || b.hi > reach->hi) reach = &b;
+  }
+}
+
 // Every argument, before anything is written: the lists' lengths, then leaf by leaf each
 // list's dtype and shape by its role (spec.h, kAdamLowmemLists).
 void check_args(const Tensors& params, const Tensors& remainders, const Tensors& grads, const Tensors& exp_avgs,
@@ -387,6 +433,17 @@ void check_args(const Tensors& params, const Tensors& remainders, const Tensors&
                   std::to_string(blocks) + " blocks of 256" : item("exp_avgs", i) + " is not q8 (an empty absmax)");
     }
   }
+  // The written lists in the table's order, each leaf by leaf, then step (as the twin lists them).
+  std::vector<Written> written;
+  written.reserve(6 * params.size() + 1);
+  const std::pair<const char*, const Tensors*> written_lists[] = {
+      {"params", &params}, {"remainders", &remainders}, {"exp_avgs", &exp_avgs}, {"exp_avg_absmax", &exp_avg_absmax},
+      {"exp_avg_sqs", &exp_avg_sqs}, {"exp_avg_sq_absmax", &exp_avg_sq_absmax}};
+  for (const auto& [name, ts] : written_lists) {
+    for (size_t i = 0; i < ts->size(); ++i) written.push_back({name, i, &(*ts)[i]});
+  }
+  written.push_back({"step", SIZE_MAX, &step});
+  check_disjoint(written);
 }
 
 // The step tables of the two maps, built on the first call and again only when the tables
