@@ -155,8 +155,8 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
         (:func:`cpu_bf16_flags`). Refused (``ValueError``) for a CUDA plan.
       n_params: the model's parameter count (an int >= 0, not a bool), when known. It sizes
         the master-weight requirement, and fp8 is only advised from 100M parameters.
-      device_memory: the bytes of device memory to plan for (by default a CUDA device's own
-        total; unknown for a CPU or a planned GPU). With ``n_params``: where the persistent
+      device_memory: the bytes of device memory to plan for (an int >= 1, not a bool; by
+        default a CUDA device's own total; unknown for a CPU or a planned GPU). With ``n_params``: where the persistent
         state of an fp32-master Adam step (14 bytes per parameter: bf16 params, fp32 master, two
         fp32 moments) would not fit, and the low-memory one (about 6: split master, 8-bit
         moments) would, that is advised (``master="split"``, ``moments="q8"``, bf16 params).
@@ -167,7 +167,8 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
       A :class:`Recommendation` (``policy``, ``loss_scale``, ``reason``, ``requirements``, ...).
 
     Raises:
-      TypeError: ``capability``, ``cpu_flags`` or ``n_params`` of the wrong type (named).
+      TypeError: ``capability``, ``cpu_flags``, ``n_params`` or ``device_memory`` of the wrong
+        type (named).
       ValueError: a value out of range, an unknown ``stability`` or device type, or a setting
         that does not apply to the device planned for (named).
 
@@ -184,13 +185,8 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
     """
     if stability not in ("normal", "high"):
         raise ValueError(f"recommend_policy: stability must be 'normal' or 'high', got {stability!r}")
-    if n_params is not None:
-        if isinstance(n_params, bool) or not isinstance(n_params, numbers.Integral):
-            raise TypeError(f"recommend_policy: n_params must be a non-negative int, got "
-                            f"{type(n_params).__name__} {n_params!r}")
-        if n_params < 0:
-            raise ValueError(f"recommend_policy: n_params must be a non-negative int, got {n_params!r}")
-        n_params = int(n_params)
+    n_params = _count("n_params", n_params, "a non-negative int", 0)
+    device_memory = _count("device_memory", device_memory, "a positive int (bytes)", 1)
     if capability is not None:
         capability = _check_capability(capability)
     flags = None if cpu_flags is None else _flag_set(cpu_flags)
@@ -224,6 +220,17 @@ def recommend_policy(device: Union[str, torch.device, None] = None, *,
         if device_memory is None:
             device_memory = torch.cuda.get_device_properties(dev).total_memory
     return _low_memory(_recommend_cuda(capability, n_params, stability, requirements), n_params, device_memory)
+
+
+def _count(name: str, value, what: str, least: int) -> Optional[int]:
+    """``value`` as an int of at least ``least``, or None; TypeError / ValueError naming it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"recommend_policy: {name} must be {what}, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"recommend_policy: {name} must be {what}, got {value!r}")
+    return int(value)
 
 
 _MASTER_REQUIREMENT = "fp32 master weights"

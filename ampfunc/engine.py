@@ -34,7 +34,15 @@ from ampfunc.dist import agree_finite, any_dtensor
 from ampfunc.flat import copy_packed
 from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, fp32_twin, plan_for
 from ampfunc.loss_scale import DynamicLossScale, LossScale
-from ampfunc.lowmem import SplitMaster, check_master, init_split_master, join_master, lowmem_step
+from ampfunc.lowmem import (
+    Q8Moment,
+    SplitMaster,
+    check_master,
+    check_moment,
+    init_split_master,
+    join_master,
+    lowmem_step,
+)
 from ampfunc.shards import active as active_sharding
 from ampfunc.shards import local_view
 from ampfunc.transform import GradientTransformation, apply_updates
@@ -437,6 +445,8 @@ class Engine:
         for name, tree in zip(names, trees[1:]):
             leaves_t, spec = tree_flatten(tree)
             if spec != p_spec:
+                if isinstance(tree, Q8Moment):
+                    check_moment(tree, params, "fp32", name, where)  # names the moments setting
                 try:
                     check_same_structure(tree, params, name, "params")
                 except ValueError as e:

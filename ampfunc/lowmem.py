@@ -514,9 +514,9 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
             if f in opt._fields and getattr(opt, f) is not None:
                 check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
     fused_opt = opt if opt is not None or plan is None else plan.opt_state(state.inner)
-    if inplace and fused_opt is not None and opt is None:
-        # moments="fp32": the fused pass reads the stored moments in whatever layout they have, so
-        # a state made with bf16 or q8 moments is refused here, as the plain road's engine does.
+    if fused_opt is not None and opt is None:
+        # moments="fp32": a state made with bf16 or q8 moments is refused here, naming the setting
+        # (the fused pass would read the stored moments in whatever layout they have).
         ref = params if split else (state.master if state.master is not None else params)
         for f in MOMENT_FIELDS:
             if f in fused_opt._fields and getattr(fused_opt, f) is not None:
@@ -568,10 +568,11 @@ def _cpu_dense(ts: Sequence, dtypes: tuple) -> bool:
 
 def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any):
     """The in-place step as one ``adam_lowmem_step_`` pass, or None (nothing written) when the
-    call is not one the CPU kernel serves: another optimizer or AMSGrad, tensors off the CPU or
-    of other dtypes, gradients that do not fit their params (the plain path then names the leaf),
-    an fp32 master copy, or the compiled kernels not loaded. Cost: the gradients' check pass and
-    one kernel pass; the kernel reads ``finite`` on the host (CPU tensors: no device sync)."""
+    call is not one the CPU kernel serves: another optimizer or AMSGrad, tensors off the CPU,
+    of other dtypes or not contiguous (params, gradients, moments, remainders), gradients that
+    do not fit their params (the plain path then names the leaf), an fp32 master copy, or the
+    compiled kernels not loaded. Cost: the gradients' check pass and one kernel pass; the
+    kernel reads ``finite`` on the host (CPU tensors: no device sync)."""
     if plan.optimizer.name != "adam" or plan._hypers.get("amsgrad") or not _kernels_loaded():
         return None
     if not split and state.master is not None:
@@ -599,6 +600,8 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
         lists += [codes, absmax]
     if split:
         remainders = tree_flatten(state.master.remainder)[0]
+        if not _cpu_dense(remainders, (torch.int16,)):
+            return None  # a strided remainder (a state edited by hand): the plain path takes it
     else:
         remainders = [torch.empty(0, dtype=torch.int16) for _ in p_leaves]
     on_check = None

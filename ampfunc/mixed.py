@@ -560,14 +560,48 @@ def master_params(params: PyTree, state: Any) -> PyTree:
       >>> af.master_params(params, state)["w"]
       tensor([1., 1., 1.])
 
+    Raises:
+      TypeError: ``state`` is not such a state (``None``, an optimizer's own state, a
+        ``SplitMaster`` alone).
+      ValueError: the state's master does not fit ``params`` (another model, a flat
+        ``ModuleTrainer``'s per-dtype buffers), naming the leaf.
+
     Cost: ``"split"``: one elementwise pass per bf16 leaf into a new fp32 tensor; otherwise
-    nothing (the stored tensors are returned). No host sync.
+    nothing (the stored tensors are returned). A shape look per leaf; no host sync.
     """
-    master = getattr(state, "master", None)
+    where = "master_params"
+    fields = getattr(type(state), "_fields", ())
+    if "master" not in fields:
+        hint = (" (pass the whole state, not its .master)" if isinstance(state, SplitMaster) else
+                " (an optimizer's own state keeps no master: the params are the masters)" if fields else "")
+        raise TypeError(f"{where}: state must be a mixed-precision state with a master field (mixed_precision's "
+                        f"MixedPrecisionState, make_train_step's TrainState, ModuleTrainer's TrainerState), got "
+                        f"{type(state).__name__}{hint}")
+    master = state.master
     if master is None:
         return params
     if isinstance(master, SplitMaster):
-        check_split_master(params, master, "master_params")
+        check_split_master(params, master, where)
         return join_master(params, master)
+    _check_dense_master(params, master, where)
     return master
+
+
+def _check_dense_master(params: PyTree, master: PyTree, where: str) -> None:
+    """``ValueError`` naming the leaf where an fp32-master tree does not fit ``params``."""
+    p_leaves, m_leaves = leaves_with_paths(params), leaves_with_paths(master)
+    if [p for p, _ in p_leaves] != [p for p, _ in m_leaves]:
+        shown = ", ".join(repr(p) for p, _ in m_leaves[:3]) + (", ..." if len(m_leaves) > 3 else "")
+        if m_leaves and all("@" in p for p, _ in m_leaves):
+            raise ValueError(f"{where}: the state's master holds flat buffers ({shown}), one per dtype and device "
+                             "(ModuleTrainer(flat=True)), not a master per param: read per-param masters from a "
+                             "ModuleTrainer with flat=False")
+        raise ValueError(f"{where}: the state's master holds the leaves {shown}, not the params': the state was "
+                         "made for other params -- pass the params it was made for")
+    for (path, p), (_, m) in zip(p_leaves, m_leaves):
+        local = p.to_local() if callable(getattr(p, "to_local", None)) and not hasattr(m, "to_local") else p
+        if not isinstance(m, torch.Tensor) or not m.is_floating_point() or m.shape != local.shape:
+            got = f"{m.dtype} {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"{where}: params leaf {path!r} has shape {tuple(local.shape)} but its master is {got}: "
+                             "the state was made for other params")
 

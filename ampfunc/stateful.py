@@ -35,6 +35,7 @@ from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap, skip_s
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
 from ampfunc.mixed import check_optimizer_transform, scale_loss
+from ampfunc.optim.base import check_bool
 from ampfunc.shards import grads_to_local, sharding_of
 from ampfunc.transform import GradientTransformation
 from ampfunc.tree import check_same_structure, leaves_with_paths, tree_leaves, tree_structure, tree_unflatten
@@ -285,6 +286,8 @@ class ModuleTrainer:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ModuleTrainer: model must be a torch.nn.Module, got {type(model).__name__}")
         check_optimizer_transform(tx, "ModuleTrainer")
+        check_bool(set_grads_to_none, "set_grads_to_none", "ModuleTrainer")
+        check_bool(flat, "flat", "ModuleTrainer")
         loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
         if not isinstance(loss_scale, LossScale):
             raise TypeError(f"ModuleTrainer: loss_scale must be a loss scale, got {type(loss_scale).__name__}")

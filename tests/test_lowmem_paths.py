@@ -84,6 +84,25 @@ def test_master_params_for_every_setting():
     assert af.master_params(f32, state) is f32  # fp32 params are their own masters
 
 
+def test_master_params_refuses_what_is_not_a_mixed_precision_state_and_masters_of_other_params():
+    params = _params()
+    split_state = _tx("split").init(params)
+    for bad, why in [(None, "NoneType"), (af.adamw(1e-3).init(params), "keeps no master"),
+                     (split_state.master, "not its .master"), ({"master": 1}, "got dict")]:
+        with pytest.raises(TypeError, match=why):
+            af.master_params(params, bad)
+    other = dict(params, w=torch.zeros(64, 81, dtype=torch.bfloat16))
+    for master in ("fp32", "split"):
+        with pytest.raises(ValueError, match="'w'"):
+            af.master_params(other, _tx(master).init(params))
+        with pytest.raises(ValueError, match="other params"):
+            af.master_params({k: params[k] for k in ("b", "emb")}, _tx(master).init(params))
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    flat = af.ModuleTrainer(model, af.adamw(1e-3), flat=True)
+    with pytest.raises(ValueError, match="flat buffers"):
+        af.master_params(af.params_of(model), flat.state)
+
+
 @pytest.mark.parametrize("moments", ["bf16", "q8"])
 @pytest.mark.parametrize("master", ["fp32", "split"])
 def test_low_precision_moments_match_the_reference(master, moments):
@@ -371,6 +390,20 @@ def test_fused_step_refuses_a_state_made_with_other_moments_before_any_write():
         assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
 
 
+@pytest.mark.parametrize("master", ["fp32", "split"])
+@pytest.mark.parametrize("path", ["update", "step", "step_"])
+def test_a_q8_state_given_to_fp32_moments_is_refused_naming_the_setting(master, path):
+    p = {"w": torch.randn(64, 64).bfloat16()}
+    g = {"w": torch.randn(64, 64).bfloat16()}
+    state = af.mixed_precision(af.adamw(1e-3, moments="q8"), af.NoOpLossScale(), master=master).init(p)
+    tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master=master)
+    snapshot_p, snapshot_s = clone_tree(p), clone_tree(state)
+    with pytest.raises(ValueError, match=r"state.inner.exp_avg is a Q8Moment but moments='fp32': the state was "
+                                         r"made with moments='q8'"):
+        tx.update(g, state, p) if path == "update" else getattr(tx, path)(p, g, state)
+    assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
+
+
 def test_split_step_refuses_aliased_params_naming_them():
     # Two leaves of one tensor would each pair their low half with the other's high half.
     shared = torch.randn(4096).bfloat16()
@@ -381,3 +414,49 @@ def test_split_step_refuses_aliased_params_naming_them():
     with pytest.raises(ValueError, match="'a' and params leaf 'b'"):
         tx.step_(p, {"a": torch.randn(4096).bfloat16(), "b": torch.randn(4096).bfloat16()}, state)
     assert torch.equal(shared, snapshot)
+
+
+def test_a_strided_remainder_takes_the_same_step_in_place_as_pure():
+    # A state edited by hand (a transposed view of a contiguous copy): the in-place step gives
+    # the pure step's bits (the fused kernel takes contiguous tensors; the plain path serves it).
+    params = _params()
+    tx = _tx("split", "q8")
+    state = tx.init(params)
+    strided = {k: (r.t().contiguous().t() if r.dim() == 2 else r) for k, r in state.master.remainder.items()}
+    state = state._replace(master=SplitMaster(strided))
+    assert not state.master.remainder["w"].is_contiguous()
+    grads = _grads(params, 0)
+    pure_params, pure_state = tx.step(clone_tree(params), grads, clone_tree(state))
+    inplace_params, inplace_state = clone_tree(params), clone_tree(state)
+    inplace_params, inplace_state = tx.step_(inplace_params, grads, inplace_state)
+    assert same_tree_bits(pure_params, inplace_params)
+    assert same_tree_bits(pure_state.master, inplace_state.master)
+    assert same_tree_bits(pure_state.inner, inplace_state.inner)
+
+
+@pytest.mark.parametrize("path", ["update", "step", "step_"])
+@pytest.mark.parametrize("moments", ["q8", "bf16"])
+def test_a_moment_that_overflows_stays_in_its_leaf_and_is_named_by_moment_overflows(path, moments):
+    # A finite gradient of 1e30 squares past fp32's max in an applied step. As with fp32 moments,
+    # that element stops moving and the monitor names the param; nothing turns NaN (in q8, the
+    # block's absmax is inf and 0 * inf must not reach the 255 neighbours).
+    params = _params()
+    tx = af.mixed_precision(af.adamw(1e-2, moments=moments), af.NoOpLossScale(), master="split")
+    state = tx.init(params)
+    for i in range(3):
+        grads = _grads(params, i)
+        if i == 1:
+            grads["w"][3, 5] = 1e30
+        if path == "update":
+            updates, state = tx.update(grads, state, params)
+            params = af.apply_updates(params, updates)
+        elif path == "step":
+            params, state = tx.step(params, grads, state)
+        else:
+            _, state = tx.step_(params, grads, state)
+        if i == 1:
+            frozen = params["w"][3, 5].clone()
+    for name, p in params.items():
+        assert not bool(p.float().isnan().any()), name
+    assert params["w"][3, 5] == frozen
+    assert af.monitor.moment_overflows(state) == ["w"]

@@ -448,6 +448,14 @@ def test_has_aux_must_be_a_bool():
         af.value_and_grad(lambda p: p.sum(), has_aux=1)
 
 
+@pytest.mark.parametrize("name", ["flat", "set_grads_to_none"])
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_module_trainer_flags_must_be_bools(name, value):
+    # flat="False" would pack the params into flat buffers; set_grads_to_none=0 would keep grads
+    with pytest.raises(TypeError, match=rf"ModuleTrainer: {name} must be a bool \(True or False\)"):
+        af.ModuleTrainer(torch.nn.Linear(2, 1), af.adamw(), **{name: value})
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: af.adamw(1e-3, (0.9, 0.999)), r"adamw: b1 must be a float in \[0, 1\), got the tuple \(0.9, 0.999\); "
                                             r"torch's betas=\(beta1, beta2\) is two arguments here, b1 and b2"),

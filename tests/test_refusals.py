@@ -494,7 +494,7 @@ def test_checkpoint_path_with_extra_bytes_still_refused(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. recommend_policy: cpu_flags as a string, capability / n_params checked
+# 7. recommend_policy: cpu_flags as a string, capability / n_params / device_memory checked
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", ["avx512_bf16", "fpu vme sse avx512_bf16 amx_bf16", "fpu,AVX512_BF16",
@@ -515,6 +515,12 @@ def test_recommend_policy_cpu_flags_without_bf16(flags):
     ({"n_params": True}, TypeError, "n_params"),
     ({"n_params": 1.5}, TypeError, "n_params"),
     ({"n_params": -1}, ValueError, "n_params"),
+    ({"device_memory": float("nan")}, TypeError, "device_memory"),
+    ({"device_memory": "80GB"}, TypeError, "device_memory"),
+    ({"device_memory": True}, TypeError, "device_memory"),
+    ({"device_memory": 8e9}, TypeError, "device_memory"),
+    ({"device_memory": 0}, ValueError, "device_memory"),
+    ({"device_memory": -2 ** 30}, ValueError, "device_memory"),
     ({"capability": (8, 0)}, ValueError, "capability.*CPU"),
 ])
 def test_recommend_policy_cpu_plan_refuses(kwargs, error, name):
