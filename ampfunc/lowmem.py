@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ampfunc import ops
 from ampfunc.loss_scale import DynamicLossScale
 from ampfunc.lowbits import (
     dequantize_q8,
@@ -525,6 +526,18 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         done = _fused_step_(core, plan, split, params, grads, state, fused_opt)
         if done is not None:
             return done
+    elif fused_opt is not None and _kernel_serves(plan, split, state) and not _loading._is_compiling():
+        # The pure step as the in-place pass over fresh copies: one copy pass and one kernel pass
+        # instead of the plain road's join/decode/step/encode/split passes, and the same bits.
+        # (A compiled step keeps the plain road, which inductor fuses.)
+        leaves, spec = tree_flatten((params, state))
+        where_tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        for i, copy in zip(where_tensors, ops.fresh_copies([leaves[i] for i in where_tensors])):
+            leaves[i] = copy
+        fresh_params, fresh_state = tree_unflatten(spec, leaves)
+        done = _fused_step_(core, plan, split, fresh_params, grads, fresh_state, plan.opt_state(fresh_state.inner))
+        if done is not None:
+            return done
     params32 = join_master(params, state.master) if split else params
     inner32 = plan.replace_opt_state(state.inner, decode_state(opt), lambda x: x) if opt is not None else state.inner
     state32 = state._replace(master=None if split else state.master, inner=inner32)
@@ -566,6 +579,14 @@ def _cpu_dense(ts: Sequence, dtypes: tuple) -> bool:
                and t.dtype in dtypes and t.is_contiguous() for t in ts)
 
 
+def _kernel_serves(plan: Any, split: bool, state: Any) -> bool:
+    """What :func:`_fused_step_` asks before it looks at any tensor: Adam/AdamW without AMSGrad,
+    the kernels loaded, and no fp32 master copy."""
+    if plan.optimizer.name != "adam" or plan._hypers.get("amsgrad") or not _kernels_loaded():
+        return False
+    return split or state.master is None
+
+
 def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any):
     """The in-place step as one ``adam_lowmem_step_`` pass, or None (nothing written) when the
     call is not one the CPU kernel serves: another optimizer or AMSGrad, tensors off the CPU,
@@ -573,9 +594,7 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
     do not fit their params (the plain path then names the leaf), an fp32 master copy, or the
     compiled kernels not loaded. Cost: the gradients' check pass and one kernel pass; the
     kernel reads ``finite`` on the host (CPU tensors: no device sync)."""
-    if plan.optimizer.name != "adam" or plan._hypers.get("amsgrad") or not _kernels_loaded():
-        return None
-    if not split and state.master is not None:
+    if not _kernel_serves(plan, split, state):
         return None
     p_leaves, spec = tree_flatten(params)
     try:

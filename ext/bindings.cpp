@@ -140,6 +140,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     });
     m.def("check_bound", &direct::check_bound);
     m.def("set_grads", &direct::set_grads);
+    m.def("fresh_copies", &direct::fresh_copies);
     m.def("bump_versions", &direct::bump_versions);
     m.def("requires_grad_changed", &direct::requires_grad_changed);
     m.def("overlapping_pair", &direct::overlapping_pair);

@@ -202,6 +202,41 @@ def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monke
     assert int(s_fused.skipped) >= 1
 
 
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "q8"])
+def test_the_pure_step_is_the_kernel_on_fresh_copies_and_leaves_its_inputs_alone(moments, monkeypatch):
+    # tx.step runs the in-place kernel over copies: the plain road's bits, one kernel pass, and the
+    # params and state passed in keep every bit (the loss scale's tensors included).
+    _compiled()
+    params = _params()
+    tx = _tx("adamw", moments, clip=True)
+    p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
+    p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
+    fused_calls = []
+    real = lowmem._fused_step_
+
+    def counting(*args):
+        out = real(*args)
+        fused_calls.append(out is not None)
+        return out
+
+    for i in range(12):
+        grads = _tree_grads(params, i)
+        if i == 6:
+            grads["emb"][0, 0] = float("nan")
+        before = clone_tree((p_fused, s_fused))
+        monkeypatch.setattr(lowmem, "_fused_step_", counting)
+        new_p, new_s = tx.step(p_fused, clone_tree(grads), s_fused)
+        assert same_tree_bits((p_fused, s_fused), before), f"step {i}: the inputs changed"
+        p_fused, s_fused = new_p, new_s
+        monkeypatch.setattr(lowmem, "_fused_step_", lambda *a: None)
+        p_plain, s_plain = tx.step(p_plain, clone_tree(grads), s_plain)
+        assert same_tree_bits(p_fused, p_plain), f"step {i}"
+        assert same_tree_bits((s_fused.master, s_fused.inner, s_fused.loss_scale, s_fused.finite, s_fused.skipped),
+                              (s_plain.master, s_plain.inner, s_plain.loss_scale, s_plain.finite, s_plain.skipped))
+    assert fused_calls == [True] * 12
+    assert int(s_fused.skipped) == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad inputs
 # ------------------------------------------------------------------------------------------------

@@ -633,6 +633,36 @@ py::object overlapping_pair(const py::list& tensors) {
   return py::make_tuple(std::min(a->idx, b->idx), std::max(a->idx, b->idx));
 }
 
+// ampfunc.ops.fresh_copies: a contiguous copy of each CPU tensor, in the output pool (a pure step
+// that runs an in-place kernel over copies reuses the memory of the copies it dropped, instead
+// of faulting in fresh pages every step). NotImplemented for anything else (the caller clones).
+py::object fresh_copies(const py::list& tensors) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  std::vector<const Tensor*> in;
+  in.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw py::type_error("ampfunc: fresh_copies takes a list of tensors");
+    const Tensor& t = THPVariable_Unpack(o);
+    if (t.key_set().has(c10::DispatchKey::Python) || !t.device().is_cpu() || t.layout() != at::kStrided ||
+        !t.has_storage() || t.is_conj() || t.is_neg()) {
+      return not_handled();
+    }
+    in.push_back(&t);
+  }
+  py::list out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Tensor copy = pooled_empty(in[i]->sizes(), in[i]->scalar_type());
+    {
+      const py::gil_scoped_release no_gil;
+      const at::NoGradGuard no_grad;  // a copy of a param, not a node of its graph
+      copy.copy_(*in[i]);
+    }
+    PyList_SET_ITEM(out.ptr(), i, THPVariable_Wrap(std::move(copy)));
+  }
+  return out;
+}
+
 // The optimizers' spec table (spec.h), for the test that compares it with ampfunc/ops/_spec.py:
 // {name: {"state": [(list, when or None)], "hypers": [(name, kind)]}}.
 py::dict spec() {
