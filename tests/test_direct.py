@@ -623,3 +623,26 @@ def test_a_compiled_generic_optimizer_step_calls_the_library_op():
     assert any("ampfunc.lion_step_" in s for s in seen), seen
     for x, y in zip(_flat(list(eager)), _flat(list(compiled))):
         assert torch.equal(x, y)
+
+
+def test_fresh_copies_are_detached_contiguous_copies_from_the_pool():
+    param = torch.nn.Parameter(torch.randn(64, 48))
+    strided = torch.randn(48, 64).t()
+    ints = torch.arange(300, dtype=torch.int16)
+    copies = ops.fresh_copies([param, strided, ints])
+    for src, copy in zip([param, strided, ints], copies):
+        assert torch.equal(src.detach(), copy) and copy.is_contiguous() and copy.dtype == src.dtype
+        assert copy.data_ptr() != src.data_ptr() and not copy.requires_grad and copy.grad_fn is None
+    hits = ops.pool_stats()["hits"]
+    del copies, copy
+    again = ops.fresh_copies([param, strided, ints])  # the dropped copies' blocks come back
+    assert ops.pool_stats()["hits"] >= hits + 3
+    assert torch.equal(again[1], strided)
+
+
+def test_fresh_copies_of_what_the_door_does_not_serve_are_clones():
+    x = torch.randn(4, 4, device="meta")
+    (copy,) = ops.fresh_copies([x])
+    assert copy.device.type == "meta" and copy.shape == (4, 4)
+    with torch.no_grad():
+        assert ops.fresh_copies([]) == []
