@@ -228,8 +228,8 @@ def _count(name: str, value, what: str, least: int) -> Optional[int]:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"recommend_policy: {name} must be {what}, got {type(value).__name__} {value!r}")
-    if value < least:
-        raise ValueError(f"recommend_policy: {name} must be {what}, got {value!r}")
+    if not least <= value < 2 ** 63:  # a count of elements or bytes that any machine can hold
+        raise ValueError(f"recommend_policy: {name} must be {what} below 2**63, got {value!r}")
     return int(value)
 
 

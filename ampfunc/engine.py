@@ -35,6 +35,7 @@ from ampfunc.flat import copy_packed
 from ampfunc.fused import KERNEL_GRAD_DTYPES, FusedPlan, fp32_twin, plan_for
 from ampfunc.loss_scale import DynamicLossScale, LossScale
 from ampfunc.lowmem import (
+    MOMENT_FIELDS,
     Q8Moment,
     SplitMaster,
     check_master,
@@ -527,6 +528,8 @@ class Engine:
             state_ok, p_shapes = seen.state_ok, seen.p_shapes
         else:
             self._check_master(params, state, lined, where)
+            if opt is not None:
+                self._check_moments_setting(params, state, lined, opt, where)
             state_ok = opt is not None and self._state_fusable(lined, opt)
             p_shapes = None
             if not (state_ok and KERNELS_VALIDATE):
@@ -579,6 +582,20 @@ class Engine:
                     raise ValueError(f"{where}: params leaf {_path(params, i)!r} is {d} but its master in the "
                                      f"state is {m} (init makes {self.master_dtype_for(d)}): the state was made for "
                                      "other params -- call init with these params")
+
+    def _check_moments_setting(self, params, state, lined, opt, where) -> None:
+        """A moment stored in 8 or 16 bits where its param computes wider is a state made with
+        ``moments="bf16"`` or ``"q8"``: refused naming that setting (the kernels would name only
+        a dtype). Looked at when the step's tensors change, not every step."""
+        ref = lined.m if lined.m is not None else lined.p
+        for name, slot in zip(self.plan.slot_names(), self.plan.slot_trees(opt)):
+            if name not in MOMENT_FIELDS:
+                continue
+            leaves = tree_leaves(slot)
+            if any(isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.uint8) and x.dtype != r.dtype
+                   for x, r in zip(leaves, ref)):
+                check_moment(slot, state.master if state.master is not None else params, "fp32",
+                             f"state.inner.{name}", where)
 
     def _validate_grads(self, where, named, trust_grads, p_shapes) -> list:
         """The gradients against the params (types, dtypes, layout, device, shapes unless

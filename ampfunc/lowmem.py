@@ -380,15 +380,33 @@ def storage_bytes(*trees: PyTree) -> int:
       >>> storage_bytes(state)  # 4096 codes + 16 fp32 absmaxes
       4160
 
+    A sparse tensor counts the storages of its parts (indices and values); a layout without
+    storages to count (mkldnn) is refused naming the leaf. Tensors on the meta device hold no
+    memory and count 0.
+
     Cost: a walk over the leaves; no tensor is read.
     """
     seen: dict = {}
     for tree in trees:
-        for leaf in tree_flatten(tree)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_meta:
-                s = leaf.untyped_storage()
-                seen[(leaf.device, s.data_ptr())] = max(seen.get((leaf.device, s.data_ptr()), 0), s.nbytes())
+        for path, leaf in leaves_with_paths(tree):
+            if not isinstance(leaf, torch.Tensor) or leaf.is_meta:
+                continue
+            for part in _stored_parts(leaf, path):
+                s = part.untyped_storage()
+                seen[(part.device, s.data_ptr())] = max(seen.get((part.device, s.data_ptr()), 0), s.nbytes())
     return sum(seen.values())
+
+
+def _stored_parts(t: torch.Tensor, path: str) -> list:
+    if t.layout == torch.strided:
+        return [t]
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    raise TypeError(f"storage_bytes: leaf {path!r} has layout {t.layout}, whose storage cannot be counted")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ampfunc._build import env_flag
 from ampfunc.engine import Engine, MixedPrecisionState, check_no_overlap, skip_stats
 from ampfunc.flat import flatten
 from ampfunc.loss_scale import LossScale, NoOpLossScale
+from ampfunc.lowmem import MOMENT_FIELDS, Q8Moment
 from ampfunc.mixed import check_optimizer_transform, scale_loss
 from ampfunc.optim.base import check_bool
 from ampfunc.shards import grads_to_local, sharding_of
@@ -356,6 +357,7 @@ class ModuleTrainer:
             finite, skipped = skip_stats(self._state.finite.device)
             new = new._replace(finite=finite if new.finite is None else new.finite,
                                skipped=skipped if new.skipped is None else new.skipped)
+        self._check_moments_layout(new)
         check_same_structure(new, self._state, "new state", "current state")
         # Every tensor as the current one is (a state from another model would only fail at the
         # next step, after replacing the good one); on another device it is moved, as
@@ -378,6 +380,27 @@ class ModuleTrainer:
             new = tree_unflatten(spec, [g.to(c.device) if isinstance(c, torch.Tensor) else g
                                         for c, g in zip(current, given)])
         self._state = new
+
+    def _check_moments_layout(self, new: TrainerState) -> None:
+        """A new state whose moments are kept in another layout (q8 against bf16/fp32) is refused
+        naming the setting, not as a tree mismatch."""
+        plan = self._engine.plan
+        if plan is None:
+            return
+        try:
+            given, current = plan.opt_state(new.opt_state), plan.opt_state(self._state.opt_state)
+        except Exception:  # noqa: BLE001 - not this optimizer's state at all: the structure check names it
+            return
+        if given is None or current is None:
+            return
+        for field in MOMENT_FIELDS:
+            a, b = getattr(given, field, None), getattr(current, field, None)
+            if a is not None and b is not None and isinstance(a, Q8Moment) != isinstance(b, Q8Moment):
+                def kind(x):
+                    return "a Q8Moment (moments='q8')" if isinstance(x, Q8Moment) else "per-param tensors"
+                raise ValueError(f"ModuleTrainer.state: the new state's opt_state.{field} is {kind(a)} but this "
+                                 f"trainer's is {kind(b)}: the state was made with another moments setting -- "
+                                 "build the trainer with the optimizer that made it")
 
     @property
     def loss_scale(self) -> LossScale:

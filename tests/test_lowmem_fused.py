@@ -313,6 +313,50 @@ def test_bad_inputs_are_refused_by_name_before_any_write(backend, spoil):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("hyper, value, message", [
+    ("lr", float("nan"), "lr must be in [0, 3.4028235e+38], got nan"),
+    ("lr", -1.0, "lr must be in [0, 3.4028235e+38], got -1.0"),
+    ("beta1", 1.0, "beta1 must be in [0, 1), got 1.0"),
+    ("beta2", -0.1, "beta2 must be in [0, 1), got -0.1"),
+    ("eps", float("nan"), "eps must be >= 0, got nan"),
+    ("weight_decay", -1.0, "weight_decay must be >= 0, got -1.0"),
+])
+def test_hyper_parameters_out_of_range_are_refused_by_name_before_any_write(backend, hyper, value, message):
+    op = _compiled() if backend == "compiled" else ops.references()[_OP]
+    state = _op_args(1)
+    args = _with(list(state), _grads(state[0], 0, torch.bfloat16))
+    before = clone_tree(args)
+    hypers = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, hyper: value}
+    maps, bases = q8_lookup()
+    with pytest.raises(ValueError, match=re.escape(f"ampfunc: {message} ({_OP})")):
+        op(*args, torch.zeros(()), torch.tensor(1.0), torch.tensor(True), maps, bases, hypers["lr"], None,
+           hypers["beta1"], hypers["beta2"], hypers["eps"], hypers["weight_decay"], False, False)
+    assert same_tree_bits(args, before)
+
+
+def test_both_backends_take_one_element_scalars_and_refuse_strided_lists_alike():
+    op, ref = _compiled(), ops.references()[_OP]
+    maps, bases = q8_lookup()
+    outs = []
+    for fn in (op, ref):
+        state = _op_args(2)
+        args = _with(list(state), _grads(state[0], 0, torch.float32))
+        step = torch.zeros(1)
+        fn(*args, step, torch.ones(1), torch.ones(1, dtype=torch.bool), maps, bases, 0.0, torch.tensor([1e-2]), 0.9,
+           0.999, 1e-8, 0.0, True, False)
+        outs.append((args, step))
+    assert same_tree_bits(outs[0], outs[1]) and float(outs[0][1]) == 1.0
+    for fn in (op, ref):
+        state = _op_args(2)
+        args = _with(list(state), _grads(state[0], 0, torch.float32))
+        args[3][3] = args[3][3].t().contiguous().t()  # a transposed fp32-or-bf16 moment
+        with pytest.raises(ValueError, match=re.escape(f"exp_avgs[3] is not contiguous; the low-memory step takes "
+                                                       f"contiguous tensors ({_OP})")):
+            fn(*args, torch.zeros(()), torch.ones(()), torch.tensor(True), maps, bases, 1e-2, None, 0.9, 0.999, 1e-8,
+               0.0, True, False)
+
+
 def test_the_op_compiles_fullgraph_and_gives_the_eager_numbers():
     op = _compiled()
     maps, bases = q8_lookup()

@@ -404,6 +404,19 @@ def test_a_q8_state_given_to_fp32_moments_is_refused_naming_the_setting(master, 
     assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
 
 
+@pytest.mark.parametrize("path", ["update", "step", "step_"])
+def test_a_bf16_moment_state_given_to_fp32_moments_is_refused_naming_the_setting(path):
+    p = {"w": torch.randn(64, 64).bfloat16()}
+    g = {"w": torch.randn(64, 64).bfloat16()}
+    state = af.mixed_precision(af.adamw(1e-3, moments="bf16"), af.NoOpLossScale()).init(p)
+    tx = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale())
+    snapshot_p, snapshot_s = clone_tree(p), clone_tree(state)
+    with pytest.raises(ValueError, match=r"state.inner.exp_avg leaf 'w' is torch.bfloat16 \(64, 64\), but "
+                                         r"moments='fp32' keeps torch.float32"):
+        tx.update(g, state, p) if path == "update" else getattr(tx, path)(p, g, state)
+    assert same_tree_bits(p, snapshot_p) and same_tree_bits(state, snapshot_s)
+
+
 def test_split_step_refuses_aliased_params_naming_them():
     # Two leaves of one tensor would each pair their low half with the other's high half.
     shared = torch.randn(4096).bfloat16()
@@ -460,3 +473,24 @@ def test_a_moment_that_overflows_stays_in_its_leaf_and_is_named_by_moment_overfl
         assert not bool(p.float().isnan().any()), name
     assert params["w"][3, 5] == frozen
     assert af.monitor.moment_overflows(state) == ["w"]
+
+
+def test_module_trainer_refuses_a_state_of_another_moments_setting_naming_it():
+    model = nn.Linear(64, 64).bfloat16()
+    q8 = af.ModuleTrainer(model, af.adamw(1e-3, moments="q8"), master="split")
+    fp32 = af.ModuleTrainer(model, af.adamw(1e-3), master="split")
+    before = clone_tree(fp32.state)
+    with pytest.raises(ValueError, match=r"opt_state.exp_avg is a Q8Moment \(moments='q8'\) but this trainer's is "
+                                         r"per-param tensors"):
+        fp32.state = q8.state
+    assert same_tree_bits(fp32.state, before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_storage_bytes_counts_the_parts_of_a_sparse_tensor():
+    dense = torch.eye(3)
+    coo, csr = dense.to_sparse(), dense.to_sparse_csr()
+    assert storage_bytes({"s": coo}) == 3 * 2 * 8 + 3 * 4       # int64 indices (2, 3) + 3 fp32 values
+    parts = (csr.crow_indices(), csr.col_indices(), csr.values())  # torch may allocate them larger
+    assert storage_bytes({"s": csr}) == sum(p.untyped_storage().nbytes() for p in parts) >= 4 * 8 + 3 * 8 + 3 * 4
+    assert storage_bytes({"m": torch.empty(5, device="meta")}) == 0

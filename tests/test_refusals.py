@@ -521,6 +521,8 @@ def test_recommend_policy_cpu_flags_without_bf16(flags):
     ({"device_memory": 8e9}, TypeError, "device_memory"),
     ({"device_memory": 0}, ValueError, "device_memory"),
     ({"device_memory": -2 ** 30}, ValueError, "device_memory"),
+    ({"n_params": 10 ** 400}, ValueError, "n_params"),
+    ({"device_memory": 2 ** 63}, ValueError, "device_memory"),
     ({"capability": (8, 0)}, ValueError, "capability.*CPU"),
 ])
 def test_recommend_policy_cpu_plan_refuses(kwargs, error, name):

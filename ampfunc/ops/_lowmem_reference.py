@@ -12,9 +12,25 @@ from __future__ import annotations
 import torch
 
 from ampfunc.lowbits import dequantize_q8, join_bf16, quantize_q8, split_bf16
+from ampfunc.ops._validation import check_hypers
 from ampfunc.ops.optimizers.adam import _ref_adam_step_
 
 _OP = "adam_lowmem_step_"
+
+
+def _check_kernel_rules(lists: dict, qmaps, qbases, hypers: dict) -> None:
+    """What the compiled kernel also refuses and the spec's roles do not say, in its words: every
+    list's tensors and the tables contiguous (the kernel walks them as flat runs), the
+    hyper-parameters in the optimizers' ranges (raised before any write)."""
+    for name, ts in lists.items():
+        for i, t in enumerate(ts):
+            if not t.is_contiguous():
+                raise ValueError(f"ampfunc: {name}[{i}] is not contiguous; the low-memory step takes contiguous "
+                                 f"tensors ({_OP})")
+    for name, t in (("qmaps", qmaps), ("qbases", qbases)):
+        if not t.is_contiguous():
+            raise ValueError(f"ampfunc: {name} is not contiguous; the low-memory step takes contiguous tensors ({_OP})")
+    check_hypers(_OP, **hypers)
 
 
 def _check_pairs(params, exp_avgs, exp_avg_sqs) -> None:
@@ -44,10 +60,17 @@ def _encode(new: torch.Tensor, like: torch.Tensor, signed: bool) -> tuple:
 def _ref_adam_lowmem_step_(params, remainders, grads, exp_avgs, exp_avg_absmax, exp_avg_sqs, exp_avg_sq_absmax,
                            step, grad_scale, finite, qmaps, qbases, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                            decoupled_weight_decay, maximize) -> None:
-    del qmaps, qbases  # the tables of ampfunc.lowbits' maps, which quantize_q8/dequantize_q8 use
     params, remainders, grads = list(params), list(remainders), list(grads)
     exp_avgs, exp_avg_sqs = list(exp_avgs), list(exp_avg_sqs)
+    # (qmaps/qbases are q8_lookup()'s tables of the maps that quantize_q8/dequantize_q8 use: checked only)
+    _check_kernel_rules({"params": params, "remainders": remainders, "grads": grads, "exp_avgs": exp_avgs,
+                         "exp_avg_absmax": exp_avg_absmax, "exp_avg_sqs": exp_avg_sqs,
+                         "exp_avg_sq_absmax": exp_avg_sq_absmax}, qmaps, qbases,
+                        {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay})
     _check_pairs(params, exp_avgs, exp_avg_sqs)
+    # One-element scalars (the validation takes shape (1,) as the kernel does), as 0-d views.
+    step, grad_scale = step.view(()), grad_scale.view(())
+    lr_tensor = lr_tensor.view(()) if lr_tensor is not None else None
     finite = finite.reshape(()).to(torch.bool)
     with torch.no_grad():
         masters = [join_bf16(p, r) if p.dtype == torch.bfloat16 else p.clone() for p, r in zip(params, remainders)]

@@ -25,6 +25,7 @@
 #include "lowmem_spec.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -325,12 +326,43 @@ void check_shape(const Tensor& t, const std::string& what, at::IntArrayRef want,
   TORCH_CHECK_VALUE(t.sizes() == want, "ampfunc: ", what, " has shape ", shape_of(t), " but ", why, " (", kOp, ")");
 }
 
+std::string torch_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+// A one-element scalar argument, in the words of the ops' validation (ampfunc/ops/_validation.py).
 void check_scalar(const Tensor& t, const char* name, at::ScalarType dt) {
-  check_dense(t, name);
-  TORCH_CHECK_TYPE(t.scalar_type() == dt, "ampfunc: ", name, " has dtype ", t.scalar_type(), "; it takes ", dt, " (",
-                   kOp, ")");
-  TORCH_CHECK_VALUE(t.dim() == 0, "ampfunc: ", name, " must be a 0-d tensor, got shape ", shape_of(t), " (", kOp,
-                    ")");
+  TORCH_CHECK_VALUE(t.defined() && t.numel() == 1, "ampfunc: ", name, " must be a one-element tensor (", kOp, ")");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", name, " has layout ", t.layout(),
+                   "; ampfunc takes dense (strided) tensors (", kOp, ")");
+  TORCH_CHECK_TYPE(t.scalar_type() == dt, "ampfunc: ", name, " has dtype ", torch_dtype(t.scalar_type()),
+                   "; expected ", torch_dtype(dt), " (", kOp, ")");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "ampfunc: ", name, " is on ", t.device(), "; this kernel runs on the CPU (",
+                    kOp, ")");
+}
+
+// Python's repr of a float, as ampfunc.ops._validation.check_hypers writes the value at fault.
+std::string float_repr(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto end = std::to_chars(buf, buf + sizeof(buf), x).ptr;
+  std::string s(buf, end);
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+// The ranges the optimizers take (ampfunc.ops._validation.HYPER_RANGES), checked before any
+// write: a NaN, negative or past-fp32 lr, a beta outside [0, 1), a negative eps or weight decay.
+void check_hypers(double lr, double beta1, double beta2, double eps, double weight_decay) {
+  constexpr double kF32Max = 3.4028234663852886e38;
+  TORCH_CHECK_VALUE(lr >= 0.0 && lr <= kF32Max, "ampfunc: lr must be in [0, 3.4028235e+38], got ", float_repr(lr),
+                    " (", kOp, ")");
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "ampfunc: beta1 must be in [0, 1), got ", float_repr(beta1), " (",
+                    kOp, ")");
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "ampfunc: beta2 must be in [0, 1), got ", float_repr(beta2), " (",
+                    kOp, ")");
+  TORCH_CHECK_VALUE(eps >= 0.0, "ampfunc: eps must be >= 0, got ", float_repr(eps), " (", kOp, ")");
+  TORCH_CHECK_VALUE(weight_decay >= 0.0, "ampfunc: weight_decay must be >= 0, got ", float_repr(weight_decay), " (",
+                    kOp, ")");
 }
 
 // Two written tensors that share memory, named as the reference twin names them (its
@@ -478,6 +510,7 @@ void adam_lowmem_step__cpu(const Tensors& params, const Tensors& remainders, con
                            double weight_decay, bool decoupled_weight_decay, bool maximize) {
   check_args(params, remainders, grads, exp_avgs, exp_avg_absmax, exp_avg_sqs, exp_avg_sq_absmax, step, grad_scale,
              finite, qmaps, qbases, lr_tensor);
+  check_hypers(lr, beta1, beta2, eps, weight_decay);
   if (lr_tensor.has_value() && lr_tensor->defined()) lr = static_cast<double>(lr_tensor->item<float>());
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   float* step_ptr = step.data_ptr<float>();
