@@ -138,8 +138,9 @@ def _refuse_vmap(where: str) -> None:
     """``ValueError`` when the step is called under ``torch.vmap``, before any write. The fused
     ops have no batching rule (vmap would fail deep inside with "Batching rule not implemented
     for ampfunc::check"), and a step's skip decision, clipping norm and q8 blocks are per tree,
-    not per vmapped member. Cost: nothing unless a torch.func transform is active."""
-    if not ops._transforms_active():
+    not per vmapped member. Cost: nothing unless a torch.func transform is active; not looked at
+    inside a torch.compile trace (dynamo does not trace the interpreter stack)."""
+    if _compiling() or not ops._transforms_active():
         return
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
