@@ -135,6 +135,24 @@ def _compiling() -> bool:
     return ops._is_compiling()
 
 
+def _refuse_vmap(where: str) -> None:
+    """``ValueError`` when the step is called under ``torch.vmap``, before any write. The fused
+    ops have no batching rule (vmap would fail deep inside with "Batching rule not implemented
+    for ampfunc::check"), and a step's skip decision, clipping norm and q8 blocks are per tree,
+    not per vmapped member. Cost: nothing unless a torch.func transform is active; not looked at
+    inside a torch.compile trace (dynamo does not trace the interpreter stack)."""
+    if _compiling() or not ops._transforms_active():
+        return
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+        raise ValueError(f"{where}: called under torch.vmap, which a mixed-precision step does not compose with: "
+                         "its fused ops have no batching rule, and its skip decision, clipping norm and q8 moment "
+                         "blocks are one per tree, not one per vmapped member. vmap the gradients "
+                         "(af.value_and_grad composes with it) and step outside it: per member in a loop, or "
+                         "the stacked params as one tree (one skip flag for all members)")
+
+
 _GETTERS = {"dtype": _dtype_of, "device": _device_of, "shape": _shape_of, "floating": torch.is_floating_point,
             "layout": operator.attrgetter("layout")}
 
@@ -620,6 +638,7 @@ class Engine:
         cloned: 0-d or empty in practice). Generic: the pure primitives. No host sync.
         """
         where = where or f"{self.where}.step"
+        _refuse_vmap(where)
         view = local_view(params, grads, where=where)
         if view is not None:  # DTensor params: the step on the local shards, the ranks agreeing
             with view.sharding:
@@ -740,6 +759,7 @@ class Engine:
         param's shape (``ModuleTrainer``: autograd enforces it on ``.grad``).
         """
         where = where or f"{self.where}.step_"
+        _refuse_vmap(where)
         view = local_view(params, grads, where=where)
         if view is not None:  # DTensor params: their local shards alias them, written in place
             with view.sharding:

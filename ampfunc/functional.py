@@ -552,11 +552,12 @@ def make_train_step(model: torch.nn.Module, loss_fn: Callable, tx: GradientTrans
         # buffer once per leaf every step (see ampfunc.flat.unpacked).
         # DTensor params: the optimizer state is made per rank on the local shards, as the engine
         # steps them (ampfunc.shards); the params stay DTensors. With master="split" the bf16
-        # params' low halves are kept, and the optimizer's state is made for the fp32 masters.
-        split = init_split_master(optimized(params), "make_train_step.init") if master == "split" else None
-        view = local_view(optimized(params), where="make_train_step.init") if split is None else None
-        ref = join_master(optimized(params), split) if split is not None else \
-            (view.params if view is not None else optimized(params))
+        # params' low halves are kept (of the local shards too: the step joins them with the
+        # shards), and the optimizer's state is made for the fp32 masters.
+        view = local_view(optimized(params), where="make_train_step.init")
+        local = view.params if view is not None else optimized(params)
+        split = init_split_master(local, "make_train_step.init") if master == "split" else None
+        ref = join_master(local, split) if split is not None else local
         opt_state = tx.init(ref)
         return TrainState(params, buffers, unpacked(opt_state), ls, *skip_stats(device),
                           fp8=fp8.init(device) if fp8 is not None else None,

@@ -34,8 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, outdir) -> list[dict]:
-    """Runs ``scenario`` on WORLD local processes and returns what each rank recorded."""
+def launch(scenario: str, outdir, worker: str = "_dist_worker.py") -> list[dict]:
+    """Runs ``scenario`` of ``worker`` on WORLD local processes and returns what each rank recorded."""
     port = free_port()
     procs = []
     for rank in range(WORLD):
@@ -43,7 +43,7 @@ def launch(scenario: str, outdir) -> list[dict]:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                    AMPFUNC_TEST_IMPORT_ROOT=os.path.dirname(os.path.dirname(os.path.abspath(af.__file__))))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_dist_worker.py"), scenario, str(outdir)],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, worker), scenario, str(outdir)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
