@@ -28,7 +28,13 @@ the code whose interval between the fp32 midpoints of neighbouring map entries h
 value, a value exactly on a midpoint taking the larger code (torchao's rule), NaN the last
 code. Dequantizing is ``map[code] * absmax``. A block's largest magnitude comes back exactly
 (the map holds 1.0; in the signed map, -absmax comes back as the map's most negative entry,
-about -0.993 of it, as bitsandbytes). An infinite value (a second moment that overflowed)
+about -0.993 of it, as bitsandbytes). With the unsigned map a positive value never takes the code
+of 0: one below half the smallest nonzero entry (about ``3.25e-7 * absmax``) takes that entry.
+A second moment spans the square of the first moment's range, so in a block whose largest
+gradient is 3,000 times another's, the small one's second moment would otherwise decode as 0
+while its first moment does not, and its next update would be ``m / eps`` (the zero-point
+problem of low-bit second moments, Li et al. 2023); the overestimate makes it smaller than
+fp32's instead. An infinite value (a second moment that overflowed)
 makes its block's absmax inf: it takes its sign's extreme code and comes back infinite, as it
 would stay in fp32, and the block's finite values take the code of 0 and come back 0 (not
 ``0 * inf``, which is NaN): while the block holds the inf its other elements keep no history,
@@ -284,7 +290,7 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     Returns:
       ``(codes, absmax)``: uint8 codes of ``x``'s shape and float32 ``absmax`` of shape
       ``(numel // 256,)``, the largest magnitude of each block (NaN if the block holds one).
-      With the unsigned map a negative value takes code 0.
+      With the unsigned map a negative value takes code 0 and a positive one at least code 1.
 
     Example:
       >>> x = torch.linspace(-1, 2, 256)
@@ -305,7 +311,12 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     # sign's extreme code (inf / inf would be NaN), and the block's finite values divide to 0.
     normed = torch.where(torch.isinf(blocks), blocks.sign(), blocks / divisor[:, None])
     mids = map_midpoints(signed, device=x.device)
-    codes = torch.searchsorted(mids, normed.reshape(-1), right=True)
+    flat = normed.reshape(-1)
+    codes = torch.searchsorted(mids, flat, right=True)
+    if not signed:
+        # No positive value is stored as 0: a second moment below half the map's smallest entry
+        # keeps that entry (an overestimate) instead, so its update cannot become m / eps.
+        codes = torch.where((codes == 0) & (flat > 0), torch.ones_like(codes), codes)
     return codes.to(torch.uint8).reshape(x.shape), absmax
 
 

@@ -168,6 +168,8 @@ def test_q8_codes_are_the_nearest_map_entry(seed, signed, magnitude):
     qmap = dynamic_map(signed)
     y = (x.reshape(4, -1) / absmax[:, None]).reshape(-1)
     ref = _nearest_code_f64(y, qmap)
+    if not signed:  # the unsigned map keeps positive values off the code of 0
+        ref = torch.where((ref == 0) & (y > 0), torch.ones_like(ref), ref)
     mids = map_midpoints(signed)
     # the fp32 midpoints are the decision points: the float64 search agrees away from them
     near_mid = ((y[:, None] - mids[None, :]).abs() <= 2 * torch.finfo(torch.float32).eps * y.abs()[:, None]).any(1)
@@ -175,7 +177,8 @@ def test_q8_codes_are_the_nearest_map_entry(seed, signed, magnitude):
     assert bool((agree | near_mid).all())
     # and the rule itself: code k means mid[k-1] <= y < mid[k]
     k = codes.to(torch.int64)
-    lower_ok = torch.where(k > 0, y >= mids[(k - 1).clamp(min=0)], torch.ones_like(y, dtype=torch.bool))
+    floored = (k == 1) & (y > 0) & (y < mids[0]) if not signed else torch.zeros_like(y, dtype=torch.bool)
+    lower_ok = torch.where(k > 0, (y >= mids[(k - 1).clamp(min=0)]) | floored, torch.ones_like(y, dtype=torch.bool))
     upper_ok = torch.where(k < 255, y < mids[k.clamp(max=254)], torch.ones_like(y, dtype=torch.bool))
     assert bool((lower_ok & upper_ok).all())
     back = dequantize_q8(codes, absmax, signed)
@@ -227,6 +230,22 @@ def test_q8_an_infinity_keeps_its_sign_and_its_block_neighbours_come_back_zero_n
         # the other block is untouched by its neighbour's overflow
         ref_codes, ref_absmax = quantize_q8(x[Q8_BLOCK:], signed)
         assert bool((codes[Q8_BLOCK:] == ref_codes).all()) and absmax[1] == ref_absmax[0]
+
+
+def test_q8_a_positive_second_moment_never_decodes_as_zero():
+    # The zero-point problem: v spans the square of m's range; a v decoded as 0 beside a nonzero m
+    # makes the next update m / eps. Positive values below the first midpoint take code 1.
+    x = torch.zeros(Q8_BLOCK)
+    x[0] = 1.0
+    x[1] = 1e-9         # far below the map's smallest entry (3.25e-7): code 1, an overestimate
+    x[2] = 1e-45        # the smallest subnormal: still positive, still code 1
+    x[3] = 0.0          # zero stays zero
+    codes, absmax = quantize_q8(x, signed=False)
+    assert codes[:4].tolist() == [255, 1, 1, 0]
+    back = dequantize_q8(codes, absmax, signed=False)
+    assert back[1].item() == dynamic_map(False)[1].item() and back[3].item() == 0.0
+    signed_codes, _ = quantize_q8(x, signed=True)  # the signed map (first moments) keeps the nearest
+    assert dynamic_map(True)[signed_codes[1].long()].item() == 0.0
 
 
 def test_q8_largest_value_round_trips_exactly():

@@ -494,3 +494,32 @@ def test_storage_bytes_counts_the_parts_of_a_sparse_tensor():
     parts = (csr.crow_indices(), csr.col_indices(), csr.values())  # torch may allocate them larger
     assert storage_bytes({"s": csr}) == sum(p.untyped_storage().nbytes() for p in parts) >= 4 * 8 + 3 * 8 + 3 * 4
     assert storage_bytes({"m": torch.empty(5, device="meta")}) == 0
+
+
+@pytest.mark.parametrize("path", ["update", "step", "step_"])
+def test_a_q8_second_moment_far_below_its_blocks_largest_never_makes_an_update_of_m_over_eps(path):
+    # Each block of 256 holds four gradients of 1.0 and 252 of 1e-4; then the small ones vanish (a
+    # dead ReLU). Their second moments (1e-11 against 1e-3 of the block's largest) are below the
+    # unsigned map's smallest entry: decoded as 0 they made the next update m / eps (4.2 at
+    # lr=1e-3). Kept at that entry, every move stays within Adam's lr, as with fp32 moments.
+    lr = 1e-3
+    params = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    tx = af.mixed_precision(af.adamw(lr, weight_decay=0.0, moments="q8"), af.NoOpLossScale(), master="split")
+    state = tx.init(params)
+    assert isinstance(state.inner.exp_avg_sq, Q8Moment)
+    first = torch.full((64, 64), 1e-4)
+    first[:, 0] = 1.0
+    later = torch.zeros(64, 64)
+    later[:, 0] = 1.0
+    for grads in (first, later, later):
+        before = af.master_params(params, state)["w"].clone()
+        g = {"w": grads.bfloat16()}
+        if path == "update":
+            updates, state = tx.update(g, state, params)
+            params = af.apply_updates(params, updates)
+        elif path == "step":
+            params, state = tx.step(params, g, state)
+        else:
+            params, state = tx.step_(params, g, state)
+        moved = (af.master_params(params, state)["w"] - before).abs().max().item()
+        assert moved <= 1.01 * lr, moved

@@ -76,6 +76,12 @@ inline uint8_t encode_one(float y, const Maps& mp) {
   return uint8_t(b + (y >= mp.mid[b] ? 1u : 0u));  // mid[255] is NaN: never
 }
 
+// The unsigned map's rule (ampfunc.lowbits.quantize_q8): a positive value never takes code 0.
+inline uint8_t encode_positive(float y, const Maps& mp) {
+  const uint8_t c = encode_one(y, mp);
+  return c == 0 && y > 0.f ? uint8_t(1) : c;
+}
+
 // The step table of one map from its base and midpoints: for bucket t, the first k' at which
 // the code is b + 1 (65536: never), k' the low 16 bits, reversed for a negative bucket so the
 // value grows with k'. Buckets of infinities/NaN: only k = 0 (the infinity) is a number.
@@ -126,6 +132,7 @@ inline void decode_block(const uint8_t* codes, float* out, int64_t n, const floa
 // value's code is b or b + 1 and, within its bucket, b + 1 exactly from a threshold T on its low
 // 16 bits (reversed for a negative value, whose magnitude grows with them): one table load (the
 // step table) and one integer comparison, the same codes as encode_one.
+template <bool kPositiveFloor>
 inline void encode_block(const float* y, uint8_t* out, int64_t n, const Maps& mp) {
 #ifdef AMPFUNC_LOWMEM_GATHER
   alignas(64) int32_t codes[kBlock];
@@ -140,13 +147,17 @@ inline void encode_block(const float* y, uint8_t* out, int64_t n, const Maps& mp
     const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), k);  // all ones: code b
     const __m256i b1 = _mm256_add_epi32(_mm256_and_si256(e, low_byte), _mm256_set1_epi32(1));
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i code = _mm256_blendv_epi8(_mm256_add_epi32(b1, below), low_byte, nan);
+    __m256i code = _mm256_blendv_epi8(_mm256_add_epi32(b1, below), low_byte, nan);
+    if constexpr (kPositiveFloor) {  // code 0 for a positive value: 1
+      const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ));
+      code = _mm256_max_epu32(code, _mm256_and_si256(positive, _mm256_set1_epi32(1)));
+    }
     _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j), code);
   }
   for (int64_t k = 0; k < j; ++k) out[k] = static_cast<uint8_t>(codes[k]);
-  for (; j < n; ++j) out[j] = encode_one(y[j], mp);
+  for (; j < n; ++j) out[j] = kPositiveFloor ? encode_positive(y[j], mp) : encode_one(y[j], mp);
 #else
-  for (int64_t j = 0; j < n; ++j) out[j] = encode_one(y[j], mp);
+  for (int64_t j = 0; j < n; ++j) out[j] = kPositiveFloor ? encode_positive(y[j], mp) : encode_one(y[j], mp);
 #endif
 }
 
@@ -240,8 +251,8 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
         for (int64_t j = 0; j < cnt; j += kVF) (fVec::loadu(x + j) / dx).store(x + j);
       }
     }
-    encode_block(m, static_cast<uint8_t*>(L.m) + s, cnt, ms);
-    encode_block(v, static_cast<uint8_t*>(L.v) + s, cnt, mu);
+    encode_block<false>(m, static_cast<uint8_t*>(L.m) + s, cnt, ms);
+    encode_block<true>(v, static_cast<uint8_t*>(L.v) + s, cnt, mu);
     L.ma[s / kBlock] = amax;
     L.va[s / kBlock] = vmax;
   } else if constexpr (MK == BF16) {
