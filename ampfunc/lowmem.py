@@ -510,9 +510,10 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
     ``master="fp32"`` step computes, bit for bit, and the moments are the reference's:
     decode, fp32 update, encode.
 
-    With the compiled kernels loaded, an in-place Adam/AdamW step on CPU tensors runs all of this
-    in one pass instead (:func:`_fused_step_`, the op ``adam_lowmem_step_``: the same bits); the
-    plain-torch rebuild above is the reference backend and serves every other call.
+    With the compiled kernels loaded, an in-place Adam/AdamW step on CPU tensors (or CUDA tensors,
+    with the CUDA kernels) runs all of this in one pass instead (:func:`_fused_step_`, the op
+    ``adam_lowmem_step_``: the same bits as this road on the same device); the plain-torch rebuild
+    above is the reference backend and serves every other call.
 
     Returns ``(params, state)`` as the engine's ``step``/``step_`` do. Cost: the fp32 step plus
     a join and a split pass per bf16 leaf and a decode and an encode pass per converted moment
@@ -592,8 +593,8 @@ def _kernels_loaded() -> bool:
     return _loading.load() != "reference"
 
 
-def _cpu_dense(ts: Sequence, dtypes: tuple) -> bool:
-    return all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+def _dense_on(ts: Sequence, dtypes: tuple, device: torch.device) -> bool:
+    return all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == device
                and t.dtype in dtypes and t.is_contiguous() for t in ts)
 
 
@@ -605,13 +606,37 @@ def _kernel_serves(plan: Any, split: bool, state: Any) -> bool:
     return split or state.master is None
 
 
+def _kernel_device(leaves: Sequence) -> torch.device | None:
+    """The device the kernels serve for these params: the CPU, or a CUDA device when the CUDA
+    kernels are loaded (backend "cpu+cuda"); None otherwise (the plain path takes the call)."""
+    first = leaves[0] if leaves and isinstance(leaves[0], torch.Tensor) else None
+    if first is None or first.device.type == "cpu":
+        return torch.device("cpu")
+    if first.device.type == "cuda" and _loading._BACKEND[0] == "cpu+cuda":
+        return first.device
+    return None
+
+
+_LOOKUP_ON: dict = {}  # q8_lookup's tables per CUDA device, copied once (a copy per step would sync)
+
+
+def _lookup_on(device: torch.device) -> tuple:
+    if device.type == "cpu":
+        return q8_lookup()
+    if device not in _LOOKUP_ON:
+        _LOOKUP_ON[device] = q8_lookup(device)
+    return _LOOKUP_ON[device]
+
+
 def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any):
     """The in-place step as one ``adam_lowmem_step_`` pass, or None (nothing written) when the
-    call is not one the CPU kernel serves: another optimizer or AMSGrad, tensors off the CPU,
-    of other dtypes or not contiguous (params, gradients, moments, remainders), gradients that
+    call is not one the kernels serve: another optimizer or AMSGrad, tensors on a device without
+    kernels (CUDA needs the CUDA kernels loaded) or not all on the params' device, of other
+    dtypes or not contiguous (params, gradients, moments, remainders, the step), gradients that
     do not fit their params (the plain path then names the leaf), an fp32 master copy, or the
-    compiled kernels not loaded. Cost: the gradients' check pass and one kernel pass; the
-    kernel reads ``finite`` on the host (CPU tensors: no device sync)."""
+    compiled kernels not loaded. Cost: the gradients' check pass and one kernel pass; the CPU
+    kernel reads ``finite`` on the host (CPU tensors: no device sync), the CUDA kernel reads
+    ``finite``, the step, the gradient scale and the lr tensor on the device (no sync)."""
     if not _kernel_serves(plan, split, state):
         return None
     p_leaves, spec = tree_flatten(params)
@@ -620,8 +645,12 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
     except Exception:  # noqa: BLE001 - not a tree of tensors: the plain path names the fault
         return None
     allowed = (torch.bfloat16, torch.float32) if split else (torch.float32,)
-    if g_spec != spec or not _cpu_dense(p_leaves, allowed) or not _cpu_dense(g_leaves, _KERNEL_GRADS) or \
+    device = _kernel_device(p_leaves)
+    if device is None or g_spec != spec or not _dense_on(p_leaves, allowed, device) or \
+            not _dense_on(g_leaves, _KERNEL_GRADS, device) or \
             any(g.shape != p.shape for g, p in zip(g_leaves, p_leaves)):
+        return None
+    if device.type != "cpu" and not _dense_on([opt.step], (torch.float32,), device):
         return None
     lists = []
     for field in ("exp_avg", "exp_avg_sq"):
@@ -630,24 +659,25 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
             codes, absmax = tree_flatten(slot.codes)[0], tree_flatten(slot.absmax)[0]
         else:
             codes = tree_flatten(slot)[0]
-            absmax = [torch.empty(0, dtype=torch.float32) for _ in codes]
-        if len(codes) != len(p_leaves) or not _cpu_dense(codes, _KERNEL_MOMENTS) or \
-                not _cpu_dense(absmax, (torch.float32,)) or any(c.shape != p.shape for c, p in zip(codes, p_leaves)):
+            absmax = [torch.empty(0, dtype=torch.float32, device=device) for _ in codes]
+        if len(codes) != len(p_leaves) or not _dense_on(codes, _KERNEL_MOMENTS, device) or \
+                not _dense_on(absmax, (torch.float32,), device) or \
+                any(c.shape != p.shape for c, p in zip(codes, p_leaves)):
             return None
         lists += [codes, absmax]
     if split:
         remainders = tree_flatten(state.master.remainder)[0]
-        if not _cpu_dense(remainders, (torch.int16,)):
+        if not _dense_on(remainders, (torch.int16,), device):
             return None  # a strided remainder (a state edited by hand): the plain path takes it
     else:
-        remainders = [torch.empty(0, dtype=torch.int16) for _ in p_leaves]
+        remainders = [torch.empty(0, dtype=torch.int16, device=device) for _ in p_leaves]
     on_check = None
     if core.on_check is not None and not _loading._is_compiling():
         hook = core.on_check
         on_check = lambda finite, leaf_nonfinite: hook(  # noqa: E731
             finite, leaf_nonfinite, lambda: [p for p, _ in leaves_with_paths(params)])
     h = plan._hypers
-    maps, bases = q8_lookup()
+    maps, bases = _lookup_on(device)
     with torch.no_grad():
         finite, grad_scale, lr = plan._prologue(g_leaves, opt, state.loss_scale, core.group, on_check)
         lr_value, lr_tensor = _loading._split_lr(lr) if isinstance(lr, torch.Tensor) else (float(lr), None)

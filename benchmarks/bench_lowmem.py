@@ -19,9 +19,12 @@ bitsandbytes' 8-bit AdamW are timed beside them when they import (``--peers``).
     python benchmarks/bench_lowmem.py --quick         # 1M elements, 3 rounds
     python benchmarks/bench_lowmem.py --before --no-pure   # the fused step_ against the plain one
 
-With the compiled kernels loaded, the low-memory ``step_`` of adamw on CPU tensors is the fused
-``adam_lowmem_step_`` pass; ``--before`` adds rows timing the same ``step_`` through the
-plain-torch path (the fused op switched off for that call), in the same rounds.
+With the compiled kernels loaded, the low-memory ``step_`` of adamw on CPU tensors (and on CUDA
+tensors with ``--device cuda`` and the CUDA kernels) is the fused ``adam_lowmem_step_`` pass;
+``--before`` adds rows timing the same ``step_`` through the plain-torch path (the fused op
+switched off for that call), in the same rounds.
+
+    python benchmarks/bench_lowmem.py --device cuda --before   # on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations

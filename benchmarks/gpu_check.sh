@@ -11,7 +11,8 @@
 #      other test files (-k cuda),
 #   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every step path
 #      against torch's fused AdamW, and 10,000 tensors against 200; (g): Lion's step_ and kernel
-#      beside AdamW's),
+#      beside AdamW's), then benchmarks/bench_lowmem.py --device cuda (the low-memory settings'
+#      step_, fused by ext/cuda/lowmem.cu),
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
 #      compute-sanitizer, when present and time is left,
 #   7. prints a short table.
@@ -131,6 +132,18 @@ else
   row "bench_step.py --device cuda" skipped 0 "$([ -f benchmarks/bench_step.py ] || echo 'no benchmarks/bench_step.py')"
 fi
 
+# 5b. the low-memory step (master="split", moments bf16 / q8: ext/cuda/lowmem.cu) -----------------
+if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_lowmem.py ] && [ "$(left 60)" -ge 60 ]; then
+  banner "benchmarks/bench_lowmem.py --device cuda --before $QUICK"
+  t=$(date +%s)
+  timeout "$(left 120)" "$PY" benchmarks/bench_lowmem.py --device cuda --before $QUICK 2>&1 | tee /tmp/gpu_check_lowmem.log
+  st=${PIPESTATUS[0]}
+  [ -n "${OUT:-}" ] && cp /tmp/gpu_check_lowmem.log "$OUT/bench_lowmem_cuda.log"
+  row "bench_lowmem.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
+else
+  row "bench_lowmem.py --device cuda" skipped 0 "no CUDA build, no benchmarks/bench_lowmem.py or no time left"
+fi
+
 # 6. compute-sanitizer ----------------------------------------------------------------------
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
 if [ "$BUILD_OK" = 1 ] && [ -n "$SAN" ] && [ -z "${GPU_CHECK_NO_SANITIZER:-}" ] && [ "$(left 60)" -ge 60 ]; then
@@ -179,6 +192,31 @@ for dt in (torch.float32, torch.float16, torch.bfloat16):
     ops.lion_update(ps, grads, st, step, one, lr=1e-4, weight_decay=0.1)
     ops.lion_update(None, grads, st, step, one, lr=1e-4)
     ops.apply_updates(xs, grads)
+# the low-memory step (ext/cuda/lowmem.cu): split and fp32 masters, q8 / bf16 / fp32 moments, odd sizes
+from ampfunc.lowbits import q8_lookup, quantize_q8, split_bf16
+lm = [(C + 512, "q8"), (4096, "q8"), (7, "bf16"), (4099, "fp32"), (1, "fp32")]
+P, R, M, MA, V, VA, G = [], [], [], [], [], [], []
+for i, (n, kind) in enumerate(lm):
+    x = torch.randn(n, device=dev)
+    if i % 2 == 0:
+        hi, lo = split_bf16(x)
+        P.append(hi), R.append(lo)
+    else:
+        P.append(x), R.append(torch.zeros(0, dtype=torch.int16, device=dev))
+    G.append(torch.randn(n, device=dev).to((torch.float32, torch.float16, torch.bfloat16)[i % 3]))
+    m, v = torch.randn(n, device=dev) * 1e-2, torch.rand(n, device=dev) * 1e-4
+    if kind == "q8":
+        (a, b), (c, d) = quantize_q8(m, True), quantize_q8(v, False)
+        M.append(a), MA.append(b), V.append(c), VA.append(d)
+    else:
+        dt = torch.bfloat16 if kind == "bf16" else torch.float32
+        M.append(m.to(dt)), V.append(v.to(dt))
+        MA.append(torch.zeros(0, device=dev)), VA.append(torch.zeros(0, device=dev))
+maps, bases = q8_lookup(dev)
+step = torch.zeros((), device=dev)
+for fin in (torch.tensor(True, device=dev), torch.tensor(False, device=dev)):
+    torch.ops.ampfunc.adam_lowmem_step_(P, R, G, M, MA, V, VA, step, torch.ones((), device=dev), fin, maps, bases,
+                                        1e-3, None, 0.9, 0.999, 1e-8, 0.1, True, False)
 s, g, h = torch.ones((), device=dev), torch.zeros((), dtype=torch.int32, device=dev), torch.ones((), dtype=torch.int32, device=dev)
 ops.update_scale_(s, g, h, torch.tensor(False, device=dev), growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
                   min_scale=1.0, max_scale=2.0 ** 24, hysteresis=1)

@@ -15,6 +15,8 @@
 //   glue/cpu_pool.h    the CPU output pool of the out-of-place kernels
 //   glue/cpu_ops.h     the CPU implementations of the ops (ext/cpu/ does the arithmetic)
 //   glue/cuda_ops.h    the CUDA implementations (ext/cuda/'s launchers), with AMPFUNC_WITH_CUDA
+//   glue/lowmem_cuda.h the CUDA implementation of adam_lowmem_step_ (its CPU kernel, with the
+//                      checks both share, is ext/cpu/lowmem.cpp), with AMPFUNC_WITH_CUDA
 //   glue/direct.h      the direct door: eager CPU calls without the dispatcher
 //   glue/optimizers.h  the generic optimizers' ops (ext/optimizers.h), CPU and CUDA, and their
 //                      direct door
@@ -26,6 +28,7 @@
 #include "glue/cpu_pool.h"
 #include "glue/cpu_ops.h"
 #include "glue/cuda_ops.h"
+#include "glue/lowmem_cuda.h"
 #include "glue/direct.h"
 #include "glue/optimizers.h"
 
@@ -84,6 +87,7 @@ TORCH_LIBRARY_IMPL(ampfunc, CUDA, m) {
   m.impl("sgd_update", &sgd_update_cuda);
   m.impl("adam_update", &adam_update_cuda);
   m.impl("apply_updates", &apply_updates_cuda);
+  m.impl("adam_lowmem_step_", &adam_lowmem_step__cuda);
   AMPFUNC_OPTIMIZERS(AMPFUNC_REGISTER_OPTIMIZER)
 }
 #endif

@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampfunc as af
-from _helpers import bits
+from _helpers import bits, clone_tree, same_tree_bits
 from ampfunc import ops
+from ampfunc.lowbits import dequantize_q8, q8_lookup, quantize_q8, split_bf16
+from ampfunc.ops import _lowmem_reference as lowmem_twin
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 65536  # AMPFUNC_CUDA_CHUNK in ext/cuda/ampfunc_cuda.h
@@ -524,6 +526,19 @@ class _Abi:
             len(grads), _ptrs(grads), _CODE[grads[0].dtype], _ptrs(params), _ptrs(bufs), _ptrs(upd), _ptrs(b_o),
             _numels(grads), _p(grad_scale), _p(finite), _p(lr_tensor), _p(step), _p(step_out), ctypes.byref(h),
             None)
+
+    def adam_lowmem(self, params, remainders, grads, m, m_absmax, v, v_absmax, step, grad_scale, finite, qmaps,
+                    qbases, *, lr_tensor=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=False,
+                    maximize=False, amsgrad=False):
+        """ampfunc_cuda_adam_lowmem_step; the layouts are read off the tensors' dtypes."""
+        h = _AdamHyper(lr, betas[0], betas[1], eps, weight_decay, int(adamw), int(amsgrad), int(maximize))
+        codes = (lambda ts, f: (ctypes.c_int * max(len(ts), 1))(*[f(t) for t in ts]))
+        moment = (lambda t: 3 if t.dtype == torch.uint8 else _CODE[t.dtype])
+        return self.lib.ampfunc_cuda_adam_lowmem_step(
+            len(params), _ptrs(grads), codes(grads, lambda t: _CODE[t.dtype]), _ptrs(params),
+            codes(params, lambda t: _CODE[t.dtype]), _ptrs(remainders), _ptrs(m), _ptrs(m_absmax), _ptrs(v),
+            _ptrs(v_absmax), codes(m, moment), _numels(params), _p(qmaps), _p(qbases), _p(grad_scale), _p(finite),
+            _p(lr_tensor), _p(step), ctypes.byref(h), None)
 
     def update_scale(self, scale, gt, ht, finite, *, growth_factor, backoff_factor, growth_interval, min_scale,
                      max_scale, hysteresis):
@@ -1140,7 +1155,7 @@ def test_emulated_pure_adam_step_with_every_list_spans_several_launches(emu):
 
 
 def test_emulated_pure_launchers_refuse_bad_arguments(emu):
-    assert emu.lib.ampfunc_cuda_abi_version() == 4
+    assert emu.lib.ampfunc_cuda_abi_version() == 5
     x = [torch.ones(5)]
     g, step, one, yes = [torch.ones(5)], torch.zeros(()), torch.ones(()), torch.tensor(True)
     outs = ([torch.empty(5)], [torch.empty(5)], [torch.empty(5)], None, None)
@@ -1159,6 +1174,147 @@ def test_emulated_pure_launchers_refuse_bad_arguments(emu):
     assert emu.sgd_out(g, x, None, None, (None, None, None), None, None, one, yes) == CUDA_INVALID_VALUE
     for t, b in zip(x + g + [step], before):
         _same_storage_bits(t, b)
+
+
+# The low-memory step (ext/cuda/lowmem.cu, ampfunc::adam_lowmem_step_ on CUDA): its fp32 numbers
+# are the fp32 CUDA kernel's (adam_element.cuh, shared with optim.cu), so the contract checked
+# here is the reference twin (ampfunc.ops._lowmem_reference: join, decode, the fp32 step, encode,
+# split, the device-side skip) whose fp32 step is that kernel -- the real optim.cu under the same
+# emulation -- bit for bit: what ampfunc.lowmem's plain road computes on a GPU with the kernels.
+
+def _emu_fp32_step(emu):
+    """The twin's fp32 Adam step, served by the emulated fp32 CUDA kernel (a launch per grad
+    dtype, the step counter moved by the last, as the glue does)."""
+    def step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite, lr,
+              beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize, lr_tensor=None):
+        assert not amsgrad and not list(max_exp_avg_sqs) and not list(model_params) and bool(finite)
+        groups = {}
+        for i, g in enumerate(grads):
+            groups.setdefault(g.dtype, []).append(i)
+        items = list(groups.values()) or [[]]
+        for k, idx in enumerate(items):
+            pick = (lambda ts: [ts[i] for i in idx] or [torch.zeros(0)])
+            assert emu.adam(pick(grads), pick(params), pick(exp_avgs), pick(exp_avg_sqs), None, None, step,
+                            grad_scale, finite, lr_tensor=lr_tensor, increment=int(k == len(items) - 1), lr=lr,
+                            betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, adamw=decoupled_weight_decay,
+                            maximize=maximize) == 0
+    return step_
+
+
+# (numel, param dtype, moments, grad dtype): split and fp32 masters, q8 / bf16 / fp32 moments,
+# fp32 / fp16 / bf16 grads, odd sizes for the non-q8 kinds, a q8 leaf across a chunk boundary.
+LOWMEM_LEAVES = [
+    (4096, torch.bfloat16, "q8", torch.float32),
+    (CHUNK + 512, torch.bfloat16, "q8", torch.bfloat16),
+    (768, torch.float32, "q8", torch.float16),
+    (1001, torch.float32, "bf16", torch.float16),
+    (7, torch.bfloat16, "fp32", torch.bfloat16),
+    (4099, torch.float32, "fp32", torch.float32),
+    (1, torch.bfloat16, "bf16", torch.float32),
+    (0, torch.bfloat16, "fp32", torch.float32),
+    (333, torch.bfloat16, "bf16", torch.bfloat16),
+]
+
+
+def _lowmem_state(leaves, gen):
+    """(params, remainders, m, m_absmax, v, v_absmax) of `leaves`, moments after some history."""
+    params, rems, m, ma, v, va = [], [], [], [], [], []
+    for n, pd, kind, _ in leaves:
+        master = _rand(n, torch.float32, gen)
+        if pd == torch.bfloat16:
+            hi, lo = split_bf16(master)
+            params.append(hi), rems.append(lo)
+        else:
+            params.append(master), rems.append(torch.zeros(0, dtype=torch.int16))
+        m32, v32 = _rand(n, torch.float32, gen, 1e-2), _rand(n, torch.float32, gen, 1e-2).square()
+        if kind == "q8":
+            (c1, a1), (c2, a2) = quantize_q8(m32, True), quantize_q8(v32, False)
+            m.append(c1), ma.append(a1), v.append(c2), va.append(a2)
+        else:
+            dt = torch.bfloat16 if kind == "bf16" else torch.float32
+            m.append(m32.to(dt)), v.append(v32.to(dt)), ma.append(torch.zeros(0)), va.append(torch.zeros(0))
+    return [params, rems, m, ma, v, va]
+
+
+def _lowmem_grads(leaves, gen, scale=1.0):
+    return [_rand(n, gd, gen, scale) for n, _, _, gd in leaves]
+
+
+def _emu_lowmem(emu, state, grads, step, gs, finite, maps, bases, lr, lr_tensor, hyper):
+    b1, b2, eps, wd, adamw, maximize = hyper
+    params, rems, m, ma, v, va = state
+    return emu.adam_lowmem(params, rems, grads, m, ma, v, va, step, gs, finite, maps, bases, lr_tensor=lr_tensor,
+                           lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, adamw=adamw, maximize=maximize)
+
+
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+def test_emulated_lowmem_step_is_the_twin_bit_for_bit_over_steps_with_a_skip(emu, monkeypatch, adamw):
+    monkeypatch.setattr(lowmem_twin, "_ref_adam_step_", _emu_fp32_step(emu))
+    gen = _cpu_gen(21)
+    state = _lowmem_state(LOWMEM_LEAVES, gen)
+    ref = clone_tree(state)
+    step, ref_step = torch.zeros(()), torch.zeros(())
+    maps, bases = q8_lookup()
+    lr_tensor = torch.tensor(3e-3)
+    for i in range(5):
+        grads = _lowmem_grads(LOWMEM_LEAVES, gen, 4.0)
+        finite, gs = torch.tensor(i != 2), torch.tensor(0.25)
+        lr, lt = (0.0, lr_tensor) if i % 2 else (1e-2, None)
+        hyper = (0.9, 0.999, 1e-8, 0.05, adamw, i == 3)
+        before = clone_tree(state)
+        assert _emu_lowmem(emu, state, grads, step, gs, finite, maps, bases, lr, lt, hyper) == 0
+        lowmem_twin._ref_adam_lowmem_step_(ref[0], ref[1], grads, *ref[2:], ref_step, gs, finite, maps, bases, lr, lt,
+                                    *hyper)
+        assert same_tree_bits(state, ref), f"step {i}"
+        assert same_tree_bits(step, ref_step)
+        if i == 2:  # the skipped step: nothing written, the counter included
+            assert same_tree_bits(state, before) and float(step) == 2.0
+        else:
+            assert not same_tree_bits(state[0], before[0])
+    assert float(step) == 4.0  # once per taken step, whatever the number of launches
+
+
+def test_emulated_lowmem_q8_second_moment_overflow_stays_in_its_element(emu, monkeypatch):
+    monkeypatch.setattr(lowmem_twin, "_ref_adam_step_", _emu_fp32_step(emu))
+    leaves = [(1024, torch.bfloat16, "q8", torch.float32), (512, torch.float32, "q8", torch.float32)]
+    gen = _cpu_gen(22)
+    state = _lowmem_state(leaves, gen)
+    ref = clone_tree(state)
+    step, ref_step = torch.zeros(()), torch.zeros(())
+    maps, bases = q8_lookup()
+    yes, gs = torch.tensor(True), torch.tensor(1.0)
+    for i in range(3):
+        grads = _lowmem_grads(leaves, gen)
+        if i == 0:
+            grads[0][300] = 1e30  # g * g overflows: v = inf in block 1 of leaf 0
+        hyper = (0.9, 0.999, 1e-8, 0.0, True, False)
+        assert _emu_lowmem(emu, state, grads, step, gs, yes, maps, bases, 1e-3, None, hyper) == 0
+        lowmem_twin._ref_adam_lowmem_step_(ref[0], ref[1], grads, *ref[2:], ref_step, gs, yes, maps, bases, 1e-3, None,
+                                    *hyper)
+        assert same_tree_bits(state, ref), f"step {i}"
+    v = dequantize_q8(state[4][0], state[5][0], False)
+    assert torch.isinf(state[5][0][1]) and torch.isinf(v[300])
+    assert torch.isfinite(v[:300]).all() and torch.isfinite(v[301:]).all()
+    assert (v[256:300] == 0).all() and torch.isfinite(state[0][0].float()).all()
+
+
+def test_emulated_lowmem_refuses_bad_arguments(emu):
+    maps, bases = q8_lookup()
+    gen = _cpu_gen(23)
+    step, gs, yes = torch.zeros(()), torch.tensor(1.0), torch.tensor(True)
+    q8 = _lowmem_state([(512, torch.float32, "q8", torch.float32)], gen)
+    grads = _lowmem_grads([(512, torch.float32, "q8", torch.float32)], gen)
+    before = [t.clone() for ts in q8 for t in ts]
+    assert emu.adam_lowmem(q8[0], q8[1], grads, *q8[2:], step, gs, yes, maps, bases, amsgrad=True) \
+        == CUDA_INVALID_VALUE  # no AMSGrad
+    assert emu.adam_lowmem(q8[0], q8[1], grads, *q8[2:], step, gs, yes, None, None) == CUDA_INVALID_VALUE  # tables
+    short = [t[:300] if t.numel() == 512 else t for t in [q8[0][0], grads[0], q8[2][0], q8[4][0]]]
+    assert emu.adam_lowmem([short[0]], q8[1], [short[1]], [short[2]], q8[3], [short[3]], q8[5], step, gs, yes,
+                           maps, bases) == CUDA_INVALID_VALUE  # a q8 leaf of 300 elements
+    hi = [q8[0][0].to(torch.bfloat16)]
+    assert emu.adam_lowmem(hi, [torch.zeros(0, dtype=torch.int16)], grads, *q8[2:], step, gs, yes, maps, bases) \
+        == CUDA_INVALID_VALUE  # a bf16 param without its remainder
+    assert all(torch.equal(a, b) for a, b in zip([t for ts in q8 for t in ts], before)) and float(step) == 0.0
 
 
 # ----------------------------------------------------------------------------------------------

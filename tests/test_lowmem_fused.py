@@ -238,6 +238,131 @@ def test_the_pure_step_is_the_kernel_on_fresh_copies_and_leaves_its_inputs_alone
 
 
 # ------------------------------------------------------------------------------------------------
+# On a GPU (ext/cuda/lowmem.cu; its host emulation is tests/test_cuda.py's test_emulated_lowmem_*)
+# ------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_op():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if ops.load() != "cpu+cuda":
+        pytest.skip("the CUDA kernels are not built")
+    return torch.ops.ampfunc.adam_lowmem_step_
+
+
+def _fp32_cuda_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step, grad_scale, finite,
+                    lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize, lr_tensor=None):
+    """The twin's fp32 step served by the fp32 CUDA kernel (what ampfunc.lowmem's plain road runs)."""
+    torch.ops.ampfunc.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
+                                 grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad,
+                                 decoupled_weight_decay, maximize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_cuda_kernel_is_its_twin_bit_for_bit_with_the_fp32_cuda_step(decoupled, monkeypatch):
+    # The CUDA kernel's fp32 numbers are the fp32 CUDA kernel's (adam_element.cuh): bit for bit the
+    # twin whose fp32 step is that kernel, and within fp32 rounding of the plain twin (torch's CUDA
+    # ops round addcmul and the bias correction's division otherwise).
+    from ampfunc.lowbits import join_bf16
+    from ampfunc.ops import _lowmem_reference as twin
+    op = _cuda_op()
+    dev = torch.device("cuda")
+    state = [[t.to(dev) for t in ts] for ts in _op_args(2)]
+    ref_state, plain = clone_tree(state), clone_tree(state)
+    step, ref_step, plain_step = (torch.zeros((), device=dev) for _ in range(3))
+    maps, bases = q8_lookup(dev)
+    lr_tensor = torch.tensor(3e-3, device=dev)
+    for i in range(8):
+        dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float16]
+        grads = [g.to(dt).to(dev) for g, dt in zip(_grads(state[0], i, torch.float32), dtypes)]
+        if i == 5:
+            grads[1][300] = 1e30  # a q8 second moment overflows (its block's absmax inf)
+        finite = torch.tensor(i != 3, device=dev)
+        scale = torch.tensor(0.5, device=dev)
+        lr = (0.0, lr_tensor) if i % 2 else (1e-2, None)
+        hyper = (0.9, 0.999, 1e-8, 0.05, decoupled, i == 4)
+        before = clone_tree(state)
+        op(*_with(state, grads), step, scale, finite, maps, bases, *lr, *hyper)
+        monkeypatch.setattr(twin, "_ref_adam_step_", _fp32_cuda_step)
+        twin._ref_adam_lowmem_step_(*_with(ref_state, grads), ref_step, scale, finite, maps, bases, *lr, *hyper)
+        assert same_tree_bits(state, ref_state), f"step {i}"
+        assert same_tree_bits(step, ref_step)
+        if i == 3:
+            assert same_tree_bits(state, before) and float(step) == 3.0
+        if i == 0:  # one step from the same state: the plain twin within fp32 rounding
+            monkeypatch.undo()
+            twin._ref_adam_lowmem_step_(*_with(plain, grads), plain_step, scale, finite, maps, bases, *lr, *hyper)
+            for k, (p, r) in enumerate(zip(state[0], state[1])):
+                got = join_bf16(p, r) if p.dtype == torch.bfloat16 else p
+                want = join_bf16(plain[0][k], plain[1][k]) if p.dtype == torch.bfloat16 else plain[0][k]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(step) == 7.0
+
+
+@needs_cuda
+def test_cuda_kernel_refuses_bad_inputs_by_name_before_any_write():
+    op = _cuda_op()
+    dev = torch.device("cuda")
+    state = [[t.to(dev) for t in ts] for ts in _op_args(3)]
+    grads = [g.to(dev) for g in _grads(state[0], 0, torch.float32)]
+    maps, bases = q8_lookup(dev)
+    step = torch.zeros((), device=dev)
+    before = clone_tree(state)
+    rest = (step, torch.tensor(1.0, device=dev), torch.tensor(True, device=dev), maps, bases, 1e-3, None, 0.9, 0.999,
+            1e-8, 0.0, True, False)
+    with pytest.raises(ValueError, match=r"exp_avgs\[4\] and exp_avg_sqs\[4\] overlap"):
+        op(state[0], state[1], grads, state[2][:4] + [state[4][4]], *state[3:], *rest)
+    with pytest.raises(ValueError, match=r"grads\[2\] is on cpu"):
+        op(state[0], state[1], grads[:2] + [grads[2].cpu()] + grads[3:], *state[2:], *rest)
+    with pytest.raises(ValueError, match=r"qmaps is on cpu"):
+        op(state[0], state[1], grads, *state[2:], *rest[:3], q8_lookup()[0], *rest[4:])
+    assert same_tree_bits(state, before) and float(step) == 0.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_cuda_engine_split_q8_step__is_the_plain_road_bit_for_bit_and_sync_free(kind, monkeypatch):
+    _cuda_op()
+    dev = torch.device("cuda")
+    params = {k: v.to(dev) for k, v in _params().items()}
+    tx = _tx(kind, "q8", clip=kind == "adamw")
+    p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
+    p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
+    fused_calls = []
+    real = lowmem._fused_step_
+
+    def counting(*args):
+        out = real(*args)
+        fused_calls.append(out is not None)
+        return out
+
+    for i in range(12):
+        grads = {k: v.to(dev) for k, v in _tree_grads(params, i).items()}
+        if i == 6:
+            grads["w"][1, 2] = float("inf")  # a skipped step in the middle
+        monkeypatch.setattr(lowmem, "_fused_step_", counting)
+        previous = torch.cuda.get_sync_debug_mode()
+        if i >= 2:  # warm (the kernels loaded, the q8 tables on the device): no host sync
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            p_fused, s_fused = tx.step_(p_fused, clone_tree(grads), s_fused)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        monkeypatch.setattr(lowmem, "_fused_step_", lambda *a: None)
+        p_plain, s_plain = tx.step_(p_plain, clone_tree(grads), s_plain)
+        assert same_tree_bits(p_fused, p_plain), f"step {i}"
+        assert same_tree_bits((s_fused.master, s_fused.inner, s_fused.loss_scale, s_fused.finite, s_fused.skipped),
+                              (s_plain.master, s_plain.inner, s_plain.loss_scale, s_plain.finite, s_plain.skipped)), \
+            f"step {i}"
+    assert fused_calls == [True] * 12
+    assert int(s_fused.skipped) >= 1
+
+
+# ------------------------------------------------------------------------------------------------
 # Bad inputs
 # ------------------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "../optim_scalars.h"
+#include "lowmem_checks.h"
 #include "lowmem_spec.h"
 
 #include <algorithm>
@@ -47,7 +48,6 @@ using Tensors = std::vector<Tensor>;
 constexpr int64_t kBlock = 256;
 constexpr int64_t kMapsNumel = 1024;   // ampfunc.lowbits.q8_lookup: maps
 constexpr int64_t kBasesRow = 65552;   // ... and bases, (2, kBasesRow)
-constexpr const char* kOp = "adam_lowmem_step_";
 
 enum Kind { F32 = 0, F16 = 1, BF16 = 2, U8 = 3 };
 
@@ -309,186 +309,6 @@ int kind_of(const Tensor& t) {
   }
 }
 
-std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
-
-std::string shape_of(const Tensor& t) {
-  std::string s = "(";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + (t.dim() == 1 ? ",)" : ")");
-}
-
-void check_dense(const Tensor& t, const std::string& what) {
-  TORCH_CHECK_TYPE(t.defined(), "ampfunc: ", what, " is undefined (", kOp, ")");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", what, " has layout ", t.layout(),
-                   "; ampfunc takes dense (strided) tensors (", kOp, ")");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "ampfunc: ", what, " is on ", t.device(), "; this kernel runs on the CPU (",
-                    kOp, ")");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "ampfunc: ", what, " is not contiguous; the low-memory step takes "
-                    "contiguous tensors (", kOp, ")");
-}
-
-void check_dtype(const Tensor& t, const std::string& what, std::initializer_list<at::ScalarType> ok,
-                 const char* words) {
-  for (auto d : ok) if (t.scalar_type() == d) return;
-  TORCH_CHECK_TYPE(false, "ampfunc: ", what, " has dtype ", t.scalar_type(), "; it takes ", words, " (", kOp, ")");
-}
-
-void check_shape(const Tensor& t, const std::string& what, at::IntArrayRef want, const std::string& why) {
-  TORCH_CHECK_VALUE(t.sizes() == want, "ampfunc: ", what, " has shape ", shape_of(t), " but ", why, " (", kOp, ")");
-}
-
-std::string torch_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
-
-// A one-element scalar argument, in the words of the ops' validation (ampfunc/ops/_validation.py).
-void check_scalar(const Tensor& t, const char* name, at::ScalarType dt) {
-  TORCH_CHECK_VALUE(t.defined() && t.numel() == 1, "ampfunc: ", name, " must be a one-element tensor (", kOp, ")");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", name, " has layout ", t.layout(),
-                   "; ampfunc takes dense (strided) tensors (", kOp, ")");
-  TORCH_CHECK_TYPE(t.scalar_type() == dt, "ampfunc: ", name, " has dtype ", torch_dtype(t.scalar_type()),
-                   "; expected ", torch_dtype(dt), " (", kOp, ")");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "ampfunc: ", name, " is on ", t.device(), "; this kernel runs on the CPU (",
-                    kOp, ")");
-}
-
-// Python's repr of a float, as ampfunc.ops._validation.check_hypers writes the value at fault.
-std::string float_repr(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buf[64];
-  const auto end = std::to_chars(buf, buf + sizeof(buf), x).ptr;
-  std::string s(buf, end);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
-// The ranges the optimizers take (ampfunc.ops._validation.HYPER_RANGES), checked before any
-// write: a NaN, negative or past-fp32 lr, a beta outside [0, 1), a negative eps or weight decay.
-void check_hypers(double lr, double beta1, double beta2, double eps, double weight_decay) {
-  constexpr double kF32Max = 3.4028234663852886e38;
-  TORCH_CHECK_VALUE(lr >= 0.0 && lr <= kF32Max, "ampfunc: lr must be in [0, 3.4028235e+38], got ", float_repr(lr),
-                    " (", kOp, ")");
-  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "ampfunc: beta1 must be in [0, 1), got ", float_repr(beta1), " (",
-                    kOp, ")");
-  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "ampfunc: beta2 must be in [0, 1), got ", float_repr(beta2), " (",
-                    kOp, ")");
-  TORCH_CHECK_VALUE(eps >= 0.0, "ampfunc: eps must be >= 0, got ", float_repr(eps), " (", kOp, ")");
-  TORCH_CHECK_VALUE(weight_decay >= 0.0, "ampfunc: weight_decay must be >= 0, got ", float_repr(weight_decay), " (",
-                    kOp, ")");
-}
-
-// Two written tensors that share memory, named as the reference twin names them (its
-// ampfunc.ops validation): every written tensor is contiguous here, so a byte range each.
-struct Written {
-  const char* list;
-  size_t i;  // the leaf; SIZE_MAX for a 0-d argument
-  const Tensor* t;
-  std::string name() const { return i == SIZE_MAX ? std::string(list) : item(list, i); }
-};
-
-void check_disjoint(const std::vector<Written>& written) {
-  struct Span { uintptr_t lo, hi; size_t k; };
-  std::vector<Span> spans;
-  spans.reserve(written.size());
-  for (size_t k = 0; k < written.size(); ++k) {
-    const Tensor& t = *written[k].t;
-    if (t.numel() == 0) continue;
-    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.push_back({lo, lo + uintptr_t(t.numel()) * t.element_size(), k});
-  }
-  std::sort(spans.begin(), spans.end(),
-            [](const Span& a, const Span& b) { return a.lo < b.lo || (a.lo == b.lo && a.k < b.k); });
-  // Sorted by start: a span overlaps an earlier one exactly when it starts below the furthest
-  // end so far, which is the first span of its run (ampfunc.ops.overlapping_pair's pair).
-  const Span* reach = nullptr;
-  for (const Span& b : spans) {
-    if (reach != nullptr && b.lo < reach->hi) {
-      const size_t i = std::min(reach->k, b.k), j = std::max(reach->k, b.k);
-      TORCH_CHECK_VALUE(false, "ampfunc: ", written[i].name(), " and ", written[j].name(),
-                        " overlap in memory; the tensors an in-place op writes must be distinct (", kOp, ")");
-    }
-    if (reach == nullptr || b.hi > reach->hi) reach = &b;
-  }
-}
-
-// Every argument, before anything is written: the lists' lengths, then leaf by leaf each
-// list's dtype and shape by its role (spec.h, kAdamLowmemLists).
-void check_args(const Tensors& params, const Tensors& remainders, const Tensors& grads, const Tensors& exp_avgs,
-                const Tensors& exp_avg_absmax, const Tensors& exp_avg_sqs, const Tensors& exp_avg_sq_absmax,
-                const Tensor& step, const Tensor& grad_scale, const Tensor& finite, const Tensor& qmaps,
-                const Tensor& qbases, const std::optional<Tensor>& lr_tensor) {
-  // In the table's order (lowmem_spec.h): the lists' lengths against params'.
-  const Tensors* lists[] = {&params, &remainders, &grads, &exp_avgs, &exp_avg_absmax, &exp_avg_sqs,
-                            &exp_avg_sq_absmax};
-  static_assert(sizeof(lists) / sizeof(lists[0]) == ampfunc::lowmem::kAdamLowmemNumLists);
-  for (int k = 1; k < ampfunc::lowmem::kAdamLowmemNumLists; ++k) {
-    TORCH_CHECK_VALUE(lists[k]->size() == params.size(), "ampfunc: ", ampfunc::lowmem::kAdamLowmemLists[k].name,
-                      " has ", lists[k]->size(), " tensors but params has ", params.size(), " (", kOp, ")");
-  }
-  check_scalar(step, "step", at::kFloat);
-  check_scalar(grad_scale, "grad_scale", at::kFloat);
-  check_scalar(finite, "finite", at::kBool);
-  if (lr_tensor.has_value() && lr_tensor->defined()) check_scalar(*lr_tensor, "lr_tensor", at::kFloat);
-  check_dense(qmaps, "qmaps");
-  check_dense(qbases, "qbases");
-  TORCH_CHECK_VALUE(qmaps.scalar_type() == at::kFloat && qmaps.dim() == 1 && qmaps.size(0) == kMapsNumel,
-                    "ampfunc: qmaps must be ampfunc.lowbits.q8_lookup()'s float32 (1024,) maps (", kOp, ")");
-  TORCH_CHECK_VALUE(qbases.scalar_type() == at::kByte && qbases.dim() == 2 && qbases.size(0) == 2 &&
-                        qbases.size(1) == kBasesRow,
-                    "ampfunc: qbases must be ampfunc.lowbits.q8_lookup()'s uint8 (2, 65552) bases (", kOp, ")");
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor& p = params[i];
-    check_dense(p, item("params", i));
-    check_dtype(p, item("params", i), {at::kFloat, at::kBFloat16}, "float32 or bfloat16");
-    const bool split = p.scalar_type() == at::kBFloat16;
-    check_dense(remainders[i], item("remainders", i));
-    check_dtype(remainders[i], item("remainders", i), {at::kShort}, "int16");
-    if (split) {
-      check_shape(remainders[i], item("remainders", i), p.sizes(), item("params", i) + " is bfloat16 of shape " +
-                  shape_of(p) + " (its remainder has its shape)");
-    } else {
-      check_shape(remainders[i], item("remainders", i), {0}, item("params", i) + " is float32 (its own master: "
-                  "an empty remainder)");
-    }
-    check_dense(grads[i], item("grads", i));
-    check_dtype(grads[i], item("grads", i), {at::kFloat, at::kHalf, at::kBFloat16}, "float32, float16 or bfloat16");
-    check_shape(grads[i], item("grads", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
-    check_dense(exp_avgs[i], item("exp_avgs", i));
-    check_dtype(exp_avgs[i], item("exp_avgs", i), {at::kFloat, at::kBFloat16, at::kByte},
-                "float32, bfloat16 or uint8 (q8 codes)");
-    check_shape(exp_avgs[i], item("exp_avgs", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
-    check_dense(exp_avg_sqs[i], item("exp_avg_sqs", i));
-    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "ampfunc: ", item("exp_avg_sqs", i),
-                     " has dtype ", exp_avg_sqs[i].scalar_type(), " but ", item("exp_avgs", i), " has dtype ",
-                     exp_avgs[i].scalar_type(), "; both moments of a param are stored alike (", kOp, ")");
-    check_shape(exp_avg_sqs[i], item("exp_avg_sqs", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
-    const bool q8 = exp_avgs[i].scalar_type() == at::kByte;
-    TORCH_CHECK_VALUE(!q8 || p.numel() % kBlock == 0, "ampfunc: ", item("exp_avgs", i), " is q8 but ",
-                      item("params", i), " has ", p.numel(), " elements, not a multiple of the block (256) (", kOp,
-                      ")");
-    const std::pair<const char*, const Tensors*> absmaxes[] = {{"exp_avg_absmax", &exp_avg_absmax},
-                                                              {"exp_avg_sq_absmax", &exp_avg_sq_absmax}};
-    for (const auto& [name, ts] : absmaxes) {
-      const Tensor& a = (*ts)[i];
-      check_dense(a, item(name, i));
-      check_dtype(a, item(name, i), {at::kFloat}, "float32");
-      const int64_t blocks = q8 ? p.numel() / kBlock : 0;
-      check_shape(a, item(name, i), {blocks}, q8 ? "the q8 moments of " + item("params", i) + " have " +
-                  std::to_string(blocks) + " blocks of 256" : item("exp_avgs", i) + " is not q8 (an empty absmax)");
-    }
-  }
-  // The written lists in the table's order, each leaf by leaf, then step (as the twin lists them).
-  std::vector<Written> written;
-  written.reserve(6 * params.size() + 1);
-  const std::pair<const char*, const Tensors*> written_lists[] = {
-      {"params", &params}, {"remainders", &remainders}, {"exp_avgs", &exp_avgs}, {"exp_avg_absmax", &exp_avg_absmax},
-      {"exp_avg_sqs", &exp_avg_sqs}, {"exp_avg_sq_absmax", &exp_avg_sq_absmax}};
-  for (const auto& [name, ts] : written_lists) {
-    for (size_t i = 0; i < ts->size(); ++i) written.push_back({name, i, &(*ts)[i]});
-  }
-  written.push_back({"step", SIZE_MAX, &step});
-  check_disjoint(written);
-}
-
 // The step tables of the two maps, built on the first call and again only when the tables
 // passed differ (they are q8_lookup()'s: one build per process). ~2M table probes per build.
 void step_tables(Maps& ms, Maps& mu) {
@@ -519,9 +339,9 @@ void adam_lowmem_step__cpu(const Tensors& params, const Tensors& remainders, con
                            const Tensor& finite, const Tensor& qmaps, const Tensor& qbases, double lr,
                            const std::optional<Tensor>& lr_tensor, double beta1, double beta2, double eps,
                            double weight_decay, bool decoupled_weight_decay, bool maximize) {
-  check_args(params, remainders, grads, exp_avgs, exp_avg_absmax, exp_avg_sqs, exp_avg_sq_absmax, step, grad_scale,
-             finite, qmaps, qbases, lr_tensor);
-  check_hypers(lr, beta1, beta2, eps, weight_decay);
+  ampfunc::lowmem::check_args(params, remainders, grads, exp_avgs, exp_avg_absmax, exp_avg_sqs, exp_avg_sq_absmax,
+                              step, grad_scale, finite, qmaps, qbases, lr_tensor, at::Device(at::kCPU));
+  ampfunc::lowmem::check_hypers(lr, beta1, beta2, eps, weight_decay);
   if (lr_tensor.has_value() && lr_tensor->defined()) lr = static_cast<double>(lr_tensor->item<float>());
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
   float* step_ptr = step.data_ptr<float>();

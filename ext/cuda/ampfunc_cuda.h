@@ -45,6 +45,8 @@ extern "C" {
 #define AMPFUNC_FP32 0
 #define AMPFUNC_FP16 1
 #define AMPFUNC_BF16 2
+/* a moment layout of the low-memory step, not an element dtype: uint8 codes + fp32 absmax per 256 */
+#define AMPFUNC_Q8 3
 
 /* Elements per multi-tensor-apply chunk (one thread block per chunk). */
 #define AMPFUNC_CUDA_CHUNK 65536
@@ -52,8 +54,10 @@ extern "C" {
 /* Version of this ABI (the glue static_asserts the one it was written for).
  * 2: the out-of-place steps and the pure updates (ampfunc_cuda_*_step_out, ampfunc_cuda_*_update).
  * 3: ampfunc_cuda_check sums without overflow: double `sumsq` accumulator, fp32 `sumsq_f32` and
- *    `norm` outputs, double partials in the workspace (an incompatible change of that launcher). */
-#define AMPFUNC_CUDA_ABI_VERSION 4
+ *    `norm` outputs, double partials in the workspace (an incompatible change of that launcher).
+ * 4: the generic optimizers' launchers (ampfunc_cuda_optim_<name>, AmpfuncOptimLaunch).
+ * 5: the low-memory Adam/AdamW step (ampfunc_cuda_adam_lowmem_step, the AMPFUNC_Q8 layout code). */
+#define AMPFUNC_CUDA_ABI_VERSION 5
 int ampfunc_cuda_abi_version(void);
 
 const char* ampfunc_cuda_error_string(int status);
@@ -284,6 +288,36 @@ typedef struct AmpfuncOptimLaunch {
   const float* step;
   float* step_out;
 } AmpfuncOptimLaunch;
+
+/* ------------------------------------------------------------------------------------------
+ * The low-memory Adam / AdamW step (ampfunc::adam_lowmem_step_), in place, over the layouts of
+ * ampfunc.lowmem. Per leaf i (host arrays of n entries):
+ *   grads[i]            grad_dtypes[i]: AMPFUNC_FP32, _FP16 or _BF16; read only.
+ *   params[i]           param_dtypes[i]: AMPFUNC_BF16 (the high half of a split fp32 master,
+ *                       remainders[i] its int16 low half: bits = (bits(hi) << 16) + lo) or
+ *                       AMPFUNC_FP32 (its own master; remainders[i] ignored, may be NULL).
+ *   exp_avgs[i], exp_avg_sqs[i]   moment_dtypes[i]: AMPFUNC_FP32, AMPFUNC_BF16 (rounded to
+ *                       nearest even after the update) or AMPFUNC_Q8 (uint8 codes of the signed /
+ *                       unsigned dynamic map, numels[i] a multiple of 256, exp_avg_absmax[i] and
+ *                       exp_avg_sq_absmax[i] fp32 numels[i] / 256 each; NULL otherwise).
+ *   qmaps, qbases       ampfunc.lowbits.q8_lookup()'s tables on the device: fp32 (1024,) maps
+ *                       and midpoints, uint8 (2, 65552) bases; needed when a leaf is q8.
+ * The fp32 numbers are ampfunc_cuda_adam_step's per-element code (amsgrad must be 0) on the
+ * joined master and the decoded moments (q8: map[code] * absmax, 0 for a code of 0 where absmax
+ * is inf); the moments are then re-encoded as ampfunc.lowbits.quantize_q8 does (absmax: the
+ * block's largest magnitude, NaN if it holds one) and the master split again. grad_scale is
+ * required; finite may be NULL (taken); when *finite is 0 nothing is written. step (device fp32,
+ * t = *step + 1) is incremented once, on the device, when finite.
+ * Cost: one pass reading g, p (+ remainder), m, v (+ absmax) and writing p, m, v; one launch per
+ * (grad, param, moment) kind present and argument block, plus one for the step.
+ * ------------------------------------------------------------------------------------------ */
+int ampfunc_cuda_adam_lowmem_step(int n, const void* const* grads, const int* grad_dtypes, void* const* params,
+                                  const int* param_dtypes, void* const* remainders, void* const* exp_avgs,
+                                  void* const* exp_avg_absmax, void* const* exp_avg_sqs,
+                                  void* const* exp_avg_sq_absmax, const int* moment_dtypes, const int64_t* numels,
+                                  const float* qmaps, const uint8_t* qbases, const float* grad_scale,
+                                  const uint8_t* finite, const float* lr_tensor, float* step,
+                                  const AmpfuncAdamHyper* hyper, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

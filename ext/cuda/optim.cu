@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include "mta.cuh"
+#include "adam_element.cuh"
 #include "../optim_scalars.h"
 
 namespace ampfunc {
@@ -110,36 +111,7 @@ __device__ AdamScalars adam_scalars(const AdamArgs& a) {
                                static_cast<double>(*a.step) + 1.0, a.amsgrad != 0, a.adamw != 0, a.maximize != 0);
 }
 
-// torch.lerp's formula (ATen/native/Lerp.h): exact at both ends of the weight range.
-__device__ __forceinline__ float lerp(float self, float end, float w) {
-  const float diff = __fsub_rn(end, self);
-  return fabsf(w) < 0.5f ? __fmaf_rn(w, diff, self) : __fmaf_rn(-diff, __fsub_rn(1.0f, w), end);
-}
-
-// torch.maximum: NaN wins.
-__device__ __forceinline__ float nan_max(float a, float b) {
-  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
-}
-
-template <bool kDecoupled, bool kAmsgrad>
-__device__ __forceinline__ void adam_element(float g, float& p, float& m, float& v, float& vmax, int maximize,
-                                             bool has_wd, const AdamScalars& s) {
-  g = __fmul_rn(g, s.grad_scale);
-  if (maximize) g = -g;
-  if (has_wd) {
-    if (kDecoupled) p = __fmul_rn(p, s.decay);      // param.mul_(1 - lr*wd)
-    else g = __fmaf_rn(s.weight_decay, p, g);       // grad.add(param, alpha=wd)
-  }
-  m = lerp(m, g, s.lerp_weight);                                   // exp_avg.lerp_(grad, 1-b1)
-  v = __fmaf_rn(s.one_minus_beta2, __fmul_rn(g, g), __fmul_rn(v, s.beta2));  // mul_(b2).addcmul_
-  float src = v;
-  if (kAmsgrad) {
-    vmax = nan_max(vmax, v);
-    src = vmax;
-  }
-  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(src), s.inv_bc2_sqrt), s.eps);
-  p = __fmaf_rn(s.neg_step_size, __fdiv_rn(m, denom), p);          // addcdiv_(m, denom, -ss)
-}
+// lerp, nan_max and adam_element (the per-element step): adam_element.cuh, shared with lowmem.cu.
 
 template <typename TG, typename TM, bool kDecoupled, bool kAmsgrad, Dest kDest>
 __global__ void __launch_bounds__(kBlock)

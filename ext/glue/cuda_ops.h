@@ -17,7 +17,7 @@ namespace {
 #ifdef AMPFUNC_WITH_CUDA
 
 // The launchers' signatures and meanings this glue was written for (ext/cuda/ampfunc_cuda.h).
-static_assert(AMPFUNC_CUDA_ABI_VERSION == 4, "ext/cuda/ampfunc_cuda.h changed its ABI: update the CUDA glue");
+static_assert(AMPFUNC_CUDA_ABI_VERSION == 5, "ext/cuda/ampfunc_cuda.h changed its ABI: update the CUDA glue");
 
 int cuda_dtype(at::ScalarType t) {
   switch (t) {
