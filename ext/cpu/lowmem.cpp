@@ -205,17 +205,19 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
     const uint16_t* sv = static_cast<const uint16_t*>(L.v) + s;
     for (int64_t j = 0; j < cnt; ++j) m[j] = bf16f(sm[j]);
     for (int64_t j = 0; j < cnt; ++j) v[j] = bf16f(sv[j]);
-  } else {
-    std::memcpy(m, static_cast<const float*>(L.m) + s, cnt * 4);
-    std::memcpy(v, static_cast<const float*>(L.v) + s, cnt * 4);
   }
-  // Adam, kVF lanes at a time; lanes past cnt compute on stale values and are never stored.
+  // Adam, kVF lanes at a time; lanes past cnt compute on stale values and are never stored. fp32
+  // moments are read and written in place (a copy through the block's buffers only adds passes).
   using fVec = at::vec::Vectorized<float>;
   constexpr int64_t kVF = fVec::size();
+  float* const mio = MK == F32 ? static_cast<float*>(L.m) + s : m;
+  float* const vio = MK == F32 ? static_cast<float*>(L.v) + s : v;
   const fVec gs(c.gs), wd(c.wd), decay(c.decay), lw(c.lw), b2(c.b2), c2(c.c2), bc2(c.bc2), eps(c.eps), nss(c.nss);
   for (int64_t j = 0; j < cnt; j += kVF) {
+    const int64_t lanes = std::min<int64_t>(kVF, cnt - j);
     fVec gj = fVec::loadu(g + j) * gs, pj = fVec::loadu(p + j);
-    const fVec m0 = fVec::loadu(m + j), v0 = fVec::loadu(v + j);
+    const fVec m0 = MK == F32 ? fVec::loadu(mio + j, lanes) : fVec::loadu(mio + j);
+    const fVec v0 = MK == F32 ? fVec::loadu(vio + j, lanes) : fVec::loadu(vio + j);
     if (c.maximize) gj = gj.neg();
     if (c.decoupled) pj = pj * decay;
     else if (c.l2) gj = at::vec::fmadd(pj, wd, gj);
@@ -223,8 +225,13 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
     const fVec vj = at::vec::fmadd(c2 * gj, gj, v0 * b2);
     const fVec d = vj.sqrt() / bc2 + eps;
     (pj + (nss * mj) / d).store(p + j);
-    mj.store(m + j);
-    vj.store(v + j);
+    if constexpr (MK == F32) {
+      mj.store(mio + j, lanes);
+      vj.store(vio + j, lanes);
+    } else {
+      mj.store(mio + j);
+      vj.store(vio + j);
+    }
   }
   if constexpr (MK == U8) {
     // The absmax of each block (a q8 leaf's blocks are whole); NaN propagates as torch's amax.
@@ -260,9 +267,6 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
     uint16_t* dv = static_cast<uint16_t*>(L.v) + s;
     for (int64_t j = 0; j < cnt; ++j) dm[j] = f_bf16_rne(m[j]);
     for (int64_t j = 0; j < cnt; ++j) dv[j] = f_bf16_rne(v[j]);
-  } else {
-    std::memcpy(static_cast<float*>(L.m) + s, m, cnt * 4);
-    std::memcpy(static_cast<float*>(L.v) + s, v, cnt * 4);
   }
   if constexpr (PK == BF16) {
     // hi + lo == the master with hi its round to nearest (ampfunc.lowbits.split_bf16); NaN quiet
