@@ -10,8 +10,8 @@ from ampfunc.examples import common, digits, textlm
 STEP_KEYS = {"config", "step", "loss", "loss_scale", "finite", "skipped"}
 SUMMARY_KEYS = {"config", "summary", "step", "seed", "heldout_loss", "state_bytes_per_param", "flushed_frac",
                 "skipped", "loss_scale"}
-TINY_TEXT = ["--steps", "6", "--batch", "4", "--context", "16", "--width", "32", "--layers", "1", "--log-every", "2",
-             "--no-progress"]
+TINY_TEXT = ["--steps", "6", "--accumulate", "1", "--batch", "4", "--context", "16", "--width", "32", "--layers", "1",
+             "--log-every", "2", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -171,6 +171,18 @@ def _tx(kind, moments, clip):
     return af.mixed_precision(inner, af.DynamicLossScale(2.0 ** 4, growth_interval=3), master="split")
 
 
+def _counting_fused_step():
+    """``(calls, spy)``: the spy runs the fused step and records whether it took the call."""
+    calls, real = [], lowmem._fused_step_
+
+    def counting(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    return calls, counting
+
+
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "q8"])
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monkeypatch):
@@ -179,14 +191,7 @@ def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monke
     tx = _tx(kind, moments, clip=kind == "adamw")
     p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
     p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
-    fused_calls = []
-    real = lowmem._fused_step_
-
-    def counting(*args):
-        out = real(*args)
-        fused_calls.append(out is not None)
-        return out
-
+    fused_calls, counting = _counting_fused_step()
     for i in range(20):
         grads = _tree_grads(params, i)
         if i == 10:
@@ -211,14 +216,7 @@ def test_the_pure_step_is_the_kernel_on_fresh_copies_and_leaves_its_inputs_alone
     tx = _tx("adamw", moments, clip=True)
     p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
     p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
-    fused_calls = []
-    real = lowmem._fused_step_
-
-    def counting(*args):
-        out = real(*args)
-        fused_calls.append(out is not None)
-        return out
-
+    fused_calls, counting = _counting_fused_step()
     for i in range(12):
         grads = _tree_grads(params, i)
         if i == 6:
@@ -331,14 +329,7 @@ def test_cuda_engine_split_q8_step__is_the_plain_road_bit_for_bit_and_sync_free(
     tx = _tx(kind, "q8", clip=kind == "adamw")
     p_fused, s_fused = clone_tree(params), tx.init(clone_tree(params))
     p_plain, s_plain = clone_tree(params), tx.init(clone_tree(params))
-    fused_calls = []
-    real = lowmem._fused_step_
-
-    def counting(*args):
-        out = real(*args)
-        fused_calls.append(out is not None)
-        return out
-
+    fused_calls, counting = _counting_fused_step()
     for i in range(12):
         grads = {k: v.to(dev) for k, v in _tree_grads(params, i).items()}
         if i == 6:

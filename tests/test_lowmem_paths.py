@@ -42,6 +42,14 @@ def _tx(master, moments="fp32", **kw):
     return af.mixed_precision(inner, af.DynamicLossScale(2.0 ** 4, growth_interval=3), master=master, **kw)
 
 
+def _take_step(tx, path, params, grads, state):
+    """One step of ``tx`` by ``path``: "update" (+ apply_updates), "step" (pure) or "step_"."""
+    if path == "update":
+        updates, state = tx.update(grads, state, params)
+        return af.apply_updates(params, updates), state
+    return getattr(tx, path)(params, grads, state)
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["pure", "in_place"])
 def test_split_master_equals_the_fp32_master_bit_for_bit(inplace):
     params = _params()
@@ -460,13 +468,7 @@ def test_a_moment_that_overflows_stays_in_its_leaf_and_is_named_by_moment_overfl
         grads = _grads(params, i)
         if i == 1:
             grads["w"][3, 5] = 1e30
-        if path == "update":
-            updates, state = tx.update(grads, state, params)
-            params = af.apply_updates(params, updates)
-        elif path == "step":
-            params, state = tx.step(params, grads, state)
-        else:
-            _, state = tx.step_(params, grads, state)
+        params, state = _take_step(tx, path, params, grads, state)
         if i == 1:
             frozen = params["w"][3, 5].clone()
     for name, p in params.items():
@@ -514,12 +516,6 @@ def test_a_q8_second_moment_far_below_its_blocks_largest_never_makes_an_update_o
     for grads in (first, later, later):
         before = af.master_params(params, state)["w"].clone()
         g = {"w": grads.bfloat16()}
-        if path == "update":
-            updates, state = tx.update(g, state, params)
-            params = af.apply_updates(params, updates)
-        elif path == "step":
-            params, state = tx.step(params, g, state)
-        else:
-            params, state = tx.step_(params, g, state)
+        params, state = _take_step(tx, path, params, g, state)
         moved = (af.master_params(params, state)["w"] - before).abs().max().item()
         assert moved <= 1.01 * lr, moved
