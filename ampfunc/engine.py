@@ -802,7 +802,8 @@ class Engine:
             state.loss_scale.check_writable(where)
             # It writes the params, the split remainders (or masters) and the whole inner state:
             # with a split master, two aliased bf16 params would each pair their remainder with
-            # the other's high half. Checked every step (the low-memory kernel does not check).
+            # the other's high half. Checked every step, naming the leaves: the plain road joins
+            # copies and would not see it (the fused kernel refuses it only by list index).
             written = [("params", params, tree_leaves(params))]
             if state.master is not None:
                 written.append(("state.master", state.master, tree_leaves(state.master)))
