@@ -22,8 +22,11 @@ not kept.
 (``n`` a multiple of :data:`Q8_BLOCK` = 256) is stored as ``n`` uint8 codes and one fp32
 ``absmax`` per block of 256 consecutive elements (in memory order). A code indexes a 256-entry
 *dynamic map* (bitsandbytes' ``create_dynamic_map``, the 8-bit Adam paper's): signed for
-Adam's first moment, unsigned for the second; see :func:`dynamic_map`. Quantizing divides an
-element by its block's absmax (a block of zeros divides by 1) and takes the *nearest* code:
+Adam's first moment, unsigned for the second; see :func:`dynamic_map`. Quantizing multiplies an
+element by the reciprocal of its block's absmax, ``1 / absmax`` rounded once per block (as
+bitsandbytes' 8-bit kernels do: one multiply per element where a division costs several times
+more; a block of zeros uses 1, and a block whose reciprocal overflows, an absmax under about
+2.9e-39, divides instead), and takes the *nearest* code:
 the code whose interval between the fp32 midpoints of neighbouring map entries holds the
 value, a value exactly on a midpoint taking the larger code (torchao's rule), NaN the last
 code. Dequantizing is ``map[code] * absmax``. A block's largest magnitude comes back exactly
@@ -298,8 +301,9 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
       >>> absmax.tolist(), codes.dtype, float((dequantize_q8(codes, absmax, True) - x).abs().max()) < 0.02
       ([2.0], torch.uint8, True)
 
-    Cost: one absmax reduction, one binary search over 255 midpoints per element
-    (``torch.searchsorted``) and an elementwise test for infinities; no host sync.
+    Cost: one absmax reduction, one reciprocal per block and one multiply per element, one
+    binary search over 255 midpoints per element (``torch.searchsorted``) and an elementwise
+    test for infinities; no host sync.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"quantize_q8: x must be float32, got {x.dtype}")
@@ -307,9 +311,14 @@ def quantize_q8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     absmax = blocks.abs().amax(dim=1)
     # torch's amax propagates NaN: a block holding NaN gets absmax NaN, so it dequantizes to NaN.
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    # One reciprocal per block (a correctly rounded division), then a multiply per element: the
+    # kernels' arithmetic. A reciprocal that overflows (absmax below 2**-128) would turn every
+    # element into inf or NaN, so such a block divides.
+    recip = torch.ones_like(divisor) / divisor
+    scaled = torch.where(torch.isinf(recip)[:, None], blocks / divisor[:, None], blocks * recip[:, None])
     # An infinity (a second moment that overflowed) makes its block's absmax inf: it keeps its
-    # sign's extreme code (inf / inf would be NaN), and the block's finite values divide to 0.
-    normed = torch.where(torch.isinf(blocks), blocks.sign(), blocks / divisor[:, None])
+    # sign's extreme code (inf * 0 would be NaN), and the block's finite values scale to 0.
+    normed = torch.where(torch.isinf(blocks), blocks.sign(), scaled)
     mids = map_midpoints(signed, device=x.device)
     flat = normed.reshape(-1)
     codes = torch.searchsorted(mids, flat, right=True)

@@ -166,7 +166,7 @@ def test_q8_codes_are_the_nearest_map_entry(seed, signed, magnitude):
     assert codes.dtype == torch.uint8 and codes.shape == x.shape and absmax.shape == (4,)
     assert bool((absmax == x.reshape(4, -1).abs().amax(1)).all())
     qmap = dynamic_map(signed)
-    y = (x.reshape(4, -1) / absmax[:, None]).reshape(-1)
+    y = (x.reshape(4, -1) * (1.0 / absmax)[:, None]).reshape(-1)  # the quantizer's scaling
     ref = _nearest_code_f64(y, qmap)
     if not signed:  # the unsigned map keeps positive values off the code of 0
         ref = torch.where((ref == 0) & (y > 0), torch.ones_like(ref), ref)

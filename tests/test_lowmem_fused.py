@@ -501,7 +501,10 @@ def test_the_q8_codes_at_the_maps_midpoints_and_their_neighbours_are_the_referen
     up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
     down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
     specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-30, -1e-30, 1.0, -1.0, 0.999999, -0.999999])
-    vals = torch.cat([mids, up, down, af.lowbits.dynamic_map(True), specials])
+    # every exponent from 2**-149 to 1, both signs, at 8 mantissas: each row of the encoder's tables
+    powers = torch.ldexp(torch.tensor(1.0), torch.arange(-149, 1))
+    sweep = (powers[:, None] * (1 + torch.arange(8) / 8)[None, :]).reshape(-1)
+    vals = torch.cat([mids, up, down, af.lowbits.dynamic_map(True), specials, sweep, -sweep])
     vals = vals.clamp(-1.0, 1.0)
     blocks = -(-vals.numel() // 255)
     vals = torch.cat([vals, torch.zeros(blocks * 255 - vals.numel())]).reshape(blocks, 255)

@@ -9,8 +9,12 @@
 // fused step, encode, split.
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC optimize("no-math-errno")
+// The vector width follows the compiler's target, as in kernels.cpp.
 #if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__FMA__) && defined(__F16C__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_CAPABILITY_AVX2
 #endif
 #endif
@@ -32,6 +36,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,13 +67,40 @@ inline uint16_t f_bf16_rne(float x) {  // torch's float -> bfloat16: round to ne
 
 // One dynamic map's tables (ampfunc.lowbits.q8_lookup): its 256 values, its 255 midpoints and a
 // NaN, and for each top 16 bits of an fp32 pattern the code of the smallest value with them;
-// `step`, derived from those (build_steps): per top-16-bit bucket, b | T << 8.
+// `step`, derived from those (build_steps): per top-16-bit bucket, b | T << 8. `near` is `step`
+// for the values a scaled block holds (|y| <= 1 + a few ulps, NaN aside), small enough to stay
+// in the L1 cache: per sign, the rows of exponent fields near_row0..127, where row near_row0
+// stands for every smaller exponent (build_near checks that their entries are all the same).
 struct Maps {
   const float* qmap;
   const float* mid;
   const uint8_t* base;
   const int32_t* step;
+  const int32_t* near = nullptr;
+  int32_t near_row0 = 0;
 };
+
+constexpr int32_t kNearRows(int32_t row0) { return 128 - row0; }
+
+// `near` from a map's step table: returns near_row0, the largest exponent field whose rows (and
+// every row below, per sign) hold the same 128 entries as exponent 0's; fills out[] with the
+// rows near_row0..127 of each sign (2 * kNearRows(row0) * 128 entries, at most 2 * 128 * 128).
+int32_t build_near(const int32_t* step, int32_t* out) {
+  auto same_as_zero = [&](int32_t e) {
+    for (uint32_t sign = 0; sign < 2; ++sign)
+      for (uint32_t m7 = 0; m7 < 128; ++m7)
+        if (step[(sign << 15) | (uint32_t(e) << 7) | m7] != step[(sign << 15) | m7]) return false;
+    return true;
+  };
+  int32_t row0 = 0;
+  while (row0 < 127 && same_as_zero(row0 + 1)) ++row0;
+  const int32_t rows = kNearRows(row0);
+  for (uint32_t sign = 0; sign < 2; ++sign)
+    for (int32_t r = 0; r < rows; ++r)
+      for (uint32_t m7 = 0; m7 < 128; ++m7)
+        out[(int64_t(sign) * rows + r) * 128 + m7] = step[(sign << 15) | (uint32_t(row0 + r) << 7) | m7];
+  return row0;
+}
 
 inline uint8_t encode_one(float y, const Maps& mp) {
   if (y != y) return 255;
@@ -161,6 +193,25 @@ inline void encode_block(const float* y, uint8_t* out, int64_t n, const Maps& mp
 #endif
 }
 
+// x / absmax as quantize_q8 computes it, in place: x * (1 / d), d = (a > 0 ? a : 1), the
+// reciprocal rounded once; x / d where the reciprocal overflows (d under 2**-128); with an
+// infinite absmax an infinity keeps its sign's extreme (1 or -1; inf * 0 is NaN).
+inline void normalize_block(float* x, float a, int64_t cnt) {
+  using fVec = at::vec::Vectorized<float>;
+  constexpr int64_t kVF = fVec::size();
+  const float d = a > 0.f ? a : 1.f;
+  const float r = 1.f / d;
+  if (std::isinf(a)) {
+    for (int64_t j = 0; j < cnt; ++j) x[j] = std::isinf(x[j]) ? std::copysign(1.f, x[j]) : x[j] * r;
+  } else if (std::isinf(r)) {
+    const fVec dx(d);
+    for (int64_t j = 0; j < cnt; j += kVF) (fVec::loadu(x + j) / dx).store(x + j);
+  } else {
+    const fVec rx(r);
+    for (int64_t j = 0; j < cnt; j += kVF) (fVec::loadu(x + j) * rx).store(x + j);
+  }
+}
+
 // Adam's numbers in the fp32 CPU kernel's form (ext/cpu/kernels.cpp, adam_segment).
 struct Hyper {
   float gs, wd, decay, lw, b2, c2, bc2, eps, nss;
@@ -178,8 +229,142 @@ struct Leaf {
   float* va;
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- q8 moments in one register pass (AVX-512) ----
+//
+// The same numbers as run_block's passes (the same IEEE operations per element, in the same
+// order), but each 16 elements are loaded, decoded, updated, split and folded into the new
+// absmax in registers, and the second pass scales, encodes and packs 16 codes at a time: on a
+// q8 block the separate passes through the block's buffers cost more than the arithmetic.
+template <int GK>
+inline __m512 load_grad16(const void* g, int64_t j) {
+  if constexpr (GK == F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(g) + j);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + j));
+    if constexpr (GK == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else return _mm512_cvtph_ps(h);  // exact, as at::Half -> float
+  }
+}
+
+// map[code] * absmax for 16 codes (a finite or NaN absmax: decode_block's general case).
+inline __m512 decode16(const uint8_t* codes, const float* qmap, __m512 absmax) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm512_mul_ps(_mm512_i32gather_ps(idx, qmap, 4), absmax);
+}
+
+// encode_block's codes of x[j] * r for a whole block (r the block's finite reciprocal), 16 at a
+// time, packed to bytes with one down-conversion.
+template <bool kPositiveFloor>
+inline void encode_scaled_block(const float* x, float r, uint8_t* out, const Maps& mp) {
+  const __m512 rv = _mm512_set1_ps(r);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF), low_byte = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1);
+  const __m512i row0 = _mm512_set1_epi32(mp.near_row0), e127 = _mm512_set1_epi32(127),
+                rows = _mm512_set1_epi32(kNearRows(mp.near_row0)), m7mask = _mm512_set1_epi32(0x7F);
+  for (int64_t j = 0; j < kBlock; j += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + j), rv);
+    const __m512i bits = _mm512_castps_si512(y);
+    // The row of the near table: the exponent field clamped to [row0, 127] (NaN aside, |y| is at
+    // most 1 + a few ulps; a NaN's entry is read and then overridden below), per sign.
+    const __m512i expo = _mm512_and_si512(_mm512_srli_epi32(bits, 23), low_byte);
+    const __m512i row = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(expo, row0), e127), row0);
+    const __m512i idx = _mm512_add_epi32(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(bits, 31), rows), row), 7),
+        _mm512_and_si512(_mm512_srli_epi32(bits, 16), m7mask));
+    const __m512i e = _mm512_i32gather_epi32(idx, mp.near, 4);
+    const __m512i flip = _mm512_and_si512(_mm512_srai_epi32(bits, 31), low16);
+    const __m512i k = _mm512_xor_si512(_mm512_and_si512(bits, low16), flip);
+    const __mmask16 below = _mm512_cmpgt_epi32_mask(_mm512_srli_epi32(e, 8), k);  // code b, else b + 1
+    const __m512i b1 = _mm512_add_epi32(_mm512_and_si512(e, low_byte), one);
+    __m512i code = _mm512_mask_sub_epi32(b1, below, b1, one);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), low_byte);  // NaN: 255
+    if constexpr (kPositiveFloor) {  // code 0 for a positive value: 1
+      code = _mm512_mask_max_epu32(code, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), code, one);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
+  }
+}
+
+// run_block<GK, PK, U8> on a whole block whose stored absmaxes are not infinite.
+template <int GK, int PK>
+void run_q8_block(const Leaf& L, int64_t s, const Hyper& c, const Maps& ms, const Maps& mu) {
+  using fVec = at::vec::Vectorized<float>;
+  static_assert(fVec::size() == 16, "AVX-512 float vectors hold 16 lanes");
+  alignas(64) float m[kBlock], v[kBlock];
+  const uint8_t* cm = static_cast<const uint8_t*>(L.m) + s;
+  const uint8_t* cv = static_cast<const uint8_t*>(L.v) + s;
+  const __m512 ma = _mm512_set1_ps(L.ma[s / kBlock]), va = _mm512_set1_ps(L.va[s / kBlock]);
+  const fVec gs(c.gs), wd(c.wd), decay(c.decay), lw(c.lw), b2(c.b2), c2(c.c2), bc2(c.bc2), eps(c.eps), nss(c.nss);
+  const __m512i nan_bits = _mm512_set1_epi32(0x7FC00000);
+  fVec am(0.f), av(0.f);
+  for (int64_t j = 0; j < kBlock; j += 16) {
+    fVec gj = fVec(load_grad16<GK>(L.g, s + j)) * gs;
+    fVec pj;
+    if constexpr (PK == BF16) {
+      const __m512i hi = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(L.p) + s + j)));
+      const __m512i lo = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.lo + s + j)));
+      pj = fVec(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 16), lo)));
+    } else {
+      pj = fVec::loadu(static_cast<const float*>(L.p) + s + j);
+    }
+    const fVec m0(decode16(cm + j, ms.qmap, ma)), v0(decode16(cv + j, mu.qmap, va));
+    if (c.maximize) gj = gj.neg();
+    if (c.decoupled) pj = pj * decay;
+    else if (c.l2) gj = at::vec::fmadd(pj, wd, gj);
+    const fVec mj = at::vec::fmadd(lw, gj - m0, c.lerp_small ? m0 : gj);
+    const fVec vj = at::vec::fmadd(c2 * gj, gj, v0 * b2);
+    const fVec d = vj.sqrt() / bc2 + eps;
+    pj = pj + (nss * mj) / d;
+    mj.store(m + j);
+    vj.store(v + j);
+    am = at::vec::maximum(am, mj.abs());
+    av = at::vec::maximum(av, vj.abs());
+    if constexpr (PK == BF16) {  // split_bf16: hi + lo == the master, hi its round to nearest; NaN quiet
+      const __m512 pv = pj;
+      const __m512i u = _mm512_mask_mov_epi32(_mm512_castps_si512(pv), _mm512_cmp_ps_mask(pv, pv, _CMP_UNORD_Q),
+                                              nan_bits);
+      const __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(u, 16), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(L.lo + s + j), _mm512_cvtepi32_epi16(l));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(L.p) + s + j),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_sub_epi32(u, l), 16)));
+    } else {
+      pj.store(static_cast<float*>(L.p) + s + j);
+    }
+  }
+  alignas(64) float ra[16], rb[16];
+  am.store(ra);
+  av.store(rb);
+  float amax = ra[0], vmax = rb[0];
+  for (int k = 1; k < 16; ++k) {  // NaN propagates, as torch's amax
+    amax = (ra[k] > amax || ra[k] != ra[k]) ? ra[k] : amax;
+    vmax = (rb[k] > vmax || rb[k] != rb[k]) ? rb[k] : vmax;
+  }
+  for (const auto& [x, a, out, unsigned_map] : {std::tuple<float*, float, uint8_t*, bool>{m, amax, static_cast<uint8_t*>(L.m) + s, false},
+                                         std::tuple<float*, float, uint8_t*, bool>{v, vmax, static_cast<uint8_t*>(L.v) + s, true}}) {
+    const float r = 1.f / (a > 0.f ? a : 1.f);
+    const Maps& mp = unsigned_map ? mu : ms;
+    if (std::isinf(a) || std::isinf(r)) {  // the rare blocks: normalize_block's special cases
+      normalize_block(x, a, kBlock);
+      if (unsigned_map) encode_block<true>(x, out, kBlock, mp); else encode_block<false>(x, out, kBlock, mp);
+    } else if (unsigned_map) {
+      encode_scaled_block<true>(x, r, out, mp);
+    } else {
+      encode_scaled_block<false>(x, r, out, mp);
+    }
+  }
+  L.ma[s / kBlock] = amax;
+  L.va[s / kBlock] = vmax;
+}
+#endif
+
 template <int GK, int PK, int MK>
 void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps& ms, const Maps& mu) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (MK == U8) {
+    if (!std::isinf(L.ma[s / kBlock]) && !std::isinf(L.va[s / kBlock])) return run_q8_block<GK, PK>(L, s, c, ms, mu);
+  }
+#endif
   alignas(64) float g[kBlock], p[kBlock], m[kBlock], v[kBlock];
   if constexpr (GK == F32) {
     std::memcpy(g, static_cast<const float*>(L.g) + s, cnt * 4);
@@ -248,16 +433,8 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
       amax = (ra[k] > amax || ra[k] != ra[k]) ? ra[k] : amax;
       vmax = (rb[k] > vmax || rb[k] != rb[k]) ? rb[k] : vmax;
     }
-    for (const auto& [x, a] : {std::pair<float*, float>{m, amax}, std::pair<float*, float>{v, vmax}}) {
-      const float d = a > 0.f ? a : 1.f;
-      if (std::isinf(a)) {
-        // An infinity keeps its sign's extreme code (inf / inf is NaN), as quantize_q8.
-        for (int64_t j = 0; j < cnt; ++j) x[j] = std::isinf(x[j]) ? std::copysign(1.f, x[j]) : x[j] / d;
-      } else {
-        const fVec dx(d);
-        for (int64_t j = 0; j < cnt; j += kVF) (fVec::loadu(x + j) / dx).store(x + j);
-      }
-    }
+    normalize_block(m, amax, cnt);
+    normalize_block(v, vmax, cnt);
     encode_block<false>(m, static_cast<uint8_t*>(L.m) + s, cnt, ms);
     encode_block<true>(v, static_cast<uint8_t*>(L.v) + s, cnt, mu);
     L.ma[s / kBlock] = amax;
@@ -318,6 +495,8 @@ int kind_of(const Tensor& t) {
 void step_tables(Maps& ms, Maps& mu) {
   static std::mutex lock;
   static std::vector<int32_t> steps(2 * 65536);
+  static std::vector<int32_t> near(2 * 2 * 128 * 128);
+  static int32_t row0[2] = {0, 0};
   static std::vector<uint8_t> seen;
   const std::lock_guard<std::mutex> guard(lock);
   std::vector<uint8_t> now(reinterpret_cast<const uint8_t*>(ms.qmap),
@@ -326,10 +505,16 @@ void step_tables(Maps& ms, Maps& mu) {
   if (now != seen) {
     build_steps(ms, steps.data());
     build_steps(mu, steps.data() + 65536);
+    row0[0] = build_near(steps.data(), near.data());
+    row0[1] = build_near(steps.data() + 65536, near.data() + 2 * 128 * 128);
     seen = std::move(now);
   }
   ms.step = steps.data();
   mu.step = steps.data() + 65536;
+  ms.near = near.data();
+  mu.near = near.data() + 2 * 128 * 128;
+  ms.near_row0 = row0[0];
+  mu.near_row0 = row0[1];
 }
 
 }  // namespace

@@ -81,13 +81,16 @@ __device__ __forceinline__ float decode_q8(uint8_t code, const float* map, float
 }
 
 // quantize_q8's code of x in a block of absmax a: an infinity its sign's extreme (sign(x)), else
-// x / (a > 0 ? a : 1); then the nearest code, a value on a midpoint taking the larger one, NaN 255:
+// x * (1 / d) with d = (a > 0 ? a : 1), the reciprocal rounded once (x / d where it overflows,
+// d under 2**-128); then the nearest code, a value on a midpoint taking the larger one, NaN 255:
 // the bucket's code b (one table load) and one comparison with the next midpoint (mid[255] is NaN).
 // With the unsigned map (kPositiveFloor: second moments) a positive y never takes code 0 but 1.
 template <bool kPositiveFloor>
 __device__ __forceinline__ uint8_t encode_q8(float x, float a, const float* mid, const uint8_t* bases) {
   const float d = a > 0.f ? a : 1.f;
-  const float y = is_inf(x) ? bits_f((__float_as_uint(x) & 0x80000000u) | 0x3f800000u) : __fdiv_rn(x, d);
+  const float r = __frcp_rn(d);
+  const float y = is_inf(x) ? bits_f((__float_as_uint(x) & 0x80000000u) | 0x3f800000u)
+                            : (is_inf(r) ? __fdiv_rn(x, d) : __fmul_rn(x, r));
   if (is_nan(y)) return 255;
   const uint32_t b = bases[__float_as_uint(y) >> 16];
   const uint32_t code = b + (y >= mid[b] ? 1u : 0u);
