@@ -12,7 +12,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
-from ampfunc.lowmem import check_moment, check_moments, decode_moment, encode_moment, init_moment
+from ampfunc.lowmem import Q8Moment, check_moment, check_moments, decode_moment, encode_moment, init_moment
 from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
@@ -177,6 +177,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
 
     def update(grads, state, params=None):
         if moments == "fp32":
+            if isinstance(getattr(state, "momentum_buffer", None), Q8Moment):  # names the setting it was made with
+                check_moment(state.momentum_buffer, grads, "fp32", "state.momentum_buffer", "sgd")
             return update32(grads, state, params)
         # A bf16 / q8 buffer: rebuilt in fp32, the fp32 update, stored again (the signed map:
         # momentum takes both signs). The engine of mixed_precision does the same around the
