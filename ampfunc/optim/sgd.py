@@ -46,9 +46,9 @@ class SgdState(NamedTuple):
     Attributes:
       step: 0-d float32 tensor on the params' device, the number of applied steps.
       momentum_buffer: fp32 pytree like the params (fp64 leaves for fp64 params), or ``None``
-        when ``momentum == 0``; with ``moments="bf16"`` its fp32 leaves are bf16, with
-        ``moments="q8"`` it is an :class:`ampfunc.lowmem.Q8Moment` (codes and per-block absmax
-        trees).
+        when ``momentum == 0``; with ``moments="bf16"`` its leaves are bf16 (fp64 ones stay
+        fp64), with ``moments="q8"`` it is an :class:`ampfunc.lowmem.Q8Moment` (codes and
+        per-block absmax trees).
 
     Example:
       >>> state = af.sgd(0.1, momentum=0.9).init({"w": torch.ones(2, 3)})
