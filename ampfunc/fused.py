@@ -32,7 +32,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.dist import agree_finite
-from ampfunc.optim import adam, adamw, clip_by_global_norm
+from ampfunc.optim import adam, adamw, clip_by_global_norm, sgd
 from ampfunc.optim.base import lr_at
 from ampfunc.shards import active as active_sharding
 from ampfunc.transform import ChainSpec, FusedSpec, chain, kernel_spec, named_chain
@@ -234,7 +234,7 @@ def fp32_twin(plan: FusedPlan):
     hparams = {k: v for k, v in plan.hparams.items() if k != "moments"}
     if "betas" in hparams:  # the registered pair; the constructors take b1, b2
         hparams["b1"], hparams["b2"] = hparams.pop("betas")
-    opt = {"adam": adam, "adamw": adamw}[plan.kind](**hparams)  # the optimizers that take moments=
+    opt = {"adam": adam, "adamw": adamw, "sgd": sgd}[plan.kind](**hparams)  # the optimizers that take moments=
     if not plan.chained:
         return opt
     parts = ([clip_by_global_norm(plan.max_norm)] if plan.max_norm is not None else []) + [opt]

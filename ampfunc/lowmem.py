@@ -9,7 +9,8 @@ fault when a state does not fit its params, and counts the bytes.
   and the state keeps the int16 low half (2 bytes per element instead of 4). A param that is
   fp32 or fp64 is its own master (an empty remainder); an fp16 param is refused (its bits are
   not the high half of an fp32 number).
-* ``moments="bf16"``: the moments are bf16 tensors (2 bytes), rounded to nearest even after
+* ``moments="bf16"`` (on ``af.adam``, ``af.adamw`` and ``af.sgd``: Adam's two moments, SGD's
+  momentum buffer): the moments are bf16 tensors (2 bytes), rounded to nearest even after
   each update. ``moments="q8"`` (:class:`Q8Moment`): 8-bit codes (1 byte) and an fp32 absmax
   per block of 256 elements; leaves under 4,096 elements or not a multiple of 256 stay fp32.
   fp64 leaves (fp64 params) keep fp64 moments in every setting.
@@ -48,29 +49,10 @@ from ampfunc.tree import (
     tree_unflatten,
 )
 
-__all__ = [
-    "MASTERS",
-    "MOMENTS",
-    "MOMENT_FIELDS",
-    "Q8Moment",
-    "SplitMaster",
-    "check_master",
-    "check_moment",
-    "check_moments",
-    "check_split_master",
-    "commit_split_",
-    "decode_moment",
-    "decode_state",
-    "encode_moment",
-    "encode_state",
-    "encode_state_",
-    "init_moment",
-    "init_split_master",
-    "join_master",
-    "lowmem_step",
-    "split_master",
-    "storage_bytes",
-]
+# What users are told to use (docs/guides/low_memory.md): the settings, the layouts a state holds,
+# and the byte count. The helpers below (init_*/check_*/decode_*/encode_*, lowmem_step, ...) serve
+# the optimizers and the engine, which import them by name.
+__all__ = ["MASTERS", "MOMENTS", "Q8Moment", "SplitMaster", "storage_bytes"]
 
 MASTERS = ("fp32", "split")
 MOMENTS = ("fp32", "bf16", "q8")
@@ -89,7 +71,7 @@ class SplitMaster(NamedTuple):
 
     Example:
       >>> params = {"w": torch.ones(2, 3, dtype=torch.bfloat16), "ln": torch.ones(3)}
-      >>> sm = init_split_master(params, "example")
+      >>> sm = af.mixed_precision(af.adamw(1e-3), af.NoOpLossScale(), master="split").init(params).master
       >>> sm.remainder["w"].dtype, sm.remainder["w"].shape, sm.remainder["ln"].numel()
       (torch.int16, torch.Size([2, 3]), 0)
     """
@@ -98,7 +80,8 @@ class SplitMaster(NamedTuple):
 
 
 class Q8Moment(NamedTuple):
-    """One optimizer moment of a whole tree in 8 bits (``moments="q8"``).
+    """One optimizer moment of a whole tree in 8 bits (``moments="q8"``): an Adam moment or SGD's
+    momentum buffer.
 
     Attributes:
       codes: a tree like the params: uint8 codes of the param's shape for a leaf stored in q8,
@@ -107,7 +90,7 @@ class Q8Moment(NamedTuple):
         largest magnitude of each block of 256; an empty fp32 tensor for the others.
 
     Example:
-      >>> m = init_moment({"w": torch.ones(64, 64), "b": torch.ones(64)}, "q8", "example")
+      >>> m = af.adamw(1e-3, moments="q8").init({"w": torch.ones(64, 64), "b": torch.ones(64)}).exp_avg
       >>> m.codes["w"].dtype, m.absmax["w"].shape, m.codes["b"].dtype
       (torch.uint8, torch.Size([16]), torch.float32)
     """
@@ -376,9 +359,11 @@ def storage_bytes(*trees: PyTree) -> int:
     persistent state (params, the optimizer state).
 
     Example:
-      >>> state = init_moment({"w": torch.ones(64, 64)}, "q8", "example")
-      >>> storage_bytes(state)  # 4096 codes + 16 fp32 absmaxes
+      >>> state = af.sgd(0.1, momentum=0.9, moments="q8").init({"w": torch.ones(64, 64)})
+      >>> storage_bytes(state.momentum_buffer)  # 4096 codes + 16 fp32 absmaxes
       4160
+      >>> storage_bytes(af.sgd(0.1, momentum=0.9).init({"w": torch.ones(64, 64)}).momentum_buffer)
+      16384
 
     A sparse tensor counts the storages of its parts (indices and values); a layout without
     storages to count (mkldnn) is refused naming the leaf. Tensors on the meta device hold no
@@ -413,7 +398,8 @@ def _stored_parts(t: torch.Tensor, path: str) -> list:
 # An optimizer state's moments as fp32, and back (the engine's view for the fused plan)
 # ----------------------------------------------------------------------------------------------
 
-# The moment fields of the optimizer states and whether each holds values of both signs.
+# The moment fields of the optimizer states (Adam's and AMSGrad's, SGD's momentum buffer) and
+# whether each holds values of both signs (the signed q8 map) or not.
 MOMENT_FIELDS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False, "momentum_buffer": True}
 
 
@@ -600,7 +586,8 @@ def _dense_on(ts: Sequence, dtypes: tuple, device: torch.device) -> bool:
 
 def _kernel_serves(plan: Any, split: bool, state: Any) -> bool:
     """What :func:`_fused_step_` asks before it looks at any tensor: Adam/AdamW without AMSGrad,
-    the kernels loaded, and no fp32 master copy."""
+    the kernels loaded, and no fp32 master copy. The kernel is Adam's: SGD's momentum buffer (and
+    any other optimizer) takes the plain road."""
     if plan.optimizer.name != "adam" or plan._hypers.get("amsgrad") or not _kernels_loaded():
         return False
     return split or state.master is None

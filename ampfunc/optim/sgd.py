@@ -12,6 +12,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
+from ampfunc.lowmem import Q8Moment, check_moment, check_moments, decode_moment, encode_moment, init_moment
 from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
@@ -45,7 +46,9 @@ class SgdState(NamedTuple):
     Attributes:
       step: 0-d float32 tensor on the params' device, the number of applied steps.
       momentum_buffer: fp32 pytree like the params (fp64 leaves for fp64 params), or ``None``
-        when ``momentum == 0``.
+        when ``momentum == 0``; with ``moments="bf16"`` its leaves are bf16 (fp64 ones stay
+        fp64), with ``moments="q8"`` it is an :class:`ampfunc.lowmem.Q8Moment` (codes and
+        per-block absmax trees).
 
     Example:
       >>> state = af.sgd(0.1, momentum=0.9).init({"w": torch.ones(2, 3)})
@@ -88,7 +91,7 @@ def _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay,
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-        nesterov: bool = False, maximize: bool = False) -> GradientTransformation:
+        nesterov: bool = False, maximize: bool = False, *, moments: str = "fp32") -> GradientTransformation:
     """SGD as ``torch.optim.SGD`` computes it, as a pure transform.
 
     Per leaf, with ``g`` the gradient in fp32 (fp64 for an fp64 param): ``g = -g`` if
@@ -109,6 +112,13 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         ``update`` needs ``params``.
       nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
       maximize: maximize the objective (the gradient is negated).
+      moments: how the momentum buffer is stored between steps: ``"fp32"`` (torch's), ``"bf16"``
+        (rounded to nearest even, 2 bytes each) or ``"q8"`` (8-bit block-wise codes through
+        bitsandbytes' signed dynamic map with an fp32 absmax per block of 256: about 1 byte
+        each; leaves under 4,096 elements or not a multiple of 256 stay fp32; see
+        :mod:`ampfunc.lowmem`). Each step rebuilds the buffer in fp32, updates it with the
+        arithmetic above and stores it again. ``"bf16"`` and ``"q8"`` need ``momentum > 0``
+        (without momentum there is no buffer to store: refused, ``ValueError``).
 
     Returns:
       A ``GradientTransformation`` whose state is an :class:`SgdState`; it is registered with
@@ -129,7 +139,12 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     one CPU or CUDA device, fp32/fp16/bf16 grads, plain tensors), runs one fused kernel pass: it
     reads g, p (and the buffer) once and writes new tensors for the updates (and the new
     buffer); otherwise a generic path of a few ``torch._foreach`` ops per device computes the
-    same arithmetic. No host sync.
+    same arithmetic. With ``moments="bf16"``/``"q8"``: about 2/1 bytes per element for the buffer
+    instead of 4 (``init`` allocates it in that layout); ``update`` decodes the buffer into new
+    fp32 tensors, runs the generic path above and encodes the new buffer (q8: an absmax per block
+    and a search of the map per element); ``mixed_precision`` decodes, runs the fused fp32 kernel
+    and encodes, in plain torch around it (the one-pass low-memory kernel is Adam's). No host
+    sync.
     """
     check_lr(lr, "sgd")
     check_nonneg(momentum, "momentum")
@@ -139,17 +154,48 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
     check_bool(maximize, "maximize", "sgd")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    check_moments(moments, "sgd")
+    if moments != "fp32" and momentum == 0:
+        raise ValueError(f"sgd: moments={moments!r} stores the momentum buffer, but momentum == 0 keeps none: "
+                         "pass momentum > 0, or leave moments='fp32'")
     hparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                    nesterov=nesterov, maximize=maximize)
+    if moments != "fp32":
+        hparams["moments"] = moments
 
     def init(params):
         float_leaves_with_paths(params, "params")
         warn_low_precision_params(params, "sgd")
         step = torch.zeros((), dtype=torch.float32, device=step_device(params))
-        buf = zeros_packed(params, arithmetic_dtype) if momentum != 0 else None
+        if momentum == 0:
+            buf = None
+        elif moments != "fp32":
+            buf = init_moment(params, moments, "sgd")
+        else:
+            buf = zeros_packed(params, arithmetic_dtype)
         return SgdState(step, buf)
 
     def update(grads, state, params=None):
+        if moments == "fp32":
+            if isinstance(getattr(state, "momentum_buffer", None), Q8Moment):  # names the setting it was made with
+                check_moment(state.momentum_buffer, grads, "fp32", "state.momentum_buffer", "sgd")
+            return update32(grads, state, params)
+        # A bf16 / q8 buffer: rebuilt in fp32, the fp32 update, stored again (the signed map:
+        # momentum takes both signs). The engine of mixed_precision does the same around the
+        # fp32 twin of this transform.
+        if not isinstance(state, SgdState):
+            raise TypeError(f"sgd: state is {type(state).__name__}, expected SgdState (from sgd(...).init)")
+        if state.momentum_buffer is None:
+            raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
+                             "was the state made by an sgd without momentum?")
+        check_moment(state.momentum_buffer, grads, moments, "state.momentum_buffer", "sgd")
+        full = state._replace(momentum_buffer=tree_unflatten(tree_structure(grads),
+                                                             decode_moment(state.momentum_buffer, True)))
+        updates, new = update32(grads, full, params)
+        return updates, new._replace(momentum_buffer=encode_moment(tree_flatten(new.momentum_buffer)[0],
+                                                                   state.momentum_buffer, True))
+
+    def update32(grads, state, params=None):
         if not isinstance(state, SgdState):
             raise TypeError(f"sgd: state is {type(state).__name__}, expected SgdState (from sgd(...).init)")
         if weight_decay != 0 and params is None:
@@ -161,7 +207,10 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
             raise ValueError("sgd: state.momentum_buffer is set but momentum == 0 (it would be dropped); "
                              "was the state made by an sgd with momentum?")
         lr_t = lr_at(lr, state.step)
-        fast = _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay, nesterov, maximize)
+        # Low-memory buffers take the generic path: the fused kernel packs its new buffers into one
+        # fp32 allocation, which the leaves kept in fp32 would hold alive whole.
+        fast = _fused_update(grads, state, params, lr_t, momentum, dampening, weight_decay, nesterov,
+                             maximize) if moments == "fp32" else None
         if fast is not None:
             return fast
         gs, ps = checked_inputs(grads, params, state.momentum_buffer, "state.momentum_buffer", "sgd")
