@@ -500,7 +500,7 @@ class Adam(torch.optim.Optimizer):
           >>> b = AdamW([nn.Parameter(torch.ones(8, dtype=torch.bfloat16))], moments="q8", master="split")
           >>> b.load_state_dict(a.state_dict())
           Traceback (most recent call last):
-          ValueError: AdamW.load_state_dict: param_groups[0] was saved with moments='bf16' but ... moments='q8' ...
+          ValueError: AdamW.load_state_dict: param_groups[0] was saved with moments='bf16' but ... moments='q8'...
 
         Cost: one host read of each group's step count (to check the params agree) and one copy
         per state tensor.
