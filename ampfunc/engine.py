@@ -42,7 +42,7 @@ from ampfunc.lowmem import (
     check_moment,
     init_split_master,
     join_master,
-    lowmem_step,
+    fused_lowmem_step,
 )
 from ampfunc.shards import active as active_sharding
 from ampfunc.shards import local_view
@@ -387,6 +387,9 @@ class Engine:
         # that come back every step (in place: the same ones; pure: the last outputs) are
         # looked at once.
         self._seen: Optional[_Seen] = None
+        # The low-memory settings' counterpart: every tensor of the params and the state of the
+        # last in-place step that passed the checks and ran the kernel pass.
+        self._lowmem_seen: Optional[list] = None
 
     # -- init --------------------------------------------------------------------------------
 
@@ -798,19 +801,29 @@ class Engine:
         """The step of the low-memory settings: :func:`ampfunc.lowmem.lowmem_step` around the
         fp32 engine ``_core``, which gets this engine's monitoring hook."""
         self._check_state(state, where)
+        checked, every = False, None
         if inplace and not _compiling():
             state.loss_scale.check_writable(where)
-            # It writes the params, the split remainders (or masters) and the whole inner state:
-            # with a split master, two aliased bf16 params would each pair their remainder with
-            # the other's high half. Checked every step, naming the leaves: the plain road joins
-            # copies and would not see it (the fused kernel refuses it only by list index).
-            written = [("params", params, tree_leaves(params))]
-            if state.master is not None:
-                written.append(("state.master", state.master, tree_leaves(state.master)))
-            self._check_written(state, None, written, where)
+            # The very tensors of the last step that passed the checks below and ran the kernel
+            # pass are not looked at again (the kernel validates each call, as on the fp32 road).
+            every = tree_leaves((params, state))
+            checked = KERNELS_VALIDATE and self._lowmem_seen is not None and same_objects(every, self._lowmem_seen)
+            if not checked:
+                # It writes the params, the split remainders (or masters) and the whole inner state:
+                # with a split master, two aliased bf16 params would each pair their remainder with
+                # the other's high half. Checked naming the leaves: the plain road joins copies and
+                # would not see it (the fused kernel refuses it only by list index).
+                written = [("params", params, tree_leaves(params))]
+                if state.master is not None:
+                    written.append(("state.master", state.master, tree_leaves(state.master)))
+                self._check_written(state, None, written, where)
         self._core.on_check = self.on_check
-        return lowmem_step(self._core, self.plan, self.master == "split", params, grads, state, inplace=inplace,
-                           where=where, trust_grads=trust_grads, moments=self.moments)
+        new_params, new_state, fused = fused_lowmem_step(
+            self._core, self.plan, self.master == "split", params, grads, state, inplace=inplace, where=where,
+            trust_grads=trust_grads, moments=self.moments, checked=checked)
+        if every is not None:
+            self._lowmem_seen = every if fused else None
+        return new_params, new_state
 
     def _check_written(self, state, opt, written, where):
         """No two tensors an in-place step writes may share memory (nor one overlap itself)."""

@@ -506,10 +506,25 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
     (with transient fp32 copies of them); no host sync. Fused: one pass over params, remainders,
     grads and the stored moments, after the engine's read-only check of the gradients.
     """
-    if split:
+    return fused_lowmem_step(core, plan, split, params, grads, state, inplace=inplace, where=where,
+                             trust_grads=trust_grads, moments=moments)[:2]
+
+
+def fused_lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, *,
+                      inplace: bool, where: str, trust_grads: bool = False, moments: str = "fp32",
+                      checked: bool = False) -> tuple:
+    """:func:`lowmem_step` as ``(params, state, fused)``, ``fused`` whether the kernel pass ran.
+
+    ``checked``: the params and state are the very tensors of an earlier call whose checks
+    passed and which the kernel pass took (the engine remembers them by identity), so the
+    per-leaf checks of the state's layout are not run again: the kernel validates every call
+    itself (dtypes, shapes, contiguity, overlaps), the gradients are still looked at here. Cost:
+    as :func:`lowmem_step`, less a few attribute reads per leaf when ``checked``.
+    """
+    if split and not checked:
         check_split_master(params, state.master, where)
     opt = plan.opt_state(state.inner) if plan is not None and moments != "fp32" else None
-    if plan is not None and moments != "fp32":
+    if plan is not None and moments != "fp32" and not checked:
         if opt is None:
             raise ValueError(f"{where}: the state's optimizer state is not the one this transform's init makes "
                              "(a state from another setting?) -- call init again")
@@ -520,7 +535,7 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
             if f in opt._fields and getattr(opt, f) is not None:
                 check_moment(getattr(opt, f), ref, moments, f"state.inner.{f}", where)
     fused_opt = opt if opt is not None or plan is None else plan.opt_state(state.inner)
-    if fused_opt is not None and opt is None:
+    if fused_opt is not None and opt is None and not checked:
         # moments="fp32": a state made with bf16 or q8 moments is refused here, naming the setting
         # (the fused pass would read the stored moments in whatever layout they have).
         ref = params if split else (state.master if state.master is not None else params)
@@ -528,9 +543,9 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
             if f in fused_opt._fields and getattr(fused_opt, f) is not None:
                 check_moment(getattr(fused_opt, f), ref, "fp32", f"state.inner.{f}", where)
     if inplace and fused_opt is not None:
-        done = _fused_step_(core, plan, split, params, grads, state, fused_opt)
+        done = _fused_step_(core, plan, split, params, grads, state, fused_opt, checked)
         if done is not None:
-            return done
+            return (*done, True)
     elif fused_opt is not None and _kernel_serves(plan, split, state) and not _loading._is_compiling():
         # The pure step as the in-place pass over fresh copies: one copy pass and one kernel pass
         # instead of the plain road's join/decode/step/encode/split passes, and the same bits.
@@ -540,9 +555,10 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         for i, copy in zip(where_tensors, ops.fresh_copies([leaves[i] for i in where_tensors])):
             leaves[i] = copy
         fresh_params, fresh_state = tree_unflatten(spec, leaves)
-        done = _fused_step_(core, plan, split, fresh_params, grads, fresh_state, plan.opt_state(fresh_state.inner))
+        done = _fused_step_(core, plan, split, fresh_params, grads, fresh_state, plan.opt_state(fresh_state.inner),
+                            checked)
         if done is not None:
-            return done
+            return (*done, True)
     params32 = join_master(params, state.master) if split else params
     inner32 = plan.replace_opt_state(state.inner, decode_state(opt), lambda x: x) if opt is not None else state.inner
     state32 = state._replace(master=None if split else state.master, inner=inner32)
@@ -553,16 +569,16 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
         if opt is not None:
             encode_state_(plan.opt_state(new32.inner), opt, new32.finite)
         if new32.finite is state.finite and new32.skipped is state.skipped:
-            return params, state
-        return params, state._replace(finite=new32.finite, skipped=new32.skipped)
+            return params, state, False
+        return params, state._replace(finite=new32.finite, skipped=new32.skipped), False
     new_params32, new32 = core.step(params32, grads, state32, where=where, trust_grads=trust_grads)
     inner = new32.inner
     if opt is not None:
         inner = plan.replace_opt_state(inner, encode_state(plan.opt_state(inner), opt, new32.finite), lambda x: x)
     if split:
         new_params, new_split = split_master(new_params32, params)
-        return new_params, new32._replace(master=new_split, inner=inner)
-    return new_params32, new32._replace(inner=inner)
+        return new_params, new32._replace(master=new_split, inner=inner), False
+    return new_params32, new32._replace(inner=inner), False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,6 +620,16 @@ def _kernel_device(leaves: Sequence) -> torch.device | None:
     return None
 
 
+_NO_TENSOR: dict = {}  # one empty tensor per (dtype, device): the kernel's "no such list entry"
+
+
+def _no_tensor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _NO_TENSOR:
+        _NO_TENSOR[key] = torch.empty(0, dtype=dtype, device=device)
+    return _NO_TENSOR[key]
+
+
 _LOOKUP_ON: dict = {}  # q8_lookup's tables per CUDA device, copied once (a copy per step would sync)
 
 
@@ -615,7 +641,8 @@ def _lookup_on(device: torch.device) -> tuple:
     return _LOOKUP_ON[device]
 
 
-def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any):
+def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, opt: Any,
+                 checked: bool = False):
     """The in-place step as one ``adam_lowmem_step_`` pass, or None (nothing written) when the
     call is not one the kernels serve: another optimizer or AMSGrad, tensors on a device without
     kernels (CUDA needs the CUDA kernels loaded) or not all on the params' device, of other
@@ -633,7 +660,7 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
         return None
     allowed = (torch.bfloat16, torch.float32) if split else (torch.float32,)
     device = _kernel_device(p_leaves)
-    if device is None or g_spec != spec or not _dense_on(p_leaves, allowed, device) or \
+    if device is None or g_spec != spec or not (checked or _dense_on(p_leaves, allowed, device)) or \
             not _dense_on(g_leaves, _KERNEL_GRADS, device) or \
             any(g.shape != p.shape for g, p in zip(g_leaves, p_leaves)):
         return None
@@ -646,18 +673,20 @@ def _fused_step_(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTre
             codes, absmax = tree_flatten(slot.codes)[0], tree_flatten(slot.absmax)[0]
         else:
             codes = tree_flatten(slot)[0]
-            absmax = [torch.empty(0, dtype=torch.float32, device=device) for _ in codes]
-        if len(codes) != len(p_leaves) or not _dense_on(codes, _KERNEL_MOMENTS, device) or \
-                not _dense_on(absmax, (torch.float32,), device) or \
-                any(c.shape != p.shape for c, p in zip(codes, p_leaves)):
+            absmax = [_no_tensor(torch.float32, device)] * len(codes)
+        if len(codes) != len(p_leaves):
+            return None
+        if not checked and (not _dense_on(codes, _KERNEL_MOMENTS, device) or
+                            not _dense_on(absmax, (torch.float32,), device) or
+                            any(c.shape != p.shape for c, p in zip(codes, p_leaves))):
             return None
         lists += [codes, absmax]
     if split:
         remainders = tree_flatten(state.master.remainder)[0]
-        if not _dense_on(remainders, (torch.int16,), device):
+        if not checked and not _dense_on(remainders, (torch.int16,), device):
             return None  # a strided remainder (a state edited by hand): the plain path takes it
     else:
-        remainders = [torch.empty(0, dtype=torch.int16, device=device) for _ in p_leaves]
+        remainders = [_no_tensor(torch.int16, device)] * len(p_leaves)
     on_check = None
     if core.on_check is not None and not _loading._is_compiling():
         hook = core.on_check

@@ -207,6 +207,32 @@ def test_the_fused_path_is_the_plain_torch_path_bit_for_bit(kind, moments, monke
     assert int(s_fused.skipped) >= 1
 
 
+@pytest.mark.parametrize("moments", ["bf16", "q8"])
+def test_the_state_is_checked_once_per_set_of_tensors_and_the_kernel_still_refuses_a_swapped_one(moments, monkeypatch):
+    # The in-place step looks at the layout of the params and the state once (then by identity);
+    # new tensors are checked again, and a tensor swapped inside the same object (`.data = ...`)
+    # is refused by the kernel, which validates every call, before anything is written.
+    _compiled()
+    tx = _tx("adamw", moments, clip=False)
+    params = _params()
+    state = tx.init(params)
+    looked = []
+    real = lowmem.check_moment
+    monkeypatch.setattr(lowmem, "check_moment", lambda *a, **k: (looked.append(1), real(*a, **k))[1])
+    for i in range(3):
+        params, state = tx.step_(params, _tree_grads(params, i), state)
+    assert len(looked) == 2  # the first step's two moments, not again
+    reloaded = clone_tree(state)  # a state loaded from a checkpoint: other tensors, checked again
+    params, reloaded = tx.step_(params, _tree_grads(params, 3), reloaded)
+    assert len(looked) == 4
+    codes = reloaded.inner.exp_avg.codes["w"] if moments == "q8" else reloaded.inner.exp_avg["w"]
+    codes.data = torch.zeros(3, dtype=codes.dtype)  # same object, another shape
+    before = clone_tree((params, reloaded))
+    with pytest.raises((ValueError, RuntimeError), match="exp_avgs"):
+        tx.step_(params, _tree_grads(params, 4), reloaded)
+    assert same_tree_bits(before, (params, reloaded))
+
+
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "q8"])
 def test_the_pure_step_is_the_kernel_on_fresh_copies_and_leaves_its_inputs_alone(moments, monkeypatch):
     # tx.step runs the in-place kernel over copies: the plain road's bits, one kernel pass, and the
