@@ -40,9 +40,9 @@ from ampfunc.lowmem import (
     SplitMaster,
     check_master,
     check_moment,
+    fused_lowmem_step,
     init_split_master,
     join_master,
-    fused_lowmem_step,
 )
 from ampfunc.shards import active as active_sharding
 from ampfunc.shards import local_view
