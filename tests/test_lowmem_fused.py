@@ -156,6 +156,7 @@ def _params(seed=0):
     return {"emb": torch.randn(32, 256, generator=g).to(torch.bfloat16),   # q8 (32 blocks)
             "w": torch.randn(64, 80, generator=g).to(torch.bfloat16),      # 5120: q8
             "b": torch.randn(80, generator=g).to(torch.bfloat16),          # small: fp32 moments
+            "odd": torch.randn(7, 37, generator=g).to(torch.bfloat16),     # 259: a 3-element tail
             "ln": torch.randn(80, generator=g)}                            # fp32: its own master
 
 

@@ -230,12 +230,13 @@ struct Leaf {
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
-// ---- q8 moments in one register pass (AVX-512) ----
+// ---- one register pass per block (AVX-512) ----
 //
 // The same numbers as run_block's passes (the same IEEE operations per element, in the same
-// order), but each 16 elements are loaded, decoded, updated, split and folded into the new
-// absmax in registers, and the second pass scales, encodes and packs 16 codes at a time: on a
-// q8 block the separate passes through the block's buffers cost more than the arithmetic.
+// order), but each 16 elements are loaded, widened or decoded, updated, split and stored (or,
+// for q8, folded into the new absmax) in registers, and a q8 block's second pass scales, encodes
+// and packs 16 codes at a time: the separate passes through the block's buffers cost more than
+// the arithmetic.
 template <int GK>
 inline __m512 load_grad16(const void* g, int64_t j) {
   if constexpr (GK == F32) {
@@ -285,30 +286,60 @@ inline void encode_scaled_block(const float* x, float r, uint8_t* out, const Map
   }
 }
 
-// run_block<GK, PK, U8> on a whole block whose stored absmaxes are not infinite.
-template <int GK, int PK>
-void run_q8_block(const Leaf& L, int64_t s, const Hyper& c, const Maps& ms, const Maps& mu) {
+// torch's float -> bfloat16 for 16 lanes (f_bf16_rne): round to nearest even, NaN quiet.
+inline __m256i to_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 from_bf16_16(const void* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// run_block<GK, PK, MK> on cnt elements, cnt a multiple of 16 (a q8 block: a whole block whose
+// stored absmaxes are not infinite), 16 lanes at a time in registers: fp32 moments read and
+// written in place, bf16 ones widened and rounded back, q8 ones decoded here and encoded after
+// the block's new absmax is known.
+template <int GK, int PK, int MK>
+void run_fused_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps& ms, const Maps& mu) {
   using fVec = at::vec::Vectorized<float>;
   static_assert(fVec::size() == 16, "AVX-512 float vectors hold 16 lanes");
-  alignas(64) float m[kBlock], v[kBlock];
-  const uint8_t* cm = static_cast<const uint8_t*>(L.m) + s;
-  const uint8_t* cv = static_cast<const uint8_t*>(L.v) + s;
-  const __m512 ma = _mm512_set1_ps(L.ma[s / kBlock]), va = _mm512_set1_ps(L.va[s / kBlock]);
+  alignas(64) float m[MK == U8 ? kBlock : 1], v[MK == U8 ? kBlock : 1];
+  __m512 ma = _mm512_setzero_ps(), va = _mm512_setzero_ps();
+  if constexpr (MK == U8) {
+    ma = _mm512_set1_ps(L.ma[s / kBlock]);
+    va = _mm512_set1_ps(L.va[s / kBlock]);
+  }
   const fVec gs(c.gs), wd(c.wd), decay(c.decay), lw(c.lw), b2(c.b2), c2(c.c2), bc2(c.bc2), eps(c.eps), nss(c.nss);
   const __m512i nan_bits = _mm512_set1_epi32(0x7FC00000);
   fVec am(0.f), av(0.f);
-  for (int64_t j = 0; j < kBlock; j += 16) {
-    fVec gj = fVec(load_grad16<GK>(L.g, s + j)) * gs;
+  for (int64_t j = 0; j < cnt; j += 16) {
+    const int64_t e = s + j;
+    fVec gj = fVec(load_grad16<GK>(L.g, e)) * gs;
     fVec pj;
     if constexpr (PK == BF16) {
       const __m512i hi = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(L.p) + s + j)));
-      const __m512i lo = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.lo + s + j)));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(L.p) + e)));
+      const __m512i lo = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.lo + e)));
       pj = fVec(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 16), lo)));
     } else {
-      pj = fVec::loadu(static_cast<const float*>(L.p) + s + j);
+      pj = fVec::loadu(static_cast<const float*>(L.p) + e);
     }
-    const fVec m0(decode16(cm + j, ms.qmap, ma)), v0(decode16(cv + j, mu.qmap, va));
+    fVec m0, v0;
+    if constexpr (MK == U8) {
+      m0 = fVec(decode16(static_cast<const uint8_t*>(L.m) + e, ms.qmap, ma));
+      v0 = fVec(decode16(static_cast<const uint8_t*>(L.v) + e, mu.qmap, va));
+    } else if constexpr (MK == BF16) {
+      m0 = fVec(from_bf16_16(static_cast<const uint16_t*>(L.m) + e));
+      v0 = fVec(from_bf16_16(static_cast<const uint16_t*>(L.v) + e));
+    } else {
+      m0 = fVec::loadu(static_cast<const float*>(L.m) + e);
+      v0 = fVec::loadu(static_cast<const float*>(L.v) + e);
+    }
     if (c.maximize) gj = gj.neg();
     if (c.decoupled) pj = pj * decay;
     else if (c.l2) gj = at::vec::fmadd(pj, wd, gj);
@@ -316,45 +347,56 @@ void run_q8_block(const Leaf& L, int64_t s, const Hyper& c, const Maps& ms, cons
     const fVec vj = at::vec::fmadd(c2 * gj, gj, v0 * b2);
     const fVec d = vj.sqrt() / bc2 + eps;
     pj = pj + (nss * mj) / d;
-    mj.store(m + j);
-    vj.store(v + j);
-    am = at::vec::maximum(am, mj.abs());
-    av = at::vec::maximum(av, vj.abs());
+    if constexpr (MK == U8) {
+      mj.store(m + j);
+      vj.store(v + j);
+      am = at::vec::maximum(am, mj.abs());
+      av = at::vec::maximum(av, vj.abs());
+    } else if constexpr (MK == BF16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(L.m) + e), to_bf16_16(mj));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(L.v) + e), to_bf16_16(vj));
+    } else {
+      mj.store(static_cast<float*>(L.m) + e);
+      vj.store(static_cast<float*>(L.v) + e);
+    }
     if constexpr (PK == BF16) {  // split_bf16: hi + lo == the master, hi its round to nearest; NaN quiet
       const __m512 pv = pj;
       const __m512i u = _mm512_mask_mov_epi32(_mm512_castps_si512(pv), _mm512_cmp_ps_mask(pv, pv, _CMP_UNORD_Q),
                                               nan_bits);
       const __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(u, 16), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(L.lo + s + j), _mm512_cvtepi32_epi16(l));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(L.p) + s + j),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(L.lo + e), _mm512_cvtepi32_epi16(l));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(L.p) + e),
                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_sub_epi32(u, l), 16)));
     } else {
-      pj.store(static_cast<float*>(L.p) + s + j);
+      pj.store(static_cast<float*>(L.p) + e);
     }
   }
-  alignas(64) float ra[16], rb[16];
-  am.store(ra);
-  av.store(rb);
-  float amax = ra[0], vmax = rb[0];
-  for (int k = 1; k < 16; ++k) {  // NaN propagates, as torch's amax
-    amax = (ra[k] > amax || ra[k] != ra[k]) ? ra[k] : amax;
-    vmax = (rb[k] > vmax || rb[k] != rb[k]) ? rb[k] : vmax;
-  }
-  for (const auto& [x, a, out, unsigned_map] : {std::tuple<float*, float, uint8_t*, bool>{m, amax, static_cast<uint8_t*>(L.m) + s, false},
-                                         std::tuple<float*, float, uint8_t*, bool>{v, vmax, static_cast<uint8_t*>(L.v) + s, true}}) {
-    const float r = 1.f / (a > 0.f ? a : 1.f);
-    const Maps& mp = unsigned_map ? mu : ms;
-    if (std::isinf(a) || std::isinf(r)) {  // the rare blocks: normalize_block's special cases
-      normalize_block(x, a, kBlock);
-      if (unsigned_map) encode_block<true>(x, out, kBlock, mp); else encode_block<false>(x, out, kBlock, mp);
-    } else if (unsigned_map) {
-      encode_scaled_block<true>(x, r, out, mp);
-    } else {
-      encode_scaled_block<false>(x, r, out, mp);
+  if constexpr (MK == U8) {
+    alignas(64) float ra[16], rb[16];
+    am.store(ra);
+    av.store(rb);
+    float amax = ra[0], vmax = rb[0];
+    for (int k = 1; k < 16; ++k) {  // NaN propagates, as torch's amax
+      amax = (ra[k] > amax || ra[k] != ra[k]) ? ra[k] : amax;
+      vmax = (rb[k] > vmax || rb[k] != rb[k]) ? rb[k] : vmax;
     }
+    for (const auto& [x, a, out, unsigned_map] :
+         {std::tuple<float*, float, uint8_t*, bool>{m, amax, static_cast<uint8_t*>(L.m) + s, false},
+          std::tuple<float*, float, uint8_t*, bool>{v, vmax, static_cast<uint8_t*>(L.v) + s, true}}) {
+      const float r = 1.f / (a > 0.f ? a : 1.f);
+      const Maps& mp = unsigned_map ? mu : ms;
+      if (std::isinf(a) || std::isinf(r)) {  // the rare blocks: normalize_block's special cases
+        normalize_block(x, a, kBlock);
+        if (unsigned_map) encode_block<true>(x, out, kBlock, mp); else encode_block<false>(x, out, kBlock, mp);
+      } else if (unsigned_map) {
+        encode_scaled_block<true>(x, r, out, mp);
+      } else {
+        encode_scaled_block<false>(x, r, out, mp);
+      }
+    }
+    L.ma[s / kBlock] = amax;
+    L.va[s / kBlock] = vmax;
   }
-  L.ma[s / kBlock] = amax;
-  L.va[s / kBlock] = vmax;
 }
 #endif
 
@@ -362,7 +404,10 @@ template <int GK, int PK, int MK>
 void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps& ms, const Maps& mu) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (MK == U8) {
-    if (!std::isinf(L.ma[s / kBlock]) && !std::isinf(L.va[s / kBlock])) return run_q8_block<GK, PK>(L, s, c, ms, mu);
+    if (!std::isinf(L.ma[s / kBlock]) && !std::isinf(L.va[s / kBlock]))
+      return run_fused_block<GK, PK, MK>(L, s, cnt, c, ms, mu);
+  } else {
+    if (cnt % 16 == 0) return run_fused_block<GK, PK, MK>(L, s, cnt, c, ms, mu);
   }
 #endif
   alignas(64) float g[kBlock], p[kBlock], m[kBlock], v[kBlock];
