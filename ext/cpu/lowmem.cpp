@@ -617,7 +617,15 @@ void adam_lowmem_step__cpu(const Tensors& params, const Tensors& remainders, con
     fns.push_back(pick(kind_of(grads[i]), kind_of(params[i]), kind_of(exp_avgs[i])));
     for (int64_t s = 0; s < L.n; s += kBlock) tasks.emplace_back(int32_t(i), s);
   }
-  at::parallel_for(0, int64_t(tasks.size()), 64, [&](int64_t b, int64_t e) {
+  // Tasks per parallel chunk: about kGrainElements elements' worth (kernels.cpp's grain), so a
+  // call on small leaves stays on this thread instead of waking the pool for microseconds of work.
+  constexpr int64_t kGrainElements = 1 << 15;
+  int64_t total = 0;
+  for (const Leaf& L : leaves) total += L.n;
+  const int64_t n_tasks = int64_t(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, (n_tasks * kGrainElements + std::max<int64_t>(total, 1) - 1) /
+                                                 std::max<int64_t>(total, 1));
+  at::parallel_for(0, n_tasks, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const Leaf& L = leaves[tasks[t].first];
       const int64_t s = tasks[t].second;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,7 +38,17 @@ inline std::string shape_of(const Tensor& t) {
   return s + (t.dim() == 1 ? ",)" : ")");
 }
 
-inline void check_dense(const Tensor& t, const std::string& what, const at::Device& dev) {
+// An argument's name for an error message: a list's leaf ("params[3]") or a lone tensor. Built
+// only when a check fails: the checks run on every leaf of every call.
+struct Arg {
+  const char* list;
+  size_t i = SIZE_MAX;
+  std::string str() const { return i == SIZE_MAX ? std::string(list) : item(list, i); }
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Arg& a) { return os << a.str(); }
+
+inline void check_dense(const Tensor& t, const Arg& what, const at::Device& dev) {
   TORCH_CHECK_TYPE(t.defined(), "ampfunc: ", what, " is undefined (", kOp, ")");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, "ampfunc: ", what, " has layout ", t.layout(),
                    "; ampfunc takes dense (strided) tensors (", kOp, ")");
@@ -52,14 +63,16 @@ inline void check_dense(const Tensor& t, const std::string& what, const at::Devi
                     "contiguous tensors (", kOp, ")");
 }
 
-inline void check_dtype(const Tensor& t, const std::string& what, std::initializer_list<at::ScalarType> ok,
+inline void check_dtype(const Tensor& t, const Arg& what, std::initializer_list<at::ScalarType> ok,
                  const char* words) {
   for (auto d : ok) if (t.scalar_type() == d) return;
   TORCH_CHECK_TYPE(false, "ampfunc: ", what, " has dtype ", t.scalar_type(), "; it takes ", words, " (", kOp, ")");
 }
 
-inline void check_shape(const Tensor& t, const std::string& what, at::IntArrayRef want, const std::string& why) {
-  TORCH_CHECK_VALUE(t.sizes() == want, "ampfunc: ", what, " has shape ", shape_of(t), " but ", why, " (", kOp, ")");
+// `why` (a callable giving the reason's words) runs only when the shapes differ.
+template <class Why>
+inline void check_shape(const Tensor& t, const Arg& what, at::IntArrayRef want, const Why& why) {
+  TORCH_CHECK_VALUE(t.sizes() == want, "ampfunc: ", what, " has shape ", shape_of(t), " but ", why(), " (", kOp, ")");
 }
 
 inline std::string torch_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
@@ -71,7 +84,7 @@ inline void check_scalar(const Tensor& t, const char* name, at::ScalarType dt, c
                    "; ampfunc takes dense (strided) tensors (", kOp, ")");
   TORCH_CHECK_TYPE(t.scalar_type() == dt, "ampfunc: ", name, " has dtype ", torch_dtype(t.scalar_type()),
                    "; expected ", torch_dtype(dt), " (", kOp, ")");
-  check_dense(t, name, dev);
+  check_dense(t, Arg{name}, dev);
 }
 
 // Python's repr of a float, as ampfunc.ops._validation.check_hypers writes the value at fault.
@@ -152,8 +165,8 @@ inline void check_args(Tensors params, Tensors remainders, Tensors grads, Tensor
   check_scalar(grad_scale, "grad_scale", at::kFloat, dev);
   check_scalar(finite, "finite", at::kBool, dev);
   if (lr_tensor.has_value() && lr_tensor->defined()) check_scalar(*lr_tensor, "lr_tensor", at::kFloat, dev);
-  check_dense(qmaps, "qmaps", dev);
-  check_dense(qbases, "qbases", dev);
+  check_dense(qmaps, Arg{"qmaps"}, dev);
+  check_dense(qbases, Arg{"qbases"}, dev);
   TORCH_CHECK_VALUE(qmaps.scalar_type() == at::kFloat && qmaps.dim() == 1 && qmaps.size(0) == kCheckMapsNumel,
                     "ampfunc: qmaps must be ampfunc.lowbits.q8_lookup()'s float32 (1024,) maps (", kOp, ")");
   TORCH_CHECK_VALUE(qbases.scalar_type() == at::kByte && qbases.dim() == 2 && qbases.size(0) == 2 &&
@@ -161,30 +174,34 @@ inline void check_args(Tensors params, Tensors remainders, Tensors grads, Tensor
                     "ampfunc: qbases must be ampfunc.lowbits.q8_lookup()'s uint8 (2, 65552) bases (", kOp, ")");
   for (size_t i = 0; i < params.size(); ++i) {
     const Tensor& p = params[i];
-    check_dense(p, item("params", i), dev);
-    check_dtype(p, item("params", i), {at::kFloat, at::kBFloat16}, "float32 or bfloat16");
+    check_dense(p, Arg{"params", i}, dev);
+    check_dtype(p, Arg{"params", i}, {at::kFloat, at::kBFloat16}, "float32 or bfloat16");
     const bool split = p.scalar_type() == at::kBFloat16;
-    check_dense(remainders[i], item("remainders", i), dev);
-    check_dtype(remainders[i], item("remainders", i), {at::kShort}, "int16");
+    check_dense(remainders[i], Arg{"remainders", i}, dev);
+    check_dtype(remainders[i], Arg{"remainders", i}, {at::kShort}, "int16");
     if (split) {
-      check_shape(remainders[i], item("remainders", i), p.sizes(), item("params", i) + " is bfloat16 of shape " +
-                  shape_of(p) + " (its remainder has its shape)");
+      check_shape(remainders[i], Arg{"remainders", i}, p.sizes(), [&] {
+        return item("params", i) + " is bfloat16 of shape " + shape_of(p) + " (its remainder has its shape)";
+      });
     } else {
-      check_shape(remainders[i], item("remainders", i), {0}, item("params", i) + " is float32 (its own master: "
-                  "an empty remainder)");
+      check_shape(remainders[i], Arg{"remainders", i}, {0},
+                  [&] { return item("params", i) + " is float32 (its own master: an empty remainder)"; });
     }
-    check_dense(grads[i], item("grads", i), dev);
-    check_dtype(grads[i], item("grads", i), {at::kFloat, at::kHalf, at::kBFloat16}, "float32, float16 or bfloat16");
-    check_shape(grads[i], item("grads", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
-    check_dense(exp_avgs[i], item("exp_avgs", i), dev);
-    check_dtype(exp_avgs[i], item("exp_avgs", i), {at::kFloat, at::kBFloat16, at::kByte},
+    check_dense(grads[i], Arg{"grads", i}, dev);
+    check_dtype(grads[i], Arg{"grads", i}, {at::kFloat, at::kHalf, at::kBFloat16}, "float32, float16 or bfloat16");
+    check_shape(grads[i], Arg{"grads", i}, p.sizes(),
+                [&] { return item("params", i) + " has shape " + shape_of(p); });
+    check_dense(exp_avgs[i], Arg{"exp_avgs", i}, dev);
+    check_dtype(exp_avgs[i], Arg{"exp_avgs", i}, {at::kFloat, at::kBFloat16, at::kByte},
                 "float32, bfloat16 or uint8 (q8 codes)");
-    check_shape(exp_avgs[i], item("exp_avgs", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
-    check_dense(exp_avg_sqs[i], item("exp_avg_sqs", i), dev);
+    check_shape(exp_avgs[i], Arg{"exp_avgs", i}, p.sizes(),
+                [&] { return item("params", i) + " has shape " + shape_of(p); });
+    check_dense(exp_avg_sqs[i], Arg{"exp_avg_sqs", i}, dev);
     TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "ampfunc: ", item("exp_avg_sqs", i),
                      " has dtype ", exp_avg_sqs[i].scalar_type(), " but ", item("exp_avgs", i), " has dtype ",
                      exp_avgs[i].scalar_type(), "; both moments of a param are stored alike (", kOp, ")");
-    check_shape(exp_avg_sqs[i], item("exp_avg_sqs", i), p.sizes(), item("params", i) + " has shape " + shape_of(p));
+    check_shape(exp_avg_sqs[i], Arg{"exp_avg_sqs", i}, p.sizes(),
+                [&] { return item("params", i) + " has shape " + shape_of(p); });
     const bool q8 = exp_avgs[i].scalar_type() == at::kByte;
     TORCH_CHECK_VALUE(!q8 || p.numel() % kCheckBlock == 0, "ampfunc: ", item("exp_avgs", i), " is q8 but ",
                       item("params", i), " has ", p.numel(), " elements, not a multiple of the block (256) (", kOp,
@@ -193,11 +210,13 @@ inline void check_args(Tensors params, Tensors remainders, Tensors grads, Tensor
                                                               {"exp_avg_sq_absmax", &exp_avg_sq_absmax}};
     for (const auto& [name, ts] : absmaxes) {
       const Tensor& a = (*ts)[i];
-      check_dense(a, item(name, i), dev);
-      check_dtype(a, item(name, i), {at::kFloat}, "float32");
+      check_dense(a, Arg{name, i}, dev);
+      check_dtype(a, Arg{name, i}, {at::kFloat}, "float32");
       const int64_t blocks = q8 ? p.numel() / kCheckBlock : 0;
-      check_shape(a, item(name, i), {blocks}, q8 ? "the q8 moments of " + item("params", i) + " have " +
-                  std::to_string(blocks) + " blocks of 256" : item("exp_avgs", i) + " is not q8 (an empty absmax)");
+      check_shape(a, Arg{name, i}, {blocks}, [&] {
+        return q8 ? "the q8 moments of " + item("params", i) + " have " + std::to_string(blocks) + " blocks of 256"
+                  : item("exp_avgs", i) + " is not q8 (an empty absmax)";
+      });
     }
   }
   // The written lists in the table's order, each leaf by leaf, then step (as the twin lists them).
