@@ -25,6 +25,16 @@ tensors with ``--device cuda`` and the CUDA kernels) is the fused ``adam_lowmem_
 switched off for that call), in the same rounds.
 
     python benchmarks/bench_lowmem.py --device cuda --before   # on a GPU (benchmarks/gpu_check.sh)
+
+``--floors`` adds, per row, the two floors of its ``step_`` on ``--numel`` elements: memory (the
+bytes the step must move per element, at the read+write bandwidth of ``x.mul_(1.0)`` over a
+256 MiB buffer, measured in the same run) and arithmetic (the same ``step_`` timed on a
+``--floor-numel`` tree that stays in the caches, on one thread, scaled to ``--numel`` elements
+over the run's threads: what the step costs with no memory traffic to wait for, plus its fixed
+per-call cost, tens of microseconds, so it errs high). A row runs at about the larger of the two
+where the other overlaps with it.
+
+    python benchmarks/bench_lowmem.py --no-pure --floors
 """
 
 from __future__ import annotations
@@ -98,6 +108,8 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="also time torchao / bitsandbytes 8-bit AdamW")
     ap.add_argument("--before", action="store_true", help="also time the low-memory step_ through the plain-torch path")
     ap.add_argument("--no-pure", action="store_true", help="time step_ only (not the pure step)")
+    ap.add_argument("--floors", action="store_true", help="also print each row's memory and arithmetic floors")
+    ap.add_argument("--floor-numel", type=int, default=1 << 16, help="elements of the in-cache tree of --floors")
     args = ap.parse_args()
     if args.quick:
         args.numel, args.rounds = 1 << 20, 3
@@ -161,6 +173,57 @@ def main() -> None:
               f"{ratio:>12.2f}x faster" if ratio >= 1 else
               f"{k:<40}{statistics.median(ts) * 1e3:>10.1f}{min(ts) * 1e3:>8.1f}-{max(ts) * 1e3:<7.1f}"
               f"{1 / ratio:>12.2f}x slower")
+    if args.floors and device.type == "cpu":
+        floors(args.numel, args.floor_numel, torch.get_num_threads())
+
+
+# Bytes per element each row's in-place step moves on a bf16 leaf: the bf16 gradient read; the
+# bf16 param read and written; the fp32 master or the int16 remainder read and written; each
+# moment read and written (q8: a code, plus 4 bytes per 256 elements of absmax).
+MOVED = {"fp32-master": 2 + 4 + 8 + 16, "split": 2 + 4 + 4 + 16, "split+bf16": 2 + 4 + 4 + 8,
+         "split+q8": 2 + 4 + 4 + 2 * (2 + 8 / 256)}
+
+
+def _bandwidth() -> float:
+    """Read+write bytes per second of an in-place pass over a 256 MiB fp32 buffer (median of 7)."""
+    x = torch.ones(1 << 26)
+    ts = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        x.mul_(1.0)
+        ts.append(time.perf_counter() - t0)
+    return 8 * x.numel() / statistics.median(ts[1:])
+
+
+def floors(numel: int, floor_numel: int, threads: int) -> None:
+    """Prints each row's memory floor and arithmetic floor for a ``numel`` step (module docstring)."""
+    bw = _bandwidth()
+    g = torch.Generator().manual_seed(2)
+    small = {"w": torch.randn(floor_numel, generator=g).bfloat16()}
+    grads = [{"w": torch.randn(floor_numel, generator=g).bfloat16()} for _ in range(3)]
+    print(f"\nfloors for {numel:,} elements: memory at {bw / 1e9:.1f} GB/s read+write; arithmetic from "
+          f"{floor_numel:,} in-cache elements on 1 thread, scaled to {threads} threads")
+    print(f"{'row':<16}{'B/elem':>8}{'memory ms':>11}{'ns/elem':>9}{'arith. ms':>11}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, master, moments in ROWS:
+            tx = af.mixed_precision(af.adamw(1e-3, moments=moments), af.NoOpLossScale(), master=master)
+            p = {k: v.clone() for k, v in small.items()}
+            st = tx.init(p)
+            for i in range(20):
+                p, st = tx.step_(p, grads[i % 3], st)
+            ts = []
+            for r in range(9):
+                t0 = time.perf_counter()
+                for i in range(20):
+                    p, st = tx.step_(p, grads[i % 3], st)
+                ts.append((time.perf_counter() - t0) / 20)
+            per = statistics.median(ts) / floor_numel
+            print(f"{name:<16}{MOVED[name]:>8.2f}{MOVED[name] * numel / bw * 1e3:>11.1f}{per * 1e9:>9.2f}"
+                  f"{per * numel / threads * 1e3:>11.1f}")
+    finally:
+        torch.set_num_threads(before)
 
 
 if __name__ == "__main__":
