@@ -12,7 +12,17 @@
 #   5. runs benchmarks/bench_step.py --device cuda (every section, (e) included: every step path
 #      against torch's fused AdamW, and 10,000 tensors against 200; (g): Lion's step_ and kernel
 #      beside AdamW's), then benchmarks/bench_lowmem.py --device cuda (the low-memory settings'
-#      step_, fused by ext/cuda/lowmem.cu),
+#      step_, fused by ext/cuda/lowmem.cu), then benchmarks/bench_lowmem_gpt.py --device cuda (the
+#      low-memory states training a 440M-param GPT: tokens/s, B/param and peak memory per row, beside
+#      torch's fused AdamW and, when their wheels are carried, torchao's and bitsandbytes' AdamW8bit;
+#      GPT_BENCH_ARGS adds flags, e.g. "--layers 24 --batch 8"). The peers are not on the device
+#      image: put their wheels in .whl/ beside optree's (about 47 MB together, under the 64 MiB a
+#      call carries), e.g. from the repo root
+#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+#          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl optree torchao bitsandbytes
+#      (torchao needs nothing more; bitsandbytes needs numpy and packaging, already there). A peer
+#      that does not import is printed as skipped, with the reason, and fails nothing,
 #   6. memcheck (and racecheck with GPU_CHECK_RACECHECK=1) of every kernel on odd sizes with
 #      compute-sanitizer, when present and time is left,
 #   7. prints a short table.
@@ -142,6 +152,22 @@ if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_lowmem.py ] && [ "$(left 60)" -g
   row "bench_lowmem.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")"
 else
   row "bench_lowmem.py --device cuda" skipped 0 "no CUDA build, no benchmarks/bench_lowmem.py or no time left"
+fi
+
+# 5c. the low-memory states training a GPT-style model (tokens/s, peak memory; peers from .whl/) -----
+if [ "$BUILD_OK" = 1 ] && [ -f benchmarks/bench_lowmem_gpt.py ] && [ "$(left 90)" -ge 90 ]; then
+  banner "benchmarks/bench_lowmem_gpt.py --device cuda $QUICK ${GPT_BENCH_ARGS:-}"
+  t=$(date +%s)
+  log=/tmp/gpu_check_lowmem_gpt.log
+  # shellcheck disable=SC2086
+  timeout "$(left 180)" "$PY" benchmarks/bench_lowmem_gpt.py --device cuda $QUICK ${GPT_BENCH_ARGS:-} 2>&1 | tee "$log"
+  st=${PIPESTATUS[0]}
+  [ -n "${OUT:-}" ] && cp "$log" "$OUT/bench_lowmem_gpt_cuda.log"
+  ran="$(grep -E '^(torchao|bitsandbytes) AdamW8bit \(' "$log" | grep -vc 'failed:')"
+  row "bench_lowmem_gpt.py --device cuda $QUICK" "$([ "$st" = 0 ] && echo ok || echo "FAILED($st)")" "$(since "$t")" \
+    "peers timed: ${ran:-0} of 2$(grep -qE '^(torchao|bitsandbytes) AdamW8bit.*(skipped|failed):' "$log" && echo ' (the log says why not)')"
+else
+  row "bench_lowmem_gpt.py --device cuda" skipped 0 "no CUDA build, no benchmarks/bench_lowmem_gpt.py or no time left"
 fi
 
 # 6. compute-sanitizer ----------------------------------------------------------------------
