@@ -26,13 +26,13 @@ switched off for that call), in the same rounds.
 
     python benchmarks/bench_lowmem.py --device cuda --before   # on a GPU (benchmarks/gpu_check.sh)
 
-``--floors`` adds, per row, the two floors of its ``step_`` on ``--numel`` elements: memory (the
+``--floors`` adds, per row, estimates of the two floors of its ``step_`` on ``--numel`` elements: memory (the
 bytes the step must move per element, at the read+write bandwidth of ``x.mul_(1.0)`` over a
 256 MiB buffer, measured in the same run) and arithmetic (the same ``step_`` timed on a
-``--floor-numel`` tree that stays in the caches, on one thread, scaled to ``--numel`` elements
-over the run's threads: what the step costs with no memory traffic to wait for, plus its fixed
-per-call cost, tens of microseconds, so it errs high). A row runs at about the larger of the two
-where the other overlaps with it.
+``--floor-numel`` tree and on one a quarter of its size, both small enough to stay in the caches,
+on one thread: the difference per element, which leaves out the step's fixed cost per call,
+scaled to ``--numel`` elements over the run's threads: what the step costs with no memory
+traffic to wait for). A row runs at about the larger of the two where the other overlaps with it.
 
     python benchmarks/bench_lowmem.py --no-pure --floors
 """
@@ -195,31 +195,38 @@ def _bandwidth() -> float:
     return 8 * x.numel() / statistics.median(ts[1:])
 
 
+def _per_element(tx, numel: int, g) -> float:
+    """Seconds per ``tx.step_`` on a bf16 tree of ``numel`` elements (median of 9 runs of 20)."""
+    p = {"w": torch.randn(numel, generator=g).bfloat16()}
+    grads = [{"w": torch.randn(numel, generator=g).bfloat16()} for _ in range(3)]
+    st = tx.init(p)
+    for i in range(20):
+        p, st = tx.step_(p, grads[i % 3], st)
+    ts = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        for i in range(20):
+            p, st = tx.step_(p, grads[i % 3], st)
+        ts.append((time.perf_counter() - t0) / 20)
+    return statistics.median(ts)
+
+
 def floors(numel: int, floor_numel: int, threads: int) -> None:
-    """Prints each row's memory floor and arithmetic floor for a ``numel`` step (module docstring)."""
+    """Prints each row's memory floor and arithmetic floor for a ``numel`` step (module docstring):
+    the arithmetic per element is the slope between in-cache trees of ``floor_numel`` and a
+    quarter of it, which leaves out the step's fixed cost per call."""
     bw = _bandwidth()
     g = torch.Generator().manual_seed(2)
-    small = {"w": torch.randn(floor_numel, generator=g).bfloat16()}
-    grads = [{"w": torch.randn(floor_numel, generator=g).bfloat16()} for _ in range(3)]
     print(f"\nfloors for {numel:,} elements: memory at {bw / 1e9:.1f} GB/s read+write; arithmetic from "
-          f"{floor_numel:,} in-cache elements on 1 thread, scaled to {threads} threads")
+          f"{floor_numel // 4:,} and {floor_numel:,} in-cache elements on 1 thread, scaled to {threads} threads")
     print(f"{'row':<16}{'B/elem':>8}{'memory ms':>11}{'ns/elem':>9}{'arith. ms':>11}")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for name, master, moments in ROWS:
             tx = af.mixed_precision(af.adamw(1e-3, moments=moments), af.NoOpLossScale(), master=master)
-            p = {k: v.clone() for k, v in small.items()}
-            st = tx.init(p)
-            for i in range(20):
-                p, st = tx.step_(p, grads[i % 3], st)
-            ts = []
-            for r in range(9):
-                t0 = time.perf_counter()
-                for i in range(20):
-                    p, st = tx.step_(p, grads[i % 3], st)
-                ts.append((time.perf_counter() - t0) / 20)
-            per = statistics.median(ts) / floor_numel
+            big, small = _per_element(tx, floor_numel, g), _per_element(tx, floor_numel // 4, g)
+            per = (big - small) / (floor_numel - floor_numel // 4)
             print(f"{name:<16}{MOVED[name]:>8.2f}{MOVED[name] * numel / bw * 1e3:>11.1f}{per * 1e9:>9.2f}"
                   f"{per * numel / threads * 1e3:>11.1f}")
     finally:

@@ -139,21 +139,10 @@ def ampfunc_row(make_model, lr, master, moments, device):
 
 
 def compat_row(make_model, lr, device):
+    """``ampfunc.compat.torch_optim.AdamW(master="split", moments="q8")`` in torch's loop, bf16 params."""
     from ampfunc.compat.torch_optim import AdamW
-
-    def build():
-        model = make_model(torch.bfloat16)
-        opt = AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, master="split", moments="q8")
-
-        def step(idx):
-            loss = lm_loss(model(idx[:, :-1]), idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return step, lambda: _optim_bytes(model, opt)
-    return build
+    return torch_style_row(make_model, lambda ps: AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY, master="split",
+                                                        moments="q8"), torch.bfloat16, device)
 
 
 def torch_style_row(make_model, make_opt, param_dtype, device):

@@ -218,6 +218,27 @@ struct Hyper {
   bool l2, decoupled, maximize, lerp_small;
 };
 
+// Adam/AdamW on one vector of lanes, the fp32 kernel's operations in its order: the new master
+// from the gradient g (still unscaled), the master p and the moments m0, v0; mj, vj the new
+// moments. The hyper-parameters are broadcast once per block.
+struct AdamLanes {
+  using Vec = at::vec::Vectorized<float>;
+  const Hyper& c;
+  Vec gs, wd, decay, lw, b2, c2, bc2, eps, nss;
+  explicit AdamLanes(const Hyper& h)
+      : c(h), gs(h.gs), wd(h.wd), decay(h.decay), lw(h.lw), b2(h.b2), c2(h.c2), bc2(h.bc2), eps(h.eps), nss(h.nss) {}
+  Vec operator()(Vec g, Vec p, Vec m0, Vec v0, Vec& mj, Vec& vj) const {
+    g = g * gs;
+    if (c.maximize) g = g.neg();
+    if (c.decoupled) p = p * decay;
+    else if (c.l2) g = at::vec::fmadd(p, wd, g);
+    mj = at::vec::fmadd(lw, g - m0, c.lerp_small ? m0 : g);
+    vj = at::vec::fmadd(c2 * g, g, v0 * b2);
+    const Vec d = vj.sqrt() / bc2 + eps;
+    return p + (nss * mj) / d;
+  }
+};
+
 struct Leaf {
   int64_t n;
   const void* g;
@@ -314,12 +335,12 @@ void run_fused_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, cons
     ma = _mm512_set1_ps(L.ma[s / kBlock]);
     va = _mm512_set1_ps(L.va[s / kBlock]);
   }
-  const fVec gs(c.gs), wd(c.wd), decay(c.decay), lw(c.lw), b2(c.b2), c2(c.c2), bc2(c.bc2), eps(c.eps), nss(c.nss);
+  const AdamLanes adam(c);
   const __m512i nan_bits = _mm512_set1_epi32(0x7FC00000);
   fVec am(0.f), av(0.f);
   for (int64_t j = 0; j < cnt; j += 16) {
     const int64_t e = s + j;
-    fVec gj = fVec(load_grad16<GK>(L.g, e)) * gs;
+    const fVec gj(load_grad16<GK>(L.g, e));
     fVec pj;
     if constexpr (PK == BF16) {
       const __m512i hi = _mm512_cvtepu16_epi32(
@@ -340,13 +361,8 @@ void run_fused_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, cons
       m0 = fVec::loadu(static_cast<const float*>(L.m) + e);
       v0 = fVec::loadu(static_cast<const float*>(L.v) + e);
     }
-    if (c.maximize) gj = gj.neg();
-    if (c.decoupled) pj = pj * decay;
-    else if (c.l2) gj = at::vec::fmadd(pj, wd, gj);
-    const fVec mj = at::vec::fmadd(lw, gj - m0, c.lerp_small ? m0 : gj);
-    const fVec vj = at::vec::fmadd(c2 * gj, gj, v0 * b2);
-    const fVec d = vj.sqrt() / bc2 + eps;
-    pj = pj + (nss * mj) / d;
+    fVec mj, vj;
+    pj = adam(gj, pj, m0, v0, mj, vj);
     if constexpr (MK == U8) {
       mj.store(m + j);
       vj.store(v + j);
@@ -442,19 +458,13 @@ void run_block(const Leaf& L, int64_t s, int64_t cnt, const Hyper& c, const Maps
   constexpr int64_t kVF = fVec::size();
   float* const mio = MK == F32 ? static_cast<float*>(L.m) + s : m;
   float* const vio = MK == F32 ? static_cast<float*>(L.v) + s : v;
-  const fVec gs(c.gs), wd(c.wd), decay(c.decay), lw(c.lw), b2(c.b2), c2(c.c2), bc2(c.bc2), eps(c.eps), nss(c.nss);
+  const AdamLanes adam(c);
   for (int64_t j = 0; j < cnt; j += kVF) {
     const int64_t lanes = std::min<int64_t>(kVF, cnt - j);
-    fVec gj = fVec::loadu(g + j) * gs, pj = fVec::loadu(p + j);
     const fVec m0 = MK == F32 ? fVec::loadu(mio + j, lanes) : fVec::loadu(mio + j);
     const fVec v0 = MK == F32 ? fVec::loadu(vio + j, lanes) : fVec::loadu(vio + j);
-    if (c.maximize) gj = gj.neg();
-    if (c.decoupled) pj = pj * decay;
-    else if (c.l2) gj = at::vec::fmadd(pj, wd, gj);
-    const fVec mj = at::vec::fmadd(lw, gj - m0, c.lerp_small ? m0 : gj);
-    const fVec vj = at::vec::fmadd(c2 * gj, gj, v0 * b2);
-    const fVec d = vj.sqrt() / bc2 + eps;
-    (pj + (nss * mj) / d).store(p + j);
+    fVec mj, vj;
+    adam(fVec::loadu(g + j), fVec::loadu(p + j), m0, v0, mj, vj).store(p + j);
     if constexpr (MK == F32) {
       mj.store(mio + j, lanes);
       vj.store(vio + j, lanes);
