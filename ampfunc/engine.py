@@ -40,9 +40,9 @@ from ampfunc.lowmem import (
     SplitMaster,
     check_master,
     check_moment,
-    fused_lowmem_step,
     init_split_master,
     join_master,
+    lowmem_step,
 )
 from ampfunc.shards import active as active_sharding
 from ampfunc.shards import local_view
@@ -818,7 +818,7 @@ class Engine:
                     written.append(("state.master", state.master, tree_leaves(state.master)))
                 self._check_written(state, None, written, where)
         self._core.on_check = self.on_check
-        new_params, new_state, fused = fused_lowmem_step(
+        new_params, new_state, fused = lowmem_step(
             self._core, self.plan, self.master == "split", params, grads, state, inplace=inplace, where=where,
             trust_grads=trust_grads, moments=self.moments, checked=checked)
         if every is not None:

@@ -351,6 +351,27 @@ def encode_moment(values: Sequence[torch.Tensor], like: Any, signed: bool) -> An
                                  for v, old in zip(values, leaves)])
 
 
+def update_stored(update32: Any, fields: Sequence[str], moments: str, grads: PyTree, state: Any, params: Any,
+                  where: str) -> tuple:
+    """An optimizer's ``update`` on a state whose moment ``fields`` are stored as ``moments``
+    (bf16 or q8): each field checked against the gradients' layout (a state of another setting
+    is refused, naming it), rebuilt in fp32, ``update32(grads, state32, params)`` (the
+    optimizer's fp32 update) run on it, and the new moments stored again in the old layouts
+    (the signed q8 map for the fields :data:`MOMENT_FIELDS` marks signed).
+
+    Returns ``(updates, new_state)``. Cost: ``update32`` plus a decode and an encode pass per
+    converted leaf (new tensors); no host sync.
+    """
+    for f in fields:
+        check_moment(getattr(state, f), grads, moments, f"state.{f}", where)
+    spec = tree_structure(grads)
+    full = state._replace(**{f: tree_unflatten(spec, decode_moment(getattr(state, f), MOMENT_FIELDS[f]))
+                             for f in fields})
+    updates, new = update32(grads, full, params)
+    return updates, new._replace(**{f: encode_moment(tree_flatten(getattr(new, f))[0], getattr(state, f),
+                                                     MOMENT_FIELDS[f]) for f in fields})
+
+
 def storage_bytes(*trees: PyTree) -> int:
     """Bytes of the storages behind the tensors of ``trees``, each storage counted once.
 
@@ -483,7 +504,7 @@ def commit_split_(params: PyTree, split: SplitMaster, masters: PyTree) -> None:
 
 
 def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, *, inplace: bool,
-                where: str, trust_grads: bool = False, moments: str = "fp32") -> tuple:
+                where: str, trust_grads: bool = False, moments: str = "fp32", checked: bool = False) -> tuple:
     """One step of ``master="split"`` and/or bf16/q8 moments, as the fp32 step of ``core``.
 
     The state is checked first (a state from another setting or model is refused, naming the
@@ -501,25 +522,17 @@ def lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree
     ``adam_lowmem_step_``: the same bits as this road on the same device); the plain-torch rebuild
     above is the reference backend and serves every other call.
 
-    Returns ``(params, state)`` as the engine's ``step``/``step_`` do. Cost: the fp32 step plus
-    a join and a split pass per bf16 leaf and a decode and an encode pass per converted moment
-    (with transient fp32 copies of them); no host sync. Fused: one pass over params, remainders,
-    grads and the stored moments, after the engine's read-only check of the gradients.
-    """
-    return fused_lowmem_step(core, plan, split, params, grads, state, inplace=inplace, where=where,
-                             trust_grads=trust_grads, moments=moments)[:2]
+    ``checked``: the params and state are the very tensors of an earlier call whose checks passed
+    and which the kernel pass took (the engine remembers them by identity), so the per-leaf checks
+    of the state's layout are not run again: the kernel validates every call itself (dtypes,
+    shapes, contiguity, overlaps); the gradients are still looked at here.
 
-
-def fused_lowmem_step(core: Any, plan: Any, split: bool, params: PyTree, grads: PyTree, state: Any, *,
-                      inplace: bool, where: str, trust_grads: bool = False, moments: str = "fp32",
-                      checked: bool = False) -> tuple:
-    """:func:`lowmem_step` as ``(params, state, fused)``, ``fused`` whether the kernel pass ran.
-
-    ``checked``: the params and state are the very tensors of an earlier call whose checks
-    passed and which the kernel pass took (the engine remembers them by identity), so the
-    per-leaf checks of the state's layout are not run again: the kernel validates every call
-    itself (dtypes, shapes, contiguity, overlaps), the gradients are still looked at here. Cost:
-    as :func:`lowmem_step`, less a few attribute reads per leaf when ``checked``.
+    Returns ``(params, state, fused)``: what the engine's ``step``/``step_`` return, and whether
+    the kernel pass ran. Cost: the fp32 step plus a join and a split pass per bf16 leaf and a
+    decode and an encode pass per converted moment (with transient fp32 copies of them); no host
+    sync. Fused: one pass over params, remainders, grads and the stored moments, after the
+    engine's read-only check of the gradients (and a few attribute reads per leaf unless
+    ``checked``).
     """
     if split and not checked:
         check_split_master(params, state.master, where)

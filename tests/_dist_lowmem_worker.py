@@ -76,7 +76,7 @@ def _opt_state(state):
 # The gradients each low-memory step was fed (local shards under FSDP2, after DDP's average):
 # the test steps one process on the whole tensors with them.
 _FED = [[]]
-_lowmem_step = af.engine.fused_lowmem_step
+_lowmem_step = af.engine.lowmem_step
 
 
 def _recording_lowmem_step(core, plan, split, params, grads, state, **kw):
@@ -85,7 +85,7 @@ def _recording_lowmem_step(core, plan, split, params, grads, state, **kw):
 
 
 if __name__ == "__main__":  # in a rank only: a test process importing this module keeps the engine as it is
-    af.engine.fused_lowmem_step = _recording_lowmem_step
+    af.engine.lowmem_step = _recording_lowmem_step
 
 
 def _record(rec, named, state, finite, scale):

@@ -15,7 +15,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
-from ampfunc.lowmem import check_moment, check_moments, decode_moment, encode_moment, init_moment
+from ampfunc.lowmem import check_moments, init_moment, update_stored
 from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
@@ -141,15 +141,8 @@ def _make(kind: str, lr, b1, b2, eps, weight_decay, amsgrad, maximize, decoupled
         # the fused step; the engine runs the fused kernels on the rebuilt numbers).
         if not isinstance(state, AdamState):
             raise TypeError(f"{kind}: state is {type(state).__name__}, expected AdamState (from {kind}(...).init)")
-        slots = [("exp_avg", True), ("exp_avg_sq", False)] + ([("max_exp_avg_sq", False)] if amsgrad else [])
-        for name, _ in slots:
-            check_moment(getattr(state, name), grads, moments, f"state.{name}", kind)
-        spec = tree_structure(grads)
-        full = state._replace(**{name: tree_unflatten(spec, decode_moment(getattr(state, name), signed))
-                                 for name, signed in slots})
-        updates, new = update32(grads, full, params)
-        return updates, new._replace(**{name: encode_moment(tree_flatten(getattr(new, name))[0], getattr(state, name),
-                                                            signed) for name, signed in slots})
+        fields = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        return update_stored(update32, fields, moments, grads, state, params, kind)
 
     def update32(grads, state, params=None):
         if not isinstance(state, AdamState):

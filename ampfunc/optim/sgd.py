@@ -12,7 +12,7 @@ import torch
 
 from ampfunc import ops
 from ampfunc.flat import zeros_packed
-from ampfunc.lowmem import Q8Moment, check_moment, check_moments, decode_moment, encode_moment, init_moment
+from ampfunc.lowmem import Q8Moment, check_moment, check_moments, init_moment, update_stored
 from ampfunc.optim.base import (
     ScalarOrSchedule,
     arithmetic_groups,
@@ -188,12 +188,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, wei
         if state.momentum_buffer is None:
             raise ValueError("sgd: state.momentum_buffer is None but momentum != 0; "
                              "was the state made by an sgd without momentum?")
-        check_moment(state.momentum_buffer, grads, moments, "state.momentum_buffer", "sgd")
-        full = state._replace(momentum_buffer=tree_unflatten(tree_structure(grads),
-                                                             decode_moment(state.momentum_buffer, True)))
-        updates, new = update32(grads, full, params)
-        return updates, new._replace(momentum_buffer=encode_moment(tree_flatten(new.momentum_buffer)[0],
-                                                                   state.momentum_buffer, True))
+        return update_stored(update32, ("momentum_buffer",), moments, grads, state, params, "sgd")
 
     def update32(grads, state, params=None):
         if not isinstance(state, SgdState):

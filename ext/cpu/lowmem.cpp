@@ -258,14 +258,22 @@ struct Leaf {
 // for q8, folded into the new absmax) in registers, and a q8 block's second pass scales, encodes
 // and packs 16 codes at a time: the separate passes through the block's buffers cost more than
 // the arithmetic.
+
+// 16 bf16 values widened to fp32 (exact).
+inline __m512 from_bf16_16(const void* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 template <int GK>
 inline __m512 load_grad16(const void* g, int64_t j) {
   if constexpr (GK == F32) {
     return _mm512_loadu_ps(static_cast<const float*>(g) + j);
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + j));
-    if constexpr (GK == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    else return _mm512_cvtph_ps(h);  // exact, as at::Half -> float
+    const uint16_t* h = static_cast<const uint16_t*>(g) + j;
+    if constexpr (GK == BF16) return from_bf16_16(h);
+    // fp16: exact, as at::Half -> float
+    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
   }
 }
 
@@ -314,11 +322,6 @@ inline __m256i to_bf16_16(__m512 x) {
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
-}
-
-inline __m512 from_bf16_16(const void* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
 // run_block<GK, PK, MK> on cnt elements, cnt a multiple of 16 (a q8 block: a whole block whose

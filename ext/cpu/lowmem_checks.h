@@ -116,10 +116,8 @@ inline void check_hypers(double lr, double beta1, double beta2, double eps, doub
 // Two written tensors that share memory, named as the reference twin names them (its
 // ampfunc.ops validation): every written tensor is contiguous here, so a byte range each.
 struct Written {
-  const char* list;
-  size_t i;  // the leaf; SIZE_MAX for a 0-d argument
+  Arg arg;  // the list and leaf; i == SIZE_MAX for a 0-d argument
   const Tensor* t;
-  std::string name() const { return i == SIZE_MAX ? std::string(list) : item(list, i); }
 };
 
 inline void check_disjoint(const std::vector<Written>& written) {
@@ -140,7 +138,7 @@ inline void check_disjoint(const std::vector<Written>& written) {
   for (const Span& b : spans) {
     if (reach != nullptr && b.lo < reach->hi) {
       const size_t i = std::min(reach->k, b.k), j = std::max(reach->k, b.k);
-      TORCH_CHECK_VALUE(false, "ampfunc: ", written[i].name(), " and ", written[j].name(),
+      TORCH_CHECK_VALUE(false, "ampfunc: ", written[i].arg, " and ", written[j].arg,
                         " overlap in memory; the tensors an in-place op writes must be distinct (", kOp, ")");
     }
     if (reach == nullptr || b.hi > reach->hi) reach = &b;
@@ -226,9 +224,9 @@ inline void check_args(Tensors params, Tensors remainders, Tensors grads, Tensor
       {"params", &params}, {"remainders", &remainders}, {"exp_avgs", &exp_avgs}, {"exp_avg_absmax", &exp_avg_absmax},
       {"exp_avg_sqs", &exp_avg_sqs}, {"exp_avg_sq_absmax", &exp_avg_sq_absmax}};
   for (const auto& [name, ts] : written_lists) {
-    for (size_t i = 0; i < ts->size(); ++i) written.push_back({name, i, &(*ts)[i]});
+    for (size_t i = 0; i < ts->size(); ++i) written.push_back({Arg{name, i}, &(*ts)[i]});
   }
-  written.push_back({"step", SIZE_MAX, &step});
+  written.push_back({Arg{"step"}, &step});
   check_disjoint(written);
 }
 
