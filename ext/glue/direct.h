@@ -567,12 +567,22 @@ py::tuple check_bound(const py::list& params, const Tensor& signature) {
 // A version-counter bump for every tensor of the list, as an in-place torch op makes
 // (torch.autograd.graph.increment_version at C speed): ModuleTrainer(flat=True) writes its
 // params through the flat buffer, whose views do not share the params' counters.
+// Each tensor costs three cold objects (the Python object, its TensorImpl, its counter), each
+// found through the one before: the loops ask for them kObjectAhead, kImplAhead and
+// kCounterAhead tensors on, so that the misses of neighbouring tensors overlap.
 void bump_versions(const py::list& tensors) {
+  constexpr Py_ssize_t kObjectAhead = 16, kImplAhead = 8, kCounterAhead = 4;
   const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(tensors.ptr());
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(PyList_GET_ITEM(tensors.ptr(), i))) throw py::type_error("ampfunc: bump_versions takes a list of tensors");
+    if (i + kObjectAhead < n) __builtin_prefetch(items[i + kObjectAhead]);
+    if (!THPVariable_Check(items[i])) throw py::type_error("ampfunc: bump_versions takes a list of tensors");
   }
-  for (Py_ssize_t i = 0; i < n; ++i) bump(THPVariable_Unpack(PyList_GET_ITEM(tensors.ptr(), i)));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kImplAhead < n) ampfunc::prefetch_impl(THPVariable_Unpack(items[i + kImplAhead]));
+    if (i + kCounterAhead < n) __builtin_prefetch(ampfunc::counter_of(THPVariable_Unpack(items[i + kCounterAhead])), 1);
+    bump(THPVariable_Unpack(items[i]));
+  }
 }
 
 // The first index whose requires_grad differs from expected[i] (a bytes object of 0/1), or -1.
