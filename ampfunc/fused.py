@@ -177,6 +177,12 @@ class FusedPlan:
     def _kwargs(self, lr) -> dict:
         return dict(lr=lr, **self._hypers)
 
+    def _check_in_step(self, group, on_check) -> bool:
+        """Whether the step's op can take its own skip decision (``*_step_checked*``): nothing
+        runs between the check and the step (no norm to take, no flag to agree on across
+        ranks or a mesh, no hook to hand the flags to)."""
+        return self.max_norm is None and group is None and on_check is None and active_sharding() is None
+
     def _op(self, suffix: str):
         return getattr(ops, self.optimizer.name + suffix)
 
@@ -187,6 +193,12 @@ class FusedPlan:
         (:meth:`slot_trees`' leaves) are written, ``opt.step`` advanced; returns ``finite``.
         The loss scale is not touched (the engine updates it)."""
         with torch.no_grad():
+            if self._check_in_step(group, on_check):
+                # The check and the step in one call (ops.*_step_checked_): the same two passes,
+                # the lists described once.
+                inv_scale, lr = loss_scale.inv_scale_on(opt.step.device), self._lr(opt)
+                return self._op("_step_checked_")(ref, grads, *self._slot_args(slots), model, opt.step, inv_scale,
+                                                  **self._kwargs(lr))
             finite, grad_scale, lr = self._prologue(grads, opt, loss_scale, group, on_check)
             self._op("_step_")(ref, grads, *self._slot_args(slots), model, opt.step, grad_scale, finite,
                                **self._kwargs(lr))
@@ -198,7 +210,7 @@ class FusedPlan:
         new_slots, new_step, finite)`` (``new_model`` None without ``model``); on a skipped
         step the outputs are copies of the inputs. Same numbers as :meth:`run_` bit for bit."""
         with torch.no_grad():
-            if self.max_norm is None and group is None and on_check is None and active_sharding() is None:
+            if self._check_in_step(group, on_check):
                 # Without a norm to take first, the check folds into the out-of-place pass (its
                 # inputs survive it): ops.*_step_checked, the same numbers as check + step.
                 inv_scale, lr = loss_scale.inv_scale_on(opt.step.device), self._lr(opt)

@@ -116,9 +116,11 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("sgd_step_", &direct::sgd_step<direct::Form::kInPlace>);
     m.def("sgd_step", &direct::sgd_step<direct::Form::kOutOfPlace>);
     m.def("sgd_step_checked", &direct::sgd_step<direct::Form::kChecked>);
+    m.def("sgd_step_checked_", &direct::sgd_step<direct::Form::kCheckedInPlace>);
     m.def("adam_step_", &direct::adam_step<direct::Form::kInPlace>);
     m.def("adam_step", &direct::adam_step<direct::Form::kOutOfPlace>);
     m.def("adam_step_checked", &direct::adam_step<direct::Form::kChecked>);
+    m.def("adam_step_checked_", &direct::adam_step<direct::Form::kCheckedInPlace>);
     m.def("sgd_update", &direct::sgd_update);
     m.def("adam_update", &direct::adam_update);
     m.def("apply_updates", &direct::apply_updates);
@@ -126,6 +128,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
   m.def(#name "_step_", &direct::optim<Op, OptimForm::kInPlace>);                    \
   m.def(#name "_step", &direct::optim<Op, OptimForm::kOutOfPlace>);                  \
   m.def(#name "_step_checked", &direct::optim<Op, OptimForm::kOutOfPlace, true>);    \
+  m.def(#name "_step_checked_", &direct::optim<Op, OptimForm::kInPlace, true>);      \
   m.def(#name "_update", &direct::optim<Op, OptimForm::kUpdate>);
     AMPFUNC_OPTIMIZERS(AMPFUNC_DIRECT_OPTIMIZER)
 #undef AMPFUNC_DIRECT_OPTIMIZER

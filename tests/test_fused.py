@@ -156,8 +156,8 @@ def test_fused_path_on_flat_buffers_equals_the_per_leaf_path():
 
 def test_mixed_precision_takes_the_fused_path_for_native_optimizers_only(monkeypatch):
     calls = []
-    real = ops.adam_step_
-    monkeypatch.setattr(ops, "adam_step_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = ops.adam_step_checked_  # the in-place step that takes its own skip decision
+    monkeypatch.setattr(ops, "adam_step_checked_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     params = _params(torch.float16)
     for inner, fused in [(af.adamw(1e-3), True), (af.from_torch(torch.optim.AdamW, lr=1e-3), False)]:
         calls.clear()

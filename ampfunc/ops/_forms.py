@@ -1,7 +1,7 @@
 """The public Python functions of an optimizer's ops, written from its spec.
 
 For an :class:`~ampfunc.ops._spec.Optimizer` named ``x`` this defines ``x_step_``, ``x_step``,
-``x_step_checked`` and ``x_update`` in :mod:`ampfunc.ops`, with the spec's hyper-parameters as
+``x_step_checked``, ``x_step_checked_`` and ``x_update`` in :mod:`ampfunc.ops`, with the spec's hyper-parameters as
 keyword arguments (their defaults the spec's). Each is generated as source text and compiled, as
 :func:`collections.namedtuple` does, so a call costs what a hand-written function costs (no
 argument binding at run time) and ``inspect.signature`` shows the real signature.
@@ -47,6 +47,21 @@ def {name}_step_checked(params, grads, {state}, model_params, step, grad_scale, 
     finite = _finite_for(grads, grad_scale)
     return {name}_step(*args[:{n_lists}], args[{n_lists}], args[{n_lists} + 1], finite,
                        lr=args[{n_lists} + 2] if lr_tensor is None else lr_tensor, {hyper_kw}) + (finite,)
+'''
+
+_STEP_CHECKED_ = '''
+def {name}_step_checked_(params, grads, {state}, model_params, step, grad_scale, *, lr, {hyper_sig}):
+    _ensure()
+    lr, lr_tensor = _split_lr(lr)
+    {hyper_conv}
+    params, grads = _seq(params), _seq(grads)
+    args = (params, grads, {state_args}, _as_list(model_params), step, grad_scale, lr, lr_tensor, {hyper_args})
+    finite = _through_door("{name}_step_checked_", args)
+    if finite is NotImplemented:
+        finite = _finite_for(grads, grad_scale)
+        {name}_step_(*args[:{n_lists}], args[{n_lists}], args[{n_lists} + 1], finite,
+                     lr=args[{n_lists} + 2] if lr_tensor is None else lr_tensor, {hyper_kw})
+    return finite
 '''
 
 _UPDATE = '''
@@ -97,6 +112,18 @@ intact, so the finiteness of the gradients can be read in the optimizer's pass a
 taken after it. Cost (eager CPU): one pass instead of two; a skipped step adds a copy. No host sync.
 """
 
+_DOC_STEP_CHECKED_ = """:func:`{name}_step_` that takes its own skip decision: writes as
+:func:`{name}_step_` does and returns ``finite``.
+
+``finite`` (a new 0-d bool tensor) is :func:`check`'s flag of ``grads`` and-ed with
+``grad_scale`` not being NaN, and the step is :func:`{name}_step_`'s for that flag (nothing
+written when it is false): this is ``check`` followed by ``{name}_step_``, which is what runs on
+CUDA and under ``torch.compile``. An in-place step must decide before it writes, so the check
+stays a read pass of its own; eager CPU calls run both passes in one call, which reads each
+tensor's metadata once instead of twice. Cost: one read pass of ``grads``, then
+:func:`{name}_step_`'s ({traffic}). No host sync.
+"""
+
 _DOC_UPDATE = """The pure {title} update in one pass: ``(updates, {new_state}, new_step)``.
 
 ``updates`` are new fp32 tensors ``new_p - p``, with ``new_p`` as :func:`{name}_step_` computes it
@@ -128,7 +155,7 @@ def _hyper_check(opt: Optimizer) -> str:
 
 
 def define(opt: Optimizer, namespace: dict) -> list:
-    """Defines ``opt``'s four functions in ``namespace`` (the :mod:`ampfunc.ops` package, whose
+    """Defines ``opt``'s five functions in ``namespace`` (the :mod:`ampfunc.ops` package, whose
     helpers they call); returns their names."""
     hypers = opt.hypers
     conv = {"float": "float", "bool": "bool", "int": "int"}
@@ -151,6 +178,7 @@ def define(opt: Optimizer, namespace: dict) -> list:
     names = []
     for template, doc, suffix in ((_STEP_, _DOC_STEP_, "_step_"), (_STEP, _DOC_STEP, "_step"),
                                   (_STEP_CHECKED, _DOC_STEP_CHECKED, "_step_checked"),
+                                  (_STEP_CHECKED_, _DOC_STEP_CHECKED_, "_step_checked_"),
                                   (_UPDATE, _DOC_UPDATE, "_update")):
         op_fields = dict(fields, hyper_conv=fields["hyper_conv"].replace("_op_name()", repr(opt.name + suffix)))
         source = template.format(**op_fields)

@@ -33,9 +33,9 @@ std::tuple<bool, double, Tensor> check_pass(const char* op, const Tensors& tenso
   double sumsq = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Tensor& t = tensors[i];
-    if (kernel_dtype(t.scalar_type())) {
-      if (t.is_contiguous()) {
-        fast.push_back(&t);
+    if (kernel_dtype(tensors.dtype(i))) {  // the descriptors: no read of the (cold) tensor itself
+      if (tensors.contiguous(i)) {
+        fast.push_back(&t, tensors.desc(i));
       } else {
         copies.push_back(t.contiguous());
         fast.push_back(&copies.back());

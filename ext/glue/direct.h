@@ -279,19 +279,31 @@ py::object unscale(const py::args& a) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-// The three forms of an optimizer step through the door: in place (`*_step_`), out of place
-// (`*_step`) and out of place checking its own gradients (`*_step_checked`, no `finite` argument).
-enum class Form { kInPlace, kOutOfPlace, kChecked };
+// The four forms of an optimizer step through the door: in place (`*_step_`), out of place
+// (`*_step`), and each of them taking its own skip decision (no `finite` argument): out of place
+// `*_step_checked` (the check read in the step's pass) and in place `*_step_checked_`.
+enum class Form { kInPlace, kOutOfPlace, kChecked, kCheckedInPlace };
+
+constexpr bool takes_finite(Form f) { return f == Form::kInPlace || f == Form::kOutOfPlace; }
+
+// The in-place checked steps' skip decision, as ampfunc.ops._finite_for takes it: check()'s flag
+// of `grads` and-ed with `grad_scale` not being NaN. An in-place step must decide before its pass,
+// so this is check()'s own read pass, on the lists the call described once for both passes.
+Tensor checked_flag(const Tensors& grads, const Tensor& grad_scale) {
+  Tensor finite = grad_scale.isnan().bitwise_not();
+  if (!grads.empty()) finite = std::get<0>(check_cpu(grads, false)).bitwise_and(finite);
+  return finite;
+}
 
 // sgd_step_ / sgd_step: (params, grads, momentum_buffers, model_params, step, grad_scale, finite, lr,
-// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize); sgd_step_checked: without finite.
+// lr_tensor, weight_decay, momentum, dampening, nesterov, maximize); the checked forms: without finite.
 template <Form kForm>
 py::object sgd_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
   Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
-  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
+  const Tensor* fin = takes_finite(kForm) ? x.tensor() : nullptr;
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();
   const double wd = x.real(), mom = x.real(), damp = x.real();
@@ -304,6 +316,16 @@ py::object sgd_step(const py::args& a) {
       bump(b);
       bump(mp);
       bump(*step);
+    });
+  } else if constexpr (kForm == Form::kCheckedInPlace) {
+    return run("ampfunc::sgd_step_checked_", [&] {
+      Tensor finite = checked_flag(g, *gs);
+      sgd_step__cpu(p, g, b, mp, *step, *gs, finite, lr, lr_t, wd, mom, damp, nesterov, maximize);
+      bump(p);
+      bump(b);
+      bump(mp);
+      bump(*step);
+      return finite;
     });
   } else if constexpr (kForm == Form::kOutOfPlace) {
     return run("ampfunc::sgd_step",
@@ -318,14 +340,14 @@ py::object sgd_step(const py::args& a) {
 
 // adam_step_ / adam_step: (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
 // grad_scale, finite, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, decoupled_weight_decay, maximize);
-// adam_step_checked: without finite.
+// the checked forms: without finite.
 template <Form kForm>
 py::object adam_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
   Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
-  const Tensor* fin = kForm == Form::kChecked ? nullptr : x.tensor();
+  const Tensor* fin = takes_finite(kForm) ? x.tensor() : nullptr;
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();
   const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
@@ -341,6 +363,19 @@ py::object adam_step(const py::args& a) {
       bump(vmax);
       bump(mp);
       bump(*step);
+    });
+  } else if constexpr (kForm == Form::kCheckedInPlace) {
+    return run("ampfunc::adam_step_checked_", [&] {
+      Tensor finite = checked_flag(g, *gs);
+      adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, finite, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                     maximize);
+      bump(p);
+      bump(m1);
+      bump(m2);
+      bump(vmax);
+      bump(mp);
+      bump(*step);
+      return finite;
     });
   } else if constexpr (kForm == Form::kOutOfPlace) {
     return run("ampfunc::adam_step", [&] {

@@ -341,12 +341,12 @@ namespace direct {
 // An eager CPU call of one of Op's ops (direct.h): the arguments read off Python's in schema
 // order, NotImplemented for anything the door does not take (then ampfunc.ops calls the op), else
 // the dispatcher kernel's validation, pass and results, the written tensors' versions bumped.
-// kChecked: <name>_step_checked, the out-of-place step without `finite`, run as the composition
-// it stands for (ampfunc/ops/_forms.py): check's flag of the grads and-ed with grad_scale not
-// being NaN, then <name>_step with that flag, which is handed back last.
+// kChecked: <name>_step_checked / <name>_step_checked_, the step without `finite`, run as the
+// composition it stands for (ampfunc/ops/_forms.py): checked_flag() of the grads, then
+// <name>_step / <name>_step_ with that flag, which is handed back (last, out of place).
 template <class Op, OptimForm F, bool kChecked = false>
 py::object optim(const py::args& a) {
-  static_assert(!kChecked || F == OptimForm::kOutOfPlace, "checked: the out-of-place step");
+  static_assert(!kChecked || F != OptimForm::kUpdate, "checked: a step");
   HANDLE_TH_ERRORS
   Args x(a);
   OptimCall<Op> c;
@@ -369,9 +369,11 @@ py::object optim(const py::args& a) {
   c.step = *step;
   c.grad_scale = *gs;
   if (fin != nullptr) c.finite = *fin;
-  static const std::string label = "ampfunc::" + op_name<Op, F>() + (kChecked ? "_checked" : "");
+  static const std::string label =
+      "ampfunc::" + (kChecked ? std::string(Op::kName) + (F == OptimForm::kInPlace ? "_step_checked_" : "_step_checked")
+                              : op_name<Op, F>());
   if constexpr (F == OptimForm::kInPlace) {
-    return run(label.c_str(), [&] {
+    auto step_ = [&] {
       validate_call<Op, F>(c);
       HeldOut none;
       run_cpu<Op, F>(c, none);
@@ -379,18 +381,23 @@ py::object optim(const py::args& a) {
       for (const Tensors& s : c.S) bump(s);
       bump(c.M);
       bump(c.step);
-    });
+    };
+    if constexpr (kChecked) {
+      return run(label.c_str(), [&] {
+        c.finite = checked_flag(c.G, c.grad_scale);
+        step_();
+        return c.finite;
+      });
+    } else {
+      return run(label.c_str(), step_);
+    }
   } else {
     HeldOut out;
     {
       py::gil_scoped_release no_gil;
       RECORD_FUNCTION(label.c_str(), std::vector<c10::IValue>());
       PackOutputs pack(true);  // an eager call
-      if constexpr (kChecked) {
-        Tensor finite = c.grad_scale.isnan().bitwise_not();
-        if (!c.G.empty()) finite = std::get<0>(check_cpu(c.G, false)).bitwise_and(finite);
-        c.finite = finite;
-      }
+      if constexpr (kChecked) c.finite = checked_flag(c.G, c.grad_scale);
       validate_call<Op, F>(c);
       run_cpu<Op, F>(c, out);
       if constexpr (kChecked) out.tensor(c.finite);
