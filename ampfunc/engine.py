@@ -449,7 +449,11 @@ class Engine:
         the gradients always are)."""
         masters = [master] if master is not None else []
         trees = [params, grads] + masters + slot_trees
-        leaves = dict_values_aligned(trees)
+        # The lists of the last check come back as themselves where the dicts still hold those
+        # tensors (pointers compared, no reference taken on each): the identity test below is then
+        # instant, and a 10,000-leaf step makes no new lists but the gradients'.
+        aligned = [known[0], None, *known[1:]] if known is not None and len(known) == len(trees) - 1 else None
+        leaves = dict_values_aligned(trees, aligned)
         if leaves is not None:
             stable = [leaves[0]] + leaves[2:]
             hit = known is not None and len(known) == len(stable) and all(map(same_objects, stable, known))

@@ -413,21 +413,27 @@ _PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
 _PLAIN_TENSOR_TYPE_TUPLE = tuple(_PLAIN_TENSOR_TYPES)
 
 
-def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
+def dict_values_aligned(trees: Sequence[PyTree], known: list | None = None) -> list[list] | None:
     """``[list(t.values()) for t in trees]`` when every tree is a plain dict with the first
     one's keys in the same order, else None. Looks at no value: pair it with
     :func:`plain_tensors` (or an identity check against lists already checked) before taking
     the values as leaves. Keys are compared with ``==`` (C speed, instant for the same key
-    objects, e.g. a grads dict built from the params' keys)."""
+    objects, e.g. a grads dict built from the params' keys).
+
+    ``known``: lists aligned with ``trees`` (None where there is none). Where a tree's values are
+    the very objects of its known list, in order, that list itself comes back in place of a new
+    one: a caller that keeps the lists of an earlier call gets them back having compared
+    pointers only, without taking a reference on each value (on a 10,000-leaf tree whose
+    tensors are cold in cache, that is most of this function's cost)."""
     door = _door()
-    if door is not None and type(trees) is list:
-        return door.dict_values_aligned(trees)
+    if door is not None and type(trees) is list and (known is None or type(known) is list):
+        return door.dict_values_aligned(trees, known)
     first = trees[0] if trees else None
     if type(first) is not dict:
         return None
     keys = None
     out = []
-    for t in trees:
+    for i, t in enumerate(trees):
         if t is not first:
             if type(t) is not dict or len(t) != len(first):
                 return None
@@ -435,7 +441,11 @@ def dict_values_aligned(trees: Sequence[PyTree]) -> list[list] | None:
                 keys = list(first)
             if list(t) != keys:
                 return None
-        out.append(list(t.values()))
+        prev = known[i] if known is not None and i < len(known) else None
+        if type(prev) is list and len(prev) == len(t) and all(map(operator.is_, t.values(), prev)):
+            out.append(prev)
+        else:
+            out.append(list(t.values()))
     return out
 
 

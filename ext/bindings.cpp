@@ -133,7 +133,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     AMPFUNC_OPTIMIZERS(AMPFUNC_DIRECT_OPTIMIZER)
 #undef AMPFUNC_DIRECT_OPTIMIZER
     m.def("kernel_ready", &direct::kernel_ready);
-    m.def("dict_values_aligned", &direct::dict_values_aligned);
+    m.def("dict_values_aligned", &direct::dict_values_aligned, py::arg("trees"), py::arg("known") = py::none());
     m.def("same_objects", &direct::same_objects);
     m.def("exact_types", &direct::exact_types);
     m.def("grads_of", &direct::grads_of);

@@ -465,6 +465,26 @@ def test_the_tree_loops_in_c_answer_as_their_python_twins(case, monkeypatch):
             assert tree.plain_tensors(vs) is want_plain
 
 
+@pytest.mark.parametrize("door", [True, False], ids=["c", "python"])
+def test_dict_values_aligned_hands_back_a_known_list_only_while_the_dict_holds_its_very_objects(door, monkeypatch):
+    from ampfunc import tree
+
+    if not door:
+        monkeypatch.setattr(tree, "_door", lambda: None)
+    params = {f"l{i}": torch.zeros(2) for i in range(5)}
+    grads = {k: torch.ones(2) for k in params}
+    state = {k: torch.zeros(2) for k in params}
+    first = tree.dict_values_aligned([params, grads, state])
+    again = tree.dict_values_aligned([params, grads, state], [first[0], None, first[2]])
+    assert again[0] is first[0] and again[2] is first[2]  # the known lists themselves
+    assert again[1] is not first[1] and again[1] == first[1]  # no known list: a new one
+    state["l3"] = torch.zeros(2)  # one tensor replaced: that tree's values are a new list
+    moved = tree.dict_values_aligned([params, grads, state], [first[0], None, first[2]])
+    assert moved[0] is first[0] and moved[2] is not first[2] and moved[2][3] is state["l3"]
+    short = tree.dict_values_aligned([params, grads, state], [first[0][:4], None, None])
+    assert short[0] is not first[0] and [id(x) for x in short[0]] == [id(x) for x in first[0]]
+
+
 def test_plain_tensors_in_c_refuses_subclasses_and_non_tensors_by_exact_type():
     from ampfunc import tree
 

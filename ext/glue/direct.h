@@ -474,7 +474,22 @@ bool kernel_ready(const py::tuple& plain_types, int64_t where, bool grad_on, con
 
 // tree.dict_values_aligned: [list(t.values()) for t in trees] when every tree is a plain dict
 // with the first one's keys in the same order (compared with ==, identity first), else None.
-py::object dict_values_aligned(const py::list& trees) {
+// `known` (None, or lists aligned with trees, None where there is none): a tree whose values are
+// the very objects of its known list gets that list back. Comparing the dict's value pointers
+// reads its entry table only, where a new list takes a reference on every value: a cache miss
+// per tensor object on a large tree, and another when the list dies.
+bool same_values(PyObject* dict, PyObject* list) {
+  if (list == nullptr || !PyList_CheckExact(list) || PyList_GET_SIZE(list) != PyDict_GET_SIZE(dict)) return false;
+  PyObject** items = PySequence_Fast_ITEMS(list);
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    if (value != items[i++]) return false;
+  }
+  return true;
+}
+
+py::object dict_values_aligned(const py::list& trees, const py::object& known) {
   const Py_ssize_t n = PyList_GET_SIZE(trees.ptr());
   PyObject* first = n > 0 ? PyList_GET_ITEM(trees.ptr(), 0) : nullptr;
   if (first == nullptr || !PyDict_CheckExact(first)) return py::none();
@@ -493,9 +508,17 @@ py::object dict_values_aligned(const py::list& trees) {
       if (eq == 0) return py::none();
     }
   }
+  const bool has_known = PyList_CheckExact(known.ptr());
   py::list out(n);
   for (Py_ssize_t k = 0; k < n; ++k) {
-    PyObject* values = PyDict_Values(PyList_GET_ITEM(trees.ptr(), k));
+    PyObject* tree = PyList_GET_ITEM(trees.ptr(), k);
+    PyObject* prev = has_known && k < PyList_GET_SIZE(known.ptr()) ? PyList_GET_ITEM(known.ptr(), k) : nullptr;
+    if (same_values(tree, prev)) {
+      Py_INCREF(prev);
+      PyList_SET_ITEM(out.ptr(), k, prev);
+      continue;
+    }
+    PyObject* values = PyDict_Values(tree);
     if (values == nullptr) throw py::error_already_set();
     PyList_SET_ITEM(out.ptr(), k, values);
   }
