@@ -218,3 +218,21 @@ def run_blocks(chain: list[Block], name: str) -> dict:
     finally:
         sys.modules.pop(name, None)
     return module.__dict__
+
+
+class SpyDoor:
+    """The loaded direct door, recording which of its functions ampfunc.ops calls and whether
+    each took the call (``(name, handled)``; NotImplemented hands it to the dispatcher)."""
+
+    def __init__(self, door):
+        self._door, self.calls = door, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._door, name)
+
+        def spied(*args):
+            out = fn(*args)
+            self.calls.append((name, out is not NotImplemented))
+            return out
+
+        return spied

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampfunc import ops
+from _helpers import SpyDoor
 
 ops.load()
 DOOR = ops._DIRECT[0]
@@ -523,21 +524,6 @@ def test_a_long_in_place_call_bumps_every_written_tensor_once_and_no_read_one():
 # ---------------------------------------------------------------------------------------------
 
 
-class _SpyDoor:
-    """The loaded door, recording which of its functions ampfunc.ops calls and what they answer."""
-
-    def __init__(self, door):
-        self._door, self.calls = door, []
-
-    def __getattr__(self, name):
-        fn = getattr(self._door, name)
-
-        def spied(*args):
-            out = fn(*args)
-            self.calls.append((name, out is not NotImplemented))
-            return out
-
-        return spied
 
 
 def _lion_kw(lr=1e-2):
@@ -546,7 +532,7 @@ def _lion_kw(lr=1e-2):
 
 @pytest.mark.parametrize("form", ["step_", "step", "step_checked", "update"])
 def test_eager_generic_optimizer_calls_take_the_direct_door(form, monkeypatch):
-    spy = _SpyDoor(DOOR)
+    spy = SpyDoor(DOOR)
     monkeypatch.setattr(ops._loading, "_DIRECT", [spy])
     p, g, m = _tree(0), _grads(1), _tree(2)
     step, gs, fin = _scalars()
@@ -568,7 +554,7 @@ def test_mixed_precision_lion_step_in_place_takes_the_direct_door(monkeypatch):
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     mp = af.mixed_precision(af.lion(1e-2, weight_decay=0.1), loss_scale=af.NoOpLossScale())
     state = mp.init(params)
-    spy = _SpyDoor(DOOR)
+    spy = SpyDoor(DOOR)
     monkeypatch.setattr(ops._loading, "_DIRECT", [spy])
     mp.step_(params, grads, state)
     assert ("lion_step_checked_", True) in spy.calls  # the check and the step in one call

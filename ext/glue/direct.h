@@ -309,22 +309,19 @@ py::object sgd_step(const py::args& a) {
   const double wd = x.real(), mom = x.real(), damp = x.real();
   const bool nesterov = x.flag(), maximize = x.flag();
   if (!x.usable()) return not_handled();
+  auto step_ = [&](const Tensor& finite) {
+    sgd_step__cpu(p, g, b, mp, *step, *gs, finite, lr, lr_t, wd, mom, damp, nesterov, maximize);
+    bump(p);
+    bump(b);
+    bump(mp);
+    bump(*step);
+  };
   if constexpr (kForm == Form::kInPlace) {
-    return run("ampfunc::sgd_step_", [&] {
-      sgd_step__cpu(p, g, b, mp, *step, *gs, *fin, lr, lr_t, wd, mom, damp, nesterov, maximize);
-      bump(p);
-      bump(b);
-      bump(mp);
-      bump(*step);
-    });
+    return run("ampfunc::sgd_step_", [&] { step_(*fin); });
   } else if constexpr (kForm == Form::kCheckedInPlace) {
     return run("ampfunc::sgd_step_checked_", [&] {
       Tensor finite = checked_flag(g, *gs);
-      sgd_step__cpu(p, g, b, mp, *step, *gs, finite, lr, lr_t, wd, mom, damp, nesterov, maximize);
-      bump(p);
-      bump(b);
-      bump(mp);
-      bump(*step);
+      step_(finite);
       return finite;
     });
   } else if constexpr (kForm == Form::kOutOfPlace) {
@@ -353,28 +350,22 @@ py::object adam_step(const py::args& a) {
   const double b1 = x.real(), b2 = x.real(), eps = x.real(), wd = x.real();
   const bool amsgrad = x.flag(), decoupled = x.flag(), maximize = x.flag();
   if (!x.usable()) return not_handled();
+  auto step_ = [&](const Tensor& finite) {
+    adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, finite, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
+                   maximize);
+    bump(p);
+    bump(m1);
+    bump(m2);
+    bump(vmax);
+    bump(mp);
+    bump(*step);
+  };
   if constexpr (kForm == Form::kInPlace) {
-    return run("ampfunc::adam_step_", [&] {
-      adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, *fin, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
-                     maximize);
-      bump(p);
-      bump(m1);
-      bump(m2);
-      bump(vmax);
-      bump(mp);
-      bump(*step);
-    });
+    return run("ampfunc::adam_step_", [&] { step_(*fin); });
   } else if constexpr (kForm == Form::kCheckedInPlace) {
     return run("ampfunc::adam_step_checked_", [&] {
       Tensor finite = checked_flag(g, *gs);
-      adam_step__cpu(p, g, m1, m2, vmax, mp, *step, *gs, finite, lr, lr_t, b1, b2, eps, wd, amsgrad, decoupled,
-                     maximize);
-      bump(p);
-      bump(m1);
-      bump(m2);
-      bump(vmax);
-      bump(mp);
-      bump(*step);
+      step_(finite);
       return finite;
     });
   } else if constexpr (kForm == Form::kOutOfPlace) {
