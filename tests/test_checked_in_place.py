@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ampfunc as af
-from ampfunc import ops
 from _helpers import SpyDoor
+from ampfunc import ops
 
 ops.load()
 DOOR = ops._DIRECT[0]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampfunc import ops
 from _helpers import SpyDoor
+from ampfunc import ops
 
 ops.load()
 DOOR = ops._DIRECT[0]
