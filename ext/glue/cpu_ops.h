@@ -10,6 +10,9 @@
 
 namespace {
 
+// The list an unused state argument stands for (`Work w(c ? list : kNoList)` borrows either).
+const Tensors kNoList;
+
 // ---------------------------------------------------------------------------------------------
 // CPU
 // ---------------------------------------------------------------------------------------------
@@ -247,7 +250,7 @@ void sgd_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& m
                  true);
   lr = lr_value("sgd_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
-  Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
+  Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : kNoList), m(model_params);
   float* step_ptr = step.data_ptr<float>();
   const ampfunc::cpu::SgdHyper h =
       ampfunc::sgd_scalars(grad_scale.item<float>(), lr, weight_decay, momentum, dampening, nesterov, maximize, *step_ptr == 0.f);
@@ -268,7 +271,7 @@ void adam_step__cpu(const Tensors& params, const Tensors& grads, const Tensors& 
                   grad_scale, finite, amsgrad, dev, true);
   lr = lr_value("adam_step_", lr, lr_tensor, dev);
   if (!finite.item<bool>()) return;  // the skipped step: nothing is written
-  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
+  Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : kNoList),
       m(model_params);
   float* step_ptr = step.data_ptr<float>();
   const float next_step = *step_ptr + 1.f;  // torch: step_t += 1 (fp32), then _get_value(step_t)
@@ -302,7 +305,7 @@ std::pair<SgdOut, bool> sgd_step_out(const Tensors& params, const Tensors& grads
   check_sgd_args("sgd_step", params, grads, momentum_buffers, model_params, step, grad_scale,
                  finite != nullptr ? *finite : go, momentum, dev, false);
   lr = lr_value("sgd_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : Tensors()), m(model_params);
+  const Work p(params), g(grads), b(momentum != 0.0 ? momentum_buffers : kNoList), m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), b_out = packed_empty_like(b.tensors, at::kFloat),
                       m_out = empty_like_list(m.tensors);
   const float old_step = step.item<float>(), gs = grad_scale.item<float>();
@@ -365,7 +368,7 @@ std::pair<AdamOut, bool> adam_step_out(const Tensors& params, const Tensors& gra
   check_adam_args("adam_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, step,
                   grad_scale, finite != nullptr ? *finite : go, amsgrad, dev, false);
   lr = lr_value("adam_step", lr, lr_tensor, dev);
-  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors()),
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : kNoList),
       m(model_params);
   std::vector<Tensor> p_out = empty_like_list(p.tensors), m1_out = packed_empty_like(m1.tensors, at::kFloat),
                       m2_out = packed_empty_like(m2.tensors, at::kFloat),
@@ -454,7 +457,7 @@ SgdUpdateOut sgd_update_cpu(const Tensors& params, const Tensors& grads, const T
                     {weight_decay, momentum, dampening, nesterov ? 1.0 : 0.0, maximize ? 1.0 : 0.0}, step, grad_scale,
                     dev);
   lr = lr_value("sgd_update", lr, lr_tensor, dev);
-  const Work p(params), g(grads), b(has_buf ? momentum_buffers : Tensors());
+  const Work p(params), g(grads), b(has_buf ? momentum_buffers : kNoList);
   std::vector<Tensor> d_out = packed_empty_like(g.tensors, at::kFloat);
   std::vector<Tensor> b_out = packed_empty_like(b.tensors, at::kFloat);
   const float old_step = step.item<float>();
@@ -479,7 +482,7 @@ AdamUpdateOut adam_update_cpu(const Tensors& params, const Tensors& grads, const
                     step, grad_scale, dev);
   const bool lr_is_tensor = lr_tensor.has_value() && lr_tensor->defined();
   lr = lr_value("adam_update", lr, lr_tensor, dev);
-  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : Tensors());
+  const Work p(params), g(grads), m1(exp_avgs), m2(exp_avg_sqs), vmax(amsgrad ? max_exp_avg_sqs : kNoList);
   std::vector<Tensor> d_out = packed_empty_like(g.tensors, at::kFloat);
   std::vector<Tensor> m1_out = packed_empty_like(m1.tensors, at::kFloat),
                       m2_out = packed_empty_like(m2.tensors, at::kFloat),

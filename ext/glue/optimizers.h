@@ -160,7 +160,7 @@ void run_cpu(OptimCall<Op>& c, Out& sink) {
   const bool lr_is_tensor = c.lr_tensor.has_value();
   // Contiguous working copies (written back in place); the lists a setting leaves unused are empty.
   std::vector<std::unique_ptr<Work>> s_work;
-  for (int k = 0; k < Op::kState; ++k) s_work.push_back(std::make_unique<Work>(c.uses(k) ? c.S[k] : Tensors()));
+  for (int k = 0; k < Op::kState; ++k) s_work.push_back(std::make_unique<Work>(c.uses(k) ? c.S[k] : kNoList));
   Work p(c.P), g(c.G), m(c.M);
   ampfunc::cpu::OptimLists in{&p.tensors, {}};
   for (auto& w : s_work) in.state.push_back(&w->tensors);
@@ -230,7 +230,7 @@ void run_cuda(OptimCall<Op>& c, const at::Device& dev, torch::jit::Stack* stack)
   c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   std::vector<std::unique_ptr<Work>> s_work;
-  for (int k = 0; k < S; ++k) s_work.push_back(std::make_unique<Work>(c.uses(k) ? c.S[k] : Tensors()));
+  for (int k = 0; k < S; ++k) s_work.push_back(std::make_unique<Work>(c.uses(k) ? c.S[k] : kNoList));
   Work p(c.P), g(c.G), m(c.M);
   const bool has_p = !p.tensors.empty(), has_model = F != OptimForm::kUpdate && !m.tensors.empty();
   std::vector<Tensor> p_out, m_out;

@@ -397,28 +397,46 @@ void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarT
 
 // Contiguous working copies of a list, borrowed where the tensor is contiguous already; the
 // ones that had to be copied are written back by write_back() (for the lists a kernel updates in
-// place). The copies live in a deque, which never moves its elements, so `tensors` may point at them.
-struct Work {
-  Tensors tensors;
+// place). The copies live in a deque, which never moves its elements, so `tensors` may point at
+// them. A list that is contiguous throughout (the usual case) is `tensors` itself, not copied;
+// a temporary list (an empty Tensors(), a TensorList converted) is kept by the Work.
+class Work {
+ public:
   std::deque<Tensor> owned;
   std::vector<std::pair<const Tensor*, const Tensor*>> copies;  // (original, contiguous copy)
-  explicit Work(const Tensors& ts) {
-    tensors.reserve(ts.size());
-    for (size_t i = 0; i < ts.size(); ++i) {
-      const Tensor& t = ts[i];
-      if (ts.contiguous(i)) {  // the descriptor: no read of the (cold) tensor itself
-        tensors.push_back(&t, ts.desc(i));
-      } else {
-        owned.push_back(t.contiguous());
-        tensors.push_back(&owned.back());
-        copies.emplace_back(&t, &owned.back());
-      }
-    }
-  }
+
+ private:
+  Tensors kept_, own_;
+
+ public:
+  const Tensors& tensors;
+  explicit Work(const Tensors& ts) : tensors(working(ts)) {}
+  explicit Work(Tensors&& ts) : kept_(std::move(ts)), tensors(working(kept_)) {}
+  // (`c ? list : Tensors()` is a const temporary: copied)
+  explicit Work(const Tensors&& ts) : kept_(ts), tensors(working(kept_)) {}
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
   void write_back() {
     for (auto& oc : copies) oc.first->copy_(*oc.second);
+  }
+
+ private:
+  const Tensors& working(const Tensors& ts) {
+    bool contiguous = true;  // the descriptors: no read of the (cold) tensors themselves
+    for (size_t i = 0; i < ts.size() && contiguous; ++i) contiguous = ts.contiguous(i);
+    if (contiguous) return ts;
+    own_.reserve(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const Tensor& t = ts[i];
+      if (ts.contiguous(i)) {
+        own_.push_back(&t, ts.desc(i));
+      } else {
+        owned.push_back(t.contiguous());
+        own_.push_back(&owned.back());
+        copies.emplace_back(&t, &owned.back());
+      }
+    }
+    return own_;
   }
 };
 
