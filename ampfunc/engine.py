@@ -390,6 +390,9 @@ class Engine:
         # The low-memory settings' counterpart: every tensor of the params and the state of the
         # last in-place step that passed the checks and ran the kernel pass.
         self._lowmem_seen: Optional[list] = None
+        # (the _Seen they belong to, ops.held_lists of its lists): what the in-place fused step
+        # lets the kernels' door keep described between calls.
+        self._held: Optional[tuple] = None
 
     # -- init --------------------------------------------------------------------------------
 
@@ -586,6 +589,17 @@ class Engine:
                 self._seen = self._seen._replace(p_shapes=p_shapes)
         return _Prep(lined, (opt if fused else None), named, deferred and fused)
 
+    def _hold(self) -> None:
+        """Holds the lists of :attr:`_seen` (params, master, state: the ones the in-place step
+        passes every call) for the kernels' door, so that each call finds their tensors
+        unchanged instead of describing them anew (:func:`ampfunc.ops.held_lists`); taken again
+        when they change. Cost: a describe pass when the lists change, else nothing."""
+        seen = self._seen
+        if seen is None or _compiling() or (self._held is not None and self._held[0] is seen):
+            return
+        self._held = None  # lets the lists go first: the new object holds them
+        self._held = (seen, ops.held_lists(seen.lists))
+
     def _check_master(self, params, state, lined, where) -> None:
         """The state's master weights must be the ones :meth:`init` makes for these params: a
         state made for other dtypes would train fp16 params with no master, or overwrite fp32
@@ -778,6 +792,7 @@ class Engine:
         lined, opt = prep.lined, prep.opt
         if opt is not None:
             ref, model = (lined.m, lined.p) if lined.m is not None else (lined.p, None)
+            self._hold()
             try:
                 finite = self.plan.run_(ref, lined.g, model, lined.slots, opt, state.loss_scale, group=self.group,
                                         on_check=self._hook(params, lined))

@@ -17,6 +17,7 @@
 //   glue/cuda_ops.h    the CUDA implementations (ext/cuda/'s launchers), with AMPFUNC_WITH_CUDA
 //   glue/lowmem_cuda.h the CUDA implementation of adam_lowmem_step_ (its CPU kernel, with the
 //                      checks both share, is ext/cpu/lowmem.cpp), with AMPFUNC_WITH_CUDA
+//   glue/held.h        what the direct door may borrow: plain CPU tensors, held lists
 //   glue/direct.h      the direct door: eager CPU calls without the dispatcher
 //   glue/optimizers.h  the generic optimizers' ops (ext/optimizers.h), CPU and CUDA, and their
 //                      direct door
@@ -29,6 +30,7 @@
 #include "glue/cpu_ops.h"
 #include "glue/cuda_ops.h"
 #include "glue/lowmem_cuda.h"
+#include "glue/held.h"
 #include "glue/direct.h"
 #include "glue/optimizers.h"
 
@@ -149,6 +151,9 @@ extern "C" __attribute__((visibility("default"))) PyObject* ampfunc_direct_modul
     m.def("set_grads", &direct::set_grads);
     m.def("fresh_copies", &direct::fresh_copies);
     m.def("bump_versions", &direct::bump_versions);
+    py::class_<direct::HeldLists>(m, "HeldLists")
+        .def(py::init<const py::list&>())
+        .def("__len__", &direct::HeldLists::size);
     m.def("requires_grad_changed", &direct::requires_grad_changed);
     m.def("overlapping_pair", &direct::overlapping_pair);
     m.def("spec", &direct::spec);

@@ -143,3 +143,43 @@ def kernel_ready(device: torch.device, fp32_lists=(), float_lists=()) -> bool:
             if type(t) not in plain or t.dtype not in anyf or t.get_device() != where or (grad_on and t.requires_grad):
                 return False
     return True
+
+def held_lists(lists: list):
+    """Holds lists that an in-place step passes on every call (the params, the master, the
+    moments), described, for the compiled library's direct door.
+
+    While the returned object lives, a call that passes one of these very list objects, still
+    holding the same tensor objects, reuses their descriptions once each tensor is found
+    unchanged: same TensorImpl, key set, storage, allocation, deleter, size in bytes, offset,
+    sizes, dtype and version counter. No reference is taken on each tensor and nothing is
+    described anew. A list whose tensors changed (a ``.data`` assignment, ``set_``, ``resize_``,
+    a resized storage) is described anew and held as it is now. Validation still runs on every
+    call, so results and errors are those of the same call without it. The engine's in-place
+    fused step holds its lists itself.
+
+    Args:
+      lists: Python lists of tensors. A list held by another living object, or holding anything
+        but tensors or a copy-on-write storage, is left out.
+
+    Returns:
+      The holder (``len()`` says how many lists it holds; drop it to let the lists and their
+      tensors go), or None where no direct door is loaded (the reference backend).
+
+    Example:
+      >>> import torch
+      >>> from ampfunc import ops
+      >>> p, g = [torch.ones(3)], [torch.ones(3)]
+      >>> m, v = [torch.zeros(3)], [torch.zeros(3)]
+      >>> held = ops.held_lists([p, m, v])
+      >>> finite = ops.adam_step_checked_(p, g, m, v, None, None, torch.zeros(()), torch.ones(()), lr=0.1)
+      >>> bool(finite), round(p[0][0].item(), 4)
+      (True, 0.9)
+
+    Cost: one describe pass over the tensors when made; each call then checks each held tensor
+    (its Python object, TensorImpl and storage, prefetched) instead of describing it. No device
+    work, no host sync."""
+    _loading._ensure()
+    door = _loading._DIRECT[0]
+    if door is None or not hasattr(door, "HeldLists"):
+        return None
+    return door.HeldLists(list(lists))

@@ -197,6 +197,13 @@ class Tensors {
   iterator begin() const { return iterator(p_.data()); }
   iterator end() const { return iterator(p_.data() + p_.size()); }
 
+  // Set when these are the descriptors of a list the direct door holds between calls, found
+  // unchanged by this call (ext/glue/held.h): the held list's tag, new whenever its descriptors
+  // are (validation may then reuse what it found of the same lists before), and its tensors'
+  // version counters (bumped without reading the TensorImpls again). Not copied.
+  uint64_t held_tag = 0;
+  c10::VariableVersion* held_versions = nullptr;
+
  private:
   static constexpr size_t kImplAhead = 16, kStorageAhead = 8;
   // A marker, never dereferenced: the tensor's storage is copy-on-write (see take_all).

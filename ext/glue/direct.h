@@ -8,6 +8,7 @@
 #include "cpu_pool.h"
 #include "cpu_ops.h"
 #include "spec.h"
+#include "held.h"
 
 namespace {
 
@@ -34,22 +35,12 @@ namespace direct {
 
 namespace py = pybind11;
 
-bool plain_cpu(const Tensor& t, bool grad_on = at::GradMode::is_enabled()) {
-  static const c10::DispatchKeySet blocked({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Conjugate,
-                                            c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
-  // Grad mode first: under no_grad (every step) a view's autograd meta, a separate cold object,
-  // is never read.
-  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(blocked) &&
-         !(grad_on && t.requires_grad());
-}
-
 // The positional arguments of one call, read in order; `ok` turns false at the first argument
 // the direct door cannot take.
 class Args {
  public:
-  explicit Args(const py::args& a) : a_(a), items_(ampfunc::Recycled<PyObject*>::take()) {}
+  explicit Args(const py::args& a)
+      : a_(a), items_(ampfunc::Recycled<PyObject*>::take()), held_check_(a, at::GradMode::is_enabled()) {}
   Args(const Args&) = delete;
   Args& operator=(const Args&) = delete;
   ~Args() {
@@ -69,6 +60,19 @@ class Args {
     if (!ok) return out;
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
       ok = false;
+      return out;
+    }
+    // A held list (held.h) whose tensors are unchanged: its descriptors, and the held list's
+    // references keep its tensors alive for the call.
+    const bool grad_on = at::GradMode::is_enabled();
+    std::shared_ptr<HeldList> held = held_check_.unchanged(seq);
+    if (held != nullptr) {
+      out.reserve(held->tensors.size());
+      out = held->tensors;
+      out.held_tag = held->tag;
+      out.held_versions = held->versions.data();
+      any_tensor_ = any_tensor_ || !out.empty();
+      held_.push_back(std::move(held));
       return out;
     }
     // The items are held (one reference each, dropped in ~Args with the GIL) so that they stay
@@ -94,11 +98,14 @@ class Args {
     }
     // The tensors themselves (TensorImpls, storages): checked and described in one prefetching
     // pass (Tensors::take_all). Grad mode is this thread's, read here once.
-    const bool grad_on = at::GradMode::is_enabled();
     if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); })) {
       ok = false;
       return out;
     }
+    // A held list whose tensors changed (a `.data` assignment, say): described anew above, its
+    // Marks are taken again. Its items are the same objects, so no reference changes hands.
+    held = held_list(seq);
+    if (held != nullptr && held->same_items(seq)) held->remark(out);
     any_tensor_ = any_tensor_ || n > 0;
     return out;
   }
@@ -185,6 +192,8 @@ class Args {
   size_t i_ = 0;
   bool any_tensor_ = false;
   std::vector<PyObject*> items_;  // the tensors held for the call (one reference each)
+  std::vector<std::shared_ptr<HeldList>> held_;  // the held lists the call borrows
+  HeldCheck held_check_;                          // which of the arguments' held lists are unchanged
 };
 
 // After the kernel (whose data streamed through the cache) every TensorImpl and counter is
@@ -192,6 +201,13 @@ class Args {
 void bump(const Tensors& ts) {
   constexpr size_t kBumpAhead = 12;
   const size_t n = ts.size();
+  if (ts.held_versions != nullptr) {  // a held list's counters: the TensorImpls are not read again
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kBumpAhead < n) __builtin_prefetch(ts.desc(i + kBumpAhead).counter, 1);
+      if (!ts.desc(i).inference) ts.held_versions[i].bump();
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     if (i + kBumpAhead < n) {
       const Tensors::Desc& a = ts.desc(i + kBumpAhead);

@@ -331,11 +331,49 @@ inline bool same_shape(const Tensors::Desc& a, const Tensors::Desc& b) {
   return true;
 }
 
+// What validate() found of held lists (Tensors::held_tag): the key of this thread's last call
+// that passed with every written list held, built by held_key(). The same key again means the
+// same op on the same device and mode, the same held lists unchanged in the same places and the
+// same written scalars: every check of a held list, and the disjointness of everything written,
+// hold as they did; only the lists not held (the gradients) are checked again.
+thread_local std::vector<uint64_t> last_held_key;
+
+// The key of a call whose written lists are all held (empty otherwise).
+std::vector<uint64_t> held_key(const char* op, const at::Device& dev, const std::vector<ListSpec>& lists,
+                               const std::vector<std::pair<const char*, const Tensor*>>& written_scalars) {
+  std::vector<uint64_t> key;
+  bool any_held = false;
+  for (const ListSpec& L : lists) {
+    if (L.written && L.ts.held_tag == 0) return key;
+    any_held = any_held || L.ts.held_tag != 0;
+  }
+  if (!any_held) return key;
+  key.reserve(4 + 4 * lists.size() + 3 * written_scalars.size());
+  key.push_back(reinterpret_cast<uintptr_t>(op));
+  key.push_back((static_cast<uint64_t>(static_cast<uint8_t>(dev.type())) << 8) | static_cast<uint8_t>(dev.index()));
+  key.push_back(c10::InferenceMode::is_enabled());
+  for (const ListSpec& L : lists) {
+    key.push_back(L.ts.held_tag);
+    key.push_back(L.ts.size());
+    key.push_back((static_cast<uint64_t>(L.dt) << 1) | L.written);
+    key.push_back(reinterpret_cast<uintptr_t>(L.name));
+  }
+  for (const auto& [name, t] : written_scalars) {
+    key.push_back(t->has_storage() ? reinterpret_cast<uintptr_t>(t->const_data_ptr()) : 0);
+    key.push_back(static_cast<uint64_t>(t->numel()));
+    key.push_back(static_cast<uint64_t>(t->element_size()));
+  }
+  return key;
+}
+
 // The one validation of a list op: lists[0] is the reference list (its shapes are the ones the
 // others must have); every tensor is defined, dense, on `dev`, of an accepted dtype; written
 // tensors neither overlap themselves nor each other (nor the written 0-d `scalars`).
 void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>& lists,
               const std::vector<std::pair<const char*, const Tensor*>>& written_scalars = {}) {
+  std::vector<uint64_t> key = held_key(op, dev, lists, written_scalars);
+  const bool again = !key.empty() && key == last_held_key;
+  if (!key.empty()) last_held_key.clear();  // a failed check below leaves none: all is checked next time
   const ListSpec& ref = lists[0];
   // reused across calls: a 10,000-leaf step writes 40,000 spans, a fresh 1.6 MB vector (and its
   // page faults) each time otherwise
@@ -349,9 +387,14 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
   bool any_written = !written_scalars.empty();
   // The descriptors decide; a tensor is looked at itself only when its descriptor does not
   // settle the question (then check_tensor raises the error naming it, or lets it pass).
-  for (size_t i = 0; i < ref.ts.size(); ++i) {
+  // The lists checked below: all of them, or on a repeated call (`again`) the ones not held.
+  std::vector<size_t> checked;
+  for (size_t l = 0; l < lists.size(); ++l) {
+    if (!again || lists[l].ts.held_tag == 0) checked.push_back(l);
+  }
+  for (size_t i = 0; i < ref.ts.size() && !checked.empty(); ++i) {
     const Tensors::Desc& r = ref.ts.desc(i);
-    for (size_t l = 0; l < lists.size(); ++l) {
+    for (size_t l : checked) {
       const ListSpec& L = lists[l];
       const Tensors::Desc& d = L.ts.desc(i);
       if (!(d.dense && d.device == dev && dt_ok(L.dt, d.dtype) && (d.data != nullptr || d.numel == 0))) {
@@ -378,11 +421,13 @@ void validate(const char* op, const at::Device& dev, const std::vector<ListSpec>
       }
     }
   }
-  if (!any_written) return;
-  for (size_t k = 0; k < written_scalars.size(); ++k) {
-    add_span(spans, *written_scalars[k].second, static_cast<int>(lists.size() + k), written_scalars[k].first, -1);
+  if (!again && any_written) {  // (again: everything written is held and unchanged, disjoint as before)
+    for (size_t k = 0; k < written_scalars.size(); ++k) {
+      add_span(spans, *written_scalars[k].second, static_cast<int>(lists.size() + k), written_scalars[k].first, -1);
+    }
+    check_disjoint(op, spans);
   }
-  check_disjoint(op, spans);
+  if (!key.empty()) last_held_key = std::move(key);
 }
 
 void check_scalar(const char* op, const char* what, const Tensor& t, at::ScalarType dtype, const at::Device& dev) {
