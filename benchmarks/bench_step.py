@@ -56,8 +56,9 @@ Sections:
 
   (h)     many leaves alone: 200 against 10,000 tensors of the same total (16M fp32 elements),
           mixed_precision(adamw).step_ (target: 10,000 at <= 1.2x the 200-tensor time), the pure
-          step and update + apply_updates, and ops.adam_step_ on the same lists; the rows timed
-          round by round as in (e), and for each pair the ratio of every round (a round's
+          step and update + apply_updates, and ops.adam_step_ on the same lists (as they are,
+          and with the params and moments held, ops.held_lists, as the step holds them); the
+          rows timed round by round as in (e), and for each pair the ratio of every round (a round's
           10,000-tensor median over its 200-tensor median) as median and min-max, which drift
           in the machine's speed between rounds does not move. Beside them, the floor of any
           road that looks at every tensor of the step each call (as the kernels' validation
@@ -684,6 +685,22 @@ def ops_adam_step_(params, grads):
     return run
 
 
+def ops_adam_step_held(params, grads):
+    """``ops_adam_step_`` with the params and moments held for the door (``ops.held_lists``, as
+    the engine's in-place step holds them): each call checks them instead of describing them."""
+    p, g = list(params.values()), list(grads.values())
+    state = af.adamw(LR).init(params)
+    m, v = list(state.exp_avg.values()), list(state.exp_avg_sq.values())
+    step, scale, finite = torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool)
+    held = ops.held_lists([p, m, v])
+
+    def run():
+        ops.adam_step_(p, g, m, v, None, None, step, scale, finite, lr=LR, weight_decay=0.01,
+                       decoupled_weight_decay=True)
+    run.held = held  # lives as long as the row
+    return run
+
+
 def object_pass(params, grads):
     """One look at each tensor object of ``ops_adam_step_``'s call (its Python object,
     TensorImpl and version counter; the moments packed as init packs them, so their views
@@ -706,6 +723,7 @@ def leaves_section(table, timer, device, total, n_few, n_many):
         "step": ("mixed_precision(adamw, NoOpLossScale()).step (pure)", lambda p, g: mixed_step(p, g, False), None),
         "update": ("af.adamw(1e-3).update + af.apply_updates (pure)", pure_update_step, 1.2),
         "ops": ("ops.adam_step_ (the op alone, in place)", ops_adam_step_, None),
+        "held": ("ops.adam_step_, params and moments held (ops.held_lists)", ops_adam_step_held, None),
         "objects": ("one look at each of the step's tensors (ops.bump_versions)", object_pass, None),
     }
     fns = {}
