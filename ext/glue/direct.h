@@ -70,7 +70,8 @@ class Args {
       out.reserve(held->tensors.size());
       out = held->tensors;
       out.held_tag = held->tag;
-      out.held_versions = held->versions.data();
+      out.held_versions = held->versions->data();
+      counters_.push_back(held->versions);
       any_tensor_ = any_tensor_ || !out.empty();
       held_.push_back(std::move(held));
       return out;
@@ -193,6 +194,7 @@ class Args {
   bool any_tensor_ = false;
   std::vector<PyObject*> items_;  // the tensors held for the call (one reference each)
   std::vector<std::shared_ptr<HeldList>> held_;  // the held lists the call borrows
+  std::vector<std::shared_ptr<std::vector<c10::VariableVersion>>> counters_;  // the held counters it bumps
   HeldCheck held_check_;                          // which of the arguments' held lists are unchanged
 };
 

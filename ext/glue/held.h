@@ -89,7 +89,9 @@ struct HeldList {
   std::vector<PyObject*> raw;  // the items' addresses, compared with the list's at each call
   Tensors tensors;
   std::vector<Mark> marks;
-  std::vector<c10::VariableVersion> versions;  // the tensors' counters (one reference each)
+  // The tensors' counters (one reference each). Made anew with the marks, never changed in
+  // place: a call bumping through them after the kernel keeps the vector it took.
+  std::shared_ptr<std::vector<c10::VariableVersion>> versions;
   bool usable = false;  // every tensor plain, contiguous, of at most kInlineDims dims, not copy-on-write
   uint64_t tag = 0;
 
@@ -128,12 +130,13 @@ struct HeldList {
     if (!usable) return;
     tensors = ts;
     marks.resize(ts.size());
-    versions.clear();
-    versions.reserve(ts.size());
+    auto counters = std::make_shared<std::vector<c10::VariableVersion>>();
+    counters->reserve(ts.size());
     for (size_t i = 0; i < ts.size(); ++i) {
       marks[i] = mark_of(ts[i]);
-      versions.push_back(ts[i].unsafeGetTensorImpl()->version_counter());
+      counters->push_back(ts[i].unsafeGetTensorImpl()->version_counter());
     }
+    versions = std::move(counters);
   }
 
   // Contiguous, at most Tensors::kInlineDims dims, with data (read from the descriptors; a
