@@ -294,3 +294,23 @@ def test_many_tensors_checked_across_threads(where):
     for a, b in zip(held, plain):
         _same(a, b)
     assert not torch.equal(lst[i], fresh)
+
+
+def test_held_moments_beside_params_not_held_are_checked_against_them():
+    # An out-of-place step with its moments held but not its params: each call's params are
+    # another list, so the moments' shapes are compared with them every call.
+    p, g, m, v = _lists()
+    holder = ops.held_lists([m, v])
+    assert len(holder) == 2
+    step = torch.zeros(())
+    kw = {k: h for k, h in HYPERS.items()}
+    with torch.no_grad():
+        for _ in range(2):
+            ops.adam_step(p, g, m, v, None, None, step, torch.ones(()), torch.ones((), dtype=torch.bool), **kw)
+        other = [t.clone() for t in p]
+        other[2] = torch.randn(SIZES[2] + 5)
+        grads = [t.clone() for t in g]
+        grads[2] = torch.randn(SIZES[2] + 5)
+        with pytest.raises(ValueError, match=r"exp_avgs\[2\] has shape \(33,\) but params\[2\] has shape \(38,\)"):
+            ops.adam_step(other, grads, m, v, None, None, step, torch.ones(()), torch.ones((), dtype=torch.bool),
+                          **kw)

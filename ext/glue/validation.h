@@ -332,22 +332,22 @@ inline bool same_shape(const Tensors::Desc& a, const Tensors::Desc& b) {
 }
 
 // What validate() found of held lists (Tensors::held_tag): the key of this thread's last call
-// that passed with every written list held, built by held_key(). The same key again means the
-// same op on the same device and mode, the same held lists unchanged in the same places and the
-// same written scalars: every check of a held list, and the disjointness of everything written,
-// hold as they did; only the lists not held (the gradients) are checked again.
+// that passed with its reference list and every written list held, built by held_key(). The
+// same key again means the same op on the same device and mode, the same held lists unchanged
+// in the same places and the same written scalars: every check of a held list (its shapes
+// against the reference list's among them), and the disjointness of everything written, hold
+// as they did; only the lists not held (the gradients) are checked again.
 thread_local std::vector<uint64_t> last_held_key;
 
-// The key of a call whose written lists are all held (empty otherwise).
+// The key of a call whose reference list and written lists are all held (empty otherwise).
 std::vector<uint64_t> held_key(const char* op, const at::Device& dev, const std::vector<ListSpec>& lists,
                                const std::vector<std::pair<const char*, const Tensor*>>& written_scalars) {
   std::vector<uint64_t> key;
-  bool any_held = false;
+  // The reference list held too: the held lists' shapes were compared with these very shapes.
+  if (lists.empty() || lists[0].ts.held_tag == 0) return key;
   for (const ListSpec& L : lists) {
     if (L.written && L.ts.held_tag == 0) return key;
-    any_held = any_held || L.ts.held_tag != 0;
   }
-  if (!any_held) return key;
   key.reserve(4 + 4 * lists.size() + 3 * written_scalars.size());
   key.push_back(reinterpret_cast<uintptr_t>(op));
   key.push_back((static_cast<uint64_t>(static_cast<uint8_t>(dev.type())) << 8) | static_cast<uint8_t>(dev.index()));
