@@ -180,6 +180,4 @@ def held_lists(lists: list):
     work, no host sync."""
     _loading._ensure()
     door = _loading._DIRECT[0]
-    if door is None or not hasattr(door, "HeldLists"):
-        return None
-    return door.HeldLists(list(lists))
+    return None if door is None else door.HeldLists(list(lists))

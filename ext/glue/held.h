@@ -43,33 +43,31 @@ bool plain_cpu(const Tensor& t, bool grad_on = at::GradMode::is_enabled()) {
 // under the tensor changes one of these; the list is then described anew, as any other list,
 // and its Marks taken again. Verifying reads the objects a description reads but takes no
 // reference and builds nothing. Validation still runs on the descriptors, every call.
-class HeldLists;
 
+// What a tensor's descriptor (which has its TensorImpl, element count, dtype, sizes and version
+// counter) does not say of it: its storage, allocation, deleter, size in bytes, offset and keys.
 struct Mark {
-  const c10::TensorImpl* impl;
   const c10::StorageImpl* storage;
   const void* allocation;
   c10::DeleterFnPtr deleter;
   size_t nbytes;
   int64_t offset;
   c10::DispatchKeySet keys;
-  const void* counter;
 };
 
 inline Mark mark_of(const Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
   const c10::DataPtr& dp = s->data_ptr();  // the const accessor: never materializes
-  return {impl, s, dp.get(), dp.get_deleter(), s->nbytes(), impl->storage_offset(), impl->key_set(),
-          ampfunc::counter_of(t)};
+  return {s, dp.get(), dp.get_deleter(), s->nbytes(), impl->storage_offset(), impl->key_set()};
 }
 
 // Whether `t` is as described by `m` and `d` (contiguous, at most Tensors::kInlineDims dims).
 inline bool unchanged(const Tensor& t, const Mark& m, const Tensors::Desc& d, bool grad_on) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl != m.impl || impl->key_set() != m.keys || impl->unsafe_storage().unsafeGetStorageImpl() != m.storage ||
+  if (impl != d.impl || impl->key_set() != m.keys || impl->unsafe_storage().unsafeGetStorageImpl() != m.storage ||
       impl->storage_offset() != m.offset || impl->numel() != d.numel || t.scalar_type() != d.dtype ||
-      ampfunc::counter_of(t) != m.counter || !impl->is_contiguous()) {
+      ampfunc::counter_of(t) != d.counter || !impl->is_contiguous()) {
     return false;
   }
   const auto sizes = impl->sizes();
@@ -82,17 +80,25 @@ inline bool unchanged(const Tensor& t, const Mark& m, const Tensors::Desc& d, bo
          !(grad_on && t.requires_grad());
 }
 
-// One held list: the list object, its items (one reference each), their descriptors and Marks.
+// One held list: the list object, its items (one reference each, taken by the constructor of
+// HeldLists and dropped here, with the interpreter's lock: both run in Python calls), their
+// descriptors and Marks.
 struct HeldList {
+  HeldList() = default;
+  HeldList(const HeldList&) = delete;
+  HeldList& operator=(const HeldList&) = delete;
+  ~HeldList() {
+    for (PyObject* o : raw) Py_DECREF(o);
+  }
+
   py::object list;
-  std::vector<py::object> items;
-  std::vector<PyObject*> raw;  // the items' addresses, compared with the list's at each call
+  std::vector<PyObject*> raw;  // the items, compared with the list's at each call
   Tensors tensors;
   std::vector<Mark> marks;
   // The tensors' counters (one reference each). Made anew with the marks, never changed in
   // place: a call bumping through them after the kernel keeps the vector it took.
   std::shared_ptr<std::vector<c10::VariableVersion>> versions;
-  bool usable = false;  // every tensor plain, contiguous, of at most kInlineDims dims, not copy-on-write
+  bool usable = false;  // every tensor contiguous, of at most kInlineDims dims, with data (markable)
   uint64_t tag = 0;
 
   bool same_items(PyObject* seq) const {
@@ -109,7 +115,7 @@ struct HeldList {
       if (i + kAhead < end) {
         const Mark& a = marks[i + kAhead];
         __builtin_prefetch(raw[i + kAhead]);
-        ampfunc::prefetch_lines(a.impl, sizeof(c10::TensorImpl));
+        ampfunc::prefetch_lines(tensors.desc(i + kAhead).impl, sizeof(c10::TensorImpl));
         __builtin_prefetch(reinterpret_cast<const char*>(a.storage) + 16);  // the DataPtr
         __builtin_prefetch(reinterpret_cast<const char*>(a.storage) + 63);  // its size and flags
       }
@@ -241,7 +247,7 @@ class HeldLists {
         PyObject* o = PyList_GET_ITEM(seq, i);
         all_tensors = THPVariable_Check(o);
         if (!all_tensors) break;
-        h->items.push_back(py::reinterpret_borrow<py::object>(o));
+        Py_INCREF(o);
         h->raw.push_back(o);
         ts.push_back(&THPVariable_Unpack(o));
       }
