@@ -230,6 +230,46 @@ def test_a_written_scalar_inside_a_held_param_is_refused():
     assert torch.equal(p[4], before)
 
 
+def test_alternating_steps_each_keep_their_validation_and_are_still_checked():
+    # Two models stepped in turn (a GAN's two optimizers): validation remembers what it found of
+    # each one's held lists, and each call is still checked where something changed since.
+    (pa, ga, ma, va), plain_a, _holder_a = _pair()
+    b = _lists(seed=1)
+    plain_b = _twin(b)
+    _holder_b = ops.held_lists([b[0], b[2], b[3]])
+    steps = [torch.zeros(()) for _ in range(4)]
+    for _ in range(3):
+        _step(pa, ga, ma, va, steps[0])
+        _step(*b, steps[1])
+        _step(*plain_a, steps[2])
+        _step(*plain_b, steps[3])
+    _same(pa, plain_a[0]), _same(ma, plain_a[2]), _same(va, plain_a[3])
+    _same(b[0], plain_b[0]), _same(b[2], plain_b[2]), _same(b[3], plain_b[3])
+    # a step counter inside one of A's params, after B's call
+    before = pa[4].clone()
+    with pytest.raises(ValueError, match=r"params\[4\] and step overlap in memory"):
+        _step(pa, ga, ma, va, pa[4][5:6].view(()))
+    assert torch.equal(pa[4], before)
+    _step(*b, steps[1])
+    _step(*plain_b, steps[3])
+    # two of A's params made to share memory, after B's call
+    big = torch.randn(SIZES[3] + SIZES[4])
+    pa[3].data = big[:SIZES[3]]
+    pa[4].data = big[SIZES[3] - 1:SIZES[3] - 1 + SIZES[4]]
+    snapshot = _twin((pa, ma, va))
+    with pytest.raises(ValueError, match=r"params\[3\] and params\[4\] overlap in memory"):
+        _step(pa, ga, ma, va, steps[0])
+    _same(pa, snapshot[0]), _same(ma, snapshot[1]), _same(va, snapshot[2])
+    # a gradient of the wrong shape for B, after A's call
+    gb = list(b[1])
+    gb[2] = torch.randn(SIZES[2] + 1)
+    with pytest.raises(ValueError, match=r"grads\[2\] has shape \(34,\) but params\[2\] has shape \(33,\)"):
+        _step(b[0], gb, b[2], b[3], steps[1])
+    _step(*b, steps[1])
+    _step(*plain_b, steps[3])
+    _same(b[0], plain_b[0]), _same(b[2], plain_b[2]), _same(b[3], plain_b[3])
+
+
 def test_gradients_are_checked_on_every_call():
     (p, g, m, v), _, _holder = _pair()
     for _ in range(2):
