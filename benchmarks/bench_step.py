@@ -63,7 +63,10 @@ Sections:
           in the machine's speed between rounds does not move. Beside them, the floor of any
           road that looks at every tensor of the step each call (as the kernels' validation
           does): one prefetched pass over the step's tensor objects, cold (ops.bump_versions
-          over params, grads and both moments), against the 1.2x target's budget.
+          over params, grads and both moments), against the 1.2x target's budget. And the held
+          op under no_grad with the params and gradients copied into one buffer each, as views
+          in address order and in a shuffled order: where the tensors lie moves the data
+          kernel's time on 10,000 short segments, with nothing else changed.
 
     python benchmarks/bench_step.py --only h       # section (h) alone
 
@@ -79,6 +82,7 @@ import datetime
 import gc
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -701,6 +705,40 @@ def ops_adam_step_held(params, grads):
     return run
 
 
+def laid_out(tensors: list, order: str) -> list:
+    """Copies of ``tensors`` as views of one buffer, a 64-byte gap after each (as an allocator
+    leaves one), placed in list order ("address order") or in a fixed shuffled order."""
+    where = list(range(len(tensors)))
+    if order == "shuffled":
+        random.Random(0).shuffle(where)
+    gap = 64 // tensors[0].element_size()
+    buf = torch.empty(sum(t.numel() + gap for t in tensors), dtype=tensors[0].dtype)
+    starts, at = [0] * len(tensors), 0
+    for i in where:
+        starts[i], at = at, at + tensors[i].numel() + gap
+    return [buf[s:s + t.numel()].view_as(t).copy_(t) for s, t in zip(starts, tensors)]
+
+
+def held_step_laid_out(order):
+    """``ops_adam_step_held`` under no_grad (as the engine calls it), its params and gradients
+    laid out by :func:`laid_out`: the same tensors and the same kernel, in other places. The
+    data kernel's passes over many short segments depend on where the segments lie."""
+    def make(params, grads):
+        p, g = laid_out(list(params.values()), order), laid_out(list(grads.values()), order)
+        state = af.adamw(LR).init(dict(zip(params, p)))
+        m, v = list(state.exp_avg.values()), list(state.exp_avg_sq.values())
+        step, scale, finite = torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool)
+        held = ops.held_lists([p, m, v])
+
+        def run():
+            with torch.no_grad():
+                ops.adam_step_(p, g, m, v, None, None, step, scale, finite, lr=LR, weight_decay=0.01,
+                               decoupled_weight_decay=True)
+        run.held = held  # lives as long as the row
+        return run
+    return make
+
+
 def object_pass(params, grads):
     """One look at each tensor object of ``ops_adam_step_``'s call (its Python object,
     TensorImpl and version counter; the moments packed as init packs them, so their views
@@ -724,6 +762,10 @@ def leaves_section(table, timer, device, total, n_few, n_many):
         "update": ("af.adamw(1e-3).update + af.apply_updates (pure)", pure_update_step, 1.2),
         "ops": ("ops.adam_step_ (the op alone, in place)", ops_adam_step_, None),
         "held": ("ops.adam_step_, params and moments held (ops.held_lists)", ops_adam_step_held, None),
+        "ordered": ("the held op, no_grad, params and grads views in address order", held_step_laid_out("address"),
+                    None),
+        "shuffled": ("the held op, no_grad, params and grads views in shuffled order",
+                     held_step_laid_out("shuffled"), None),
         "objects": ("one look at each of the step's tensors (ops.bump_versions)", object_pass, None),
     }
     fns = {}
