@@ -433,6 +433,10 @@ def _tree_cases():
         "same dict": [d, d],
         "same keys": [d, {k: torch.ones(1) for k in d}, {k: 3 for k in d}],
         "equal keys": [d, {_Key(k): v for k, v in d.items()}],
+        "equal str keys": [d, {"".join(["k", str(i)]): x for i, x in enumerate(t)}, d],
+        "one str key differs": [d, {"".join(["k", str(i if i != 2 else 7)]): x for i, x in enumerate(t)}],
+        "str then equal keys": [d, {"".join(["k", str(i)]): x for i, x in enumerate(t)},
+                                {_Key(k): v for k, v in d.items()}],
         "other order": [d, dict(reversed(list(d.items())))],
         "other key": [d, {**{k: v for k, v in d.items() if k != "k3"}, "k9": t[3]}],
         "shorter": [d, {"k0": t[0]}],
@@ -449,6 +453,8 @@ def test_the_tree_loops_in_c_answer_as_their_python_twins(case, monkeypatch):
     from ampfunc import tree
 
     trees = _tree_cases()[case]
+    if case.startswith(("equal str", "one str", "str then")):
+        assert all(a is not b for a, b in zip(trees[0], trees[1]))  # other objects, compared by value
     c_values = tree.dict_values_aligned(trees)
     with monkeypatch.context() as mp:
         mp.setattr(tree, "_door", lambda: None)

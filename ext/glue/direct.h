@@ -487,6 +487,12 @@ bool kernel_ready(const py::tuple& plain_types, int64_t where, bool grad_on, con
 // the very objects of its known list gets that list back. Comparing the dict's value pointers
 // reads its entry table only, where a new list takes a reference on every value: a cache miss
 // per tensor object on a large tree, and another when the list dies.
+//
+// Each dict's entry table is read once, into the borrowed keys and values below; nothing runs
+// Python code while they are in use: keys that are not the same objects are compared here only
+// when both are exact str, whose == runs none (any other pair sends the call to the general loop,
+// which compares as list(t) != list(first) does), and the cyclic collector, which an allocation
+// may start and which may run finalizers, is off meanwhile.
 bool same_values(PyObject* dict, PyObject* list) {
   if (list == nullptr || !PyList_CheckExact(list) || PyList_GET_SIZE(list) != PyDict_GET_SIZE(dict)) return false;
   PyObject** items = PySequence_Fast_ITEMS(list);
@@ -498,10 +504,10 @@ bool same_values(PyObject* dict, PyObject* list) {
   return true;
 }
 
-py::object dict_values_aligned(const py::list& trees, const py::object& known) {
+// The general loop: keys of any type (== may run Python code).
+py::object dict_values_aligned_general(const py::list& trees, const py::object& known) {
   const Py_ssize_t n = PyList_GET_SIZE(trees.ptr());
-  PyObject* first = n > 0 ? PyList_GET_ITEM(trees.ptr(), 0) : nullptr;
-  if (first == nullptr || !PyDict_CheckExact(first)) return py::none();
+  PyObject* first = PyList_GET_ITEM(trees.ptr(), 0);
   const Py_ssize_t len = PyDict_GET_SIZE(first);
   for (Py_ssize_t k = 1; k < n; ++k) {
     PyObject* t = PyList_GET_ITEM(trees.ptr(), k);
@@ -530,6 +536,95 @@ py::object dict_values_aligned(const py::list& trees, const py::object& known) {
     PyObject* values = PyDict_Values(tree);
     if (values == nullptr) throw py::error_already_set();
     PyList_SET_ITEM(out.ptr(), k, values);
+  }
+  return std::move(out);
+}
+
+// A dict's keys and values in order, borrowed (its entry table read once).
+void dict_entries(PyObject* dict, std::vector<PyObject*>& keys, std::vector<PyObject*>& values) {
+  keys.clear();
+  values.clear();
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    keys.push_back(key);
+    values.push_back(value);
+  }
+}
+
+// 1: the same keys in order; 0: not; -1: a pair the general loop must compare.
+int same_str_keys(const std::vector<PyObject*>& a, const std::vector<PyObject*>& b) {
+  constexpr size_t kAhead = 8;  // a key that is another object is read (cold on a large tree)
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    if (!PyUnicode_CheckExact(a[i]) || !PyUnicode_CheckExact(b[i])) return -1;
+    for (size_t j = i + 1; j < std::min(a.size(), i + 1 + kAhead); ++j) {
+      __builtin_prefetch(a[j]);
+      __builtin_prefetch(b[j]);
+    }
+    const int eq = PyUnicode_Compare(a[i], b[i]);
+    if (eq == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (eq != 0) return 0;
+  }
+  return 1;
+}
+
+class NoCyclicGc {
+ public:
+  NoCyclicGc() : was_(PyGC_Disable()) {}
+  ~NoCyclicGc() {
+    if (was_) PyGC_Enable();
+  }
+  NoCyclicGc(const NoCyclicGc&) = delete;
+  NoCyclicGc& operator=(const NoCyclicGc&) = delete;
+
+ private:
+  int was_;
+};
+
+py::object dict_values_aligned(const py::list& trees, const py::object& known) {
+  const Py_ssize_t n = PyList_GET_SIZE(trees.ptr());
+  PyObject* first = n > 0 ? PyList_GET_ITEM(trees.ptr(), 0) : nullptr;
+  if (first == nullptr || !PyDict_CheckExact(first)) return py::none();
+  const Py_ssize_t len = PyDict_GET_SIZE(first);
+  for (Py_ssize_t k = 1; k < n; ++k) {
+    PyObject* t = PyList_GET_ITEM(trees.ptr(), k);
+    if (t != first && (!PyDict_CheckExact(t) || PyDict_GET_SIZE(t) != len)) return py::none();
+  }
+  NoCyclicGc no_gc;  // (the general loop below may run Python code: it holds nothing borrowed across it)
+  // per tree: its keys and values (the first's kept for the comparisons)
+  thread_local std::vector<std::vector<PyObject*>> keys, values;
+  keys.resize(static_cast<size_t>(n));
+  values.resize(static_cast<size_t>(n));
+  dict_entries(first, keys[0], values[0]);
+  for (Py_ssize_t k = 1; k < n; ++k) {
+    PyObject* t = PyList_GET_ITEM(trees.ptr(), k);
+    dict_entries(t, keys[k], values[k]);
+    if (keys[k].size() != keys[0].size()) return py::none();  // (a dict's size is its entry count)
+    const int same = t == first ? 1 : same_str_keys(keys[0], keys[k]);
+    if (same == 0) return py::none();
+    if (same < 0) return dict_values_aligned_general(trees, known);
+  }
+  const bool has_known = PyList_CheckExact(known.ptr());
+  py::list out(n);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const std::vector<PyObject*>& vs = values[k];
+    PyObject* prev = has_known && k < PyList_GET_SIZE(known.ptr()) ? PyList_GET_ITEM(known.ptr(), k) : nullptr;
+    if (prev != nullptr && PyList_CheckExact(prev) && PyList_GET_SIZE(prev) == static_cast<Py_ssize_t>(vs.size()) &&
+        (vs.empty() || std::memcmp(PySequence_Fast_ITEMS(prev), vs.data(), vs.size() * sizeof(PyObject*)) == 0)) {
+      Py_INCREF(prev);
+      PyList_SET_ITEM(out.ptr(), k, prev);
+      continue;
+    }
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(vs.size()));
+    if (list == nullptr) throw py::error_already_set();
+    constexpr size_t kAhead = 12;  // each value object is cold on a large tree: its count is written
+    for (size_t i = 0; i < vs.size(); ++i) {
+      if (i + kAhead < vs.size()) __builtin_prefetch(vs[i + kAhead], 1);
+      Py_INCREF(vs[i]);
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), vs[i]);
+    }
+    PyList_SET_ITEM(out.ptr(), k, list);
   }
   return std::move(out);
 }
