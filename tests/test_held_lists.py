@@ -336,6 +336,106 @@ def test_many_tensors_checked_across_threads(where):
     assert not torch.equal(lst[i], fresh)
 
 
+def _many(n=5000, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(3, generator=gen).abs() for _ in range(n)] for _ in range(4)]
+
+
+def _door_step(p, g, m, v):
+    """The door's in-place checked Adam step (its result: NotImplemented when it hands the call
+    back to the dispatcher)."""
+    h = HYPERS
+    with torch.no_grad():
+        return DOOR.adam_step_checked_(p, g, m, v, [], [], torch.zeros(()), torch.ones(()), h["lr"], None,
+                                       h["beta1"], h["beta2"], h["eps"], h["weight_decay"], False,
+                                       h["decoupled_weight_decay"], False)
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_gradients_read_in_the_parallel_check_step_as_described_anew(container):
+    # With thousands of held tensors, the gradients are described for reading in the same parallel
+    # region as the held lists' check: the same numbers, version counters and errors.
+    held = _many()
+    plain = _twin(held)
+    p, g, m, v = held
+    _holder = ops.held_lists([p, m, v])
+    versions = [t._version for t in g]
+    for _ in range(2):
+        _step(p, container(g), m, v, torch.zeros(()))
+        _step(*plain, torch.zeros(()))
+    for a, b in zip(held, plain):
+        _same(a, b)
+    assert [t._version for t in g] == versions  # read, not written
+    bad = list(g)
+    bad[4321] = torch.randn(4)
+    with pytest.raises(ValueError, match=r"grads\[4321\] has shape \(4,\) but params\[4321\] has shape \(3,\)"):
+        _step(p, container(bad), m, v, torch.zeros(()))
+    bad[4321] = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"grads\[4321\] has dtype torch.float64"):
+        _step(p, container(bad), m, v, torch.zeros(()))
+    for a, b in zip(held, plain):
+        _same(a, b)
+
+
+def test_a_lazily_cloned_gradient_is_read_where_it_is():
+    # Reading a copy-on-write gradient does not copy it (nor its source), whether it was described
+    # in the parallel region (the held call) or on its own (the plain one).
+    held = _many()
+    plain = _twin(held)
+    p, g, m, v = held
+    _holder = ops.held_lists([p, m, v])
+    g[17] = torch._lazy_clone(plain[1][17])
+    _step(p, g, m, v, torch.zeros(()))
+    _step(*plain, torch.zeros(()))
+    for a, b in zip(held, plain):
+        _same(a, b)
+    assert torch._C._is_cow_tensor(g[17]) and torch._C._is_cow_tensor(plain[1][17])
+
+
+@pytest.mark.parametrize("odd", ["requires_grad", "meta", "sparse", "neg_view", "none", "subclass"])
+def test_a_gradient_the_dispatcher_must_see_sends_the_call_to_it(odd):
+    # The door takes the call only when every gradient is a plain CPU tensor, judged in the
+    # parallel region as in the serial description; otherwise it hands the call back, with
+    # nothing written.
+    held = _many()
+    p, g, m, v = held
+    _holder = ops.held_lists([p, m, v])
+    assert _door_step(p, g, m, v) is not NotImplemented  # the arguments as the door takes them
+    before = _twin((p, m, v))
+    odd_g = list(g)
+    i = 2500
+    if odd == "requires_grad":
+        odd_g[i] = g[i].clone().requires_grad_()
+    elif odd == "meta":
+        odd_g[i] = torch.empty(3, device="meta")
+    elif odd == "sparse":
+        odd_g[i] = torch.eye(3)[0].to_sparse()
+    elif odd == "neg_view":
+        odd_g[i] = torch._neg_view(g[i])
+    elif odd == "none":
+        odd_g[i] = None
+    else:
+        odd_g[i] = g[i].as_subclass(_Logged)
+    if odd == "requires_grad":
+        with torch.enable_grad():
+            h = HYPERS
+            assert DOOR.adam_step_checked_(p, odd_g, m, v, [], [], torch.zeros(()), torch.ones(()), h["lr"], None,
+                                           h["beta1"], h["beta2"], h["eps"], h["weight_decay"], False,
+                                           h["decoupled_weight_decay"], False) is NotImplemented
+    else:
+        assert _door_step(p, odd_g, m, v) is NotImplemented
+    _same(p, before[0]), _same(m, before[1]), _same(v, before[2])
+
+
+class _Logged(torch.Tensor):
+    """A subclass the dispatcher hands every op to (__torch_dispatch__)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
 def test_held_moments_beside_params_not_held_are_checked_against_them():
     # An out-of-place step with its moments held but not its params: each call's params are
     # another list, so the moments' shapes are compared with them every call.

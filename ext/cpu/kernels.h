@@ -161,9 +161,10 @@ class Tensors {
   // TensorImpl, asked for earlier) kStorageAhead on. Not spread over the cores: a parallel region
   // per list would hand work to the other threads and wait for them several times a call, and
   // when those threads are not running (a loaded machine) each wait costs a scheduler slice.
-  // A copy-on-write storage is materialized after the loop (describe() writes then).
+  // A copy-on-write storage is materialized after the loop (describe() writes then), unless the
+  // list is only read (`for_reading`: see describe_for_reading).
   template <typename Ok>
-  bool take_all(const at::Tensor* const* ts, size_t n, Ok ok) {
+  bool take_all(const at::Tensor* const* ts, size_t n, Ok ok, bool for_reading = false) {
     reserve(n);
     p_.assign(ts, ts + n);
     d_.resize(n);
@@ -173,13 +174,35 @@ class Tensors {
       if (i + kStorageAhead < n) prefetch_storage(*p_[i + kStorageAhead]);
       const at::Tensor& t = *p_[i];
       all_ok = ok(t) && all_ok;
-      d_[i] = describe(t, /*materialize=*/false);
+      d_[i] = describe(t, for_reading ? Access::kRead : Access::kWriteLater);
       any_cow = any_cow || d_[i].data == kCow;
     }
     if (any_cow) {
       for (size_t i = 0; i < n; ++i) {
         if (d_[i].data == kCow) d_[i] = describe(*p_[i]);
       }
+    }
+    return all_ok;
+  }
+  // A list only read (the gradients), described in parts, possibly on several threads: point_at()
+  // takes the `n` tensors, then describe_for_reading() fills the descriptors of [begin, end)
+  // (each index by one thread). Reading needs no write access: the data pointer is the const
+  // one (a copy-on-write storage is read where it is, not copied), so nothing but the tensors
+  // is read and nothing is written but this list's own descriptors.
+  void point_at(const at::Tensor* const* ts, size_t n) {
+    reserve(n);
+    p_.assign(ts, ts + n);
+    d_.resize(n);
+  }
+  template <typename Ok>
+  bool describe_for_reading(size_t begin, size_t end, Ok ok) {
+    bool all_ok = true;
+    for (size_t i = begin; i < end; ++i) {
+      if (i + kImplAhead < end) prefetch_impl(*p_[i + kImplAhead]);
+      if (i + kStorageAhead < end) prefetch_storage(*p_[i + kStorageAhead]);
+      const at::Tensor& t = *p_[i];
+      all_ok = ok(t) && all_ok;
+      d_[i] = describe(t, Access::kRead);
     }
     return all_ok;
   }
@@ -209,17 +232,25 @@ class Tensors {
   // A marker, never dereferenced: the tensor's storage is copy-on-write (see take_all).
   static inline char* const kCow = reinterpret_cast<char*>(uintptr_t{1});
 
-  static Desc describe(const at::Tensor& t, bool materialize = true) {
+  // kWrite: the data pointer for writing (a copy-on-write storage materialized); kWriteLater:
+  // the kCow marker instead of materializing; kRead: the data pointer for reading.
+  enum class Access { kWrite, kWriteLater, kRead };
+
+  static Desc describe(const at::Tensor& t, Access access = Access::kWrite) {
     Desc d{nullptr, 0, at::kFloat, true, false, at::Device(at::kCPU), -1, {0, 0, 0, 0}};
     if (!t.defined()) return d;
-    // data_ptr() (not const_data_ptr()): the kernels may write, which must materialize a
-    // copy-on-write storage first. Layouts without storage (sparse) get none; validation refuses them.
+    // data_ptr() (not const_data_ptr()) unless only read: the kernels may write, which must
+    // materialize a copy-on-write storage first. Layouts without storage (sparse) get none;
+    // validation refuses them.
     const bool has_data = t.layout() == at::kStrided && t.has_storage();
-    if (has_data && !materialize && c10::impl::cow::is_cow_data_ptr(t.storage().data_ptr())) {
+    if (has_data && access == Access::kWriteLater && c10::impl::cow::is_cow_data_ptr(t.storage().data_ptr())) {
       d.data = kCow;
       return d;
     }
-    d.data = has_data ? static_cast<char*>(t.data_ptr()) : nullptr;
+    if (has_data) {
+      d.data = access == Access::kRead ? static_cast<char*>(const_cast<void*>(t.const_data_ptr()))
+                                       : static_cast<char*>(t.data_ptr());
+    }
     d.numel = t.numel();
     d.dtype = t.scalar_type();
     d.contiguous = t.is_contiguous();

@@ -55,9 +55,38 @@ class Args {
   }
 
   Tensors list() {
-    Tensors out;
     PyObject* seq = next();
-    if (!ok) return out;
+    if (!ok) return Tensors();
+    return list_of(seq);
+  }
+
+  // A list the call only reads (the gradients): as list(), taking the description made for
+  // reading in the held lists' parallel region when there was one (HeldCheck).
+  Tensors read_list() {
+    const size_t arg = i_;
+    PyObject* seq = next();
+    if (!ok) return Tensors();
+    HeldCheck::ForReading* rd = held_check_.for_reading(arg, seq);
+    if (rd == nullptr) return list_of(seq, /*for_reading=*/true);
+    if (!rd->ok) {
+      ok = false;
+      return Tensors();
+    }
+    // One reference on each item, as list_of() takes (their objects were just read).
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    items_.reserve(items_.size() + static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Py_INCREF(items[i]);
+      items_.push_back(items[i]);
+    }
+    any_tensor_ = any_tensor_ || n > 0;
+    return std::move(rd->tensors);
+  }
+
+  // `for_reading`: the call only reads the list (a copy-on-write storage is read where it is).
+  Tensors list_of(PyObject* seq, bool for_reading = false) {
+    Tensors out;
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
       ok = false;
       return out;
@@ -99,7 +128,8 @@ class Args {
     }
     // The tensors themselves (TensorImpls, storages): checked and described in one prefetching
     // pass (Tensors::take_all). Grad mode is this thread's, read here once.
-    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); })) {
+    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); },
+                      for_reading)) {
       ok = false;
       return out;
     }
@@ -319,7 +349,7 @@ template <Form kForm>
 py::object sgd_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
-  Tensors p = x.list(), g = x.list(), b = x.list(), mp = x.list();
+  Tensors p = x.list(), g = x.read_list(), b = x.list(), mp = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
   const Tensor* fin = takes_finite(kForm) ? x.tensor() : nullptr;
   const double lr = x.real();
@@ -360,7 +390,7 @@ template <Form kForm>
 py::object adam_step(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
-  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
+  Tensors p = x.list(), g = x.read_list(), m1 = x.list(), m2 = x.list(), vmax = x.list(), mp = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
   const Tensor* fin = takes_finite(kForm) ? x.tensor() : nullptr;
   const double lr = x.real();
@@ -405,7 +435,7 @@ py::object adam_step(const py::args& a) {
 py::object sgd_update(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
-  Tensors p = x.list(), g = x.list(), b = x.list();
+  Tensors p = x.list(), g = x.read_list(), b = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();
@@ -422,7 +452,7 @@ py::object sgd_update(const py::args& a) {
 py::object adam_update(const py::args& a) {
   HANDLE_TH_ERRORS
   Args x(a);
-  Tensors p = x.list(), g = x.list(), m1 = x.list(), m2 = x.list(), vmax = x.list();
+  Tensors p = x.list(), g = x.read_list(), m1 = x.list(), m2 = x.list(), vmax = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
   const double lr = x.real();
   std::optional<Tensor> lr_t = x.optional_tensor();

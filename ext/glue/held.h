@@ -176,8 +176,23 @@ std::shared_ptr<HeldList> held_list(PyObject* seq) {
 // loop waits on memory, not on work, and a core has a bounded number of misses in flight, so
 // from kSpreadMin tensors on it runs as one parallel region over all the call's held tensors
 // (the cores' misses then overlap too): one hand-off a call, where the kernels make two.
+//
+// When that region runs, the call's other lists of tensors (not held: the gradients, new every
+// step) are described in it too, for reading only (Tensors::describe_for_reading); a list the
+// call only reads takes that description (Args::read_list), one that it may write is described
+// as usual. Their Python objects are looked at here, on this thread (the interpreter's lock is
+// held throughout the region, so no list changes meanwhile).
 class HeldCheck {
  public:
+  // A list of tensors described for reading in the region: argument `arg`, the list `seq`.
+  struct ForReading {
+    size_t arg;
+    PyObject* seq;
+    size_t start;  // its first index in the region's range
+    Tensors tensors;
+    bool ok = true;  // every tensor a plain CPU tensor (plain_cpu)
+  };
+
   HeldCheck(const py::args& a, bool grad_on) {
     auto& r = held_registry();
     if (r.empty()) return;
@@ -191,10 +206,12 @@ class HeldCheck {
     }
     if (lists_.empty()) return;
     starts_.push_back(total);
-    std::vector<uint8_t> bad(lists_.size(), 0);  // written by the region's threads, a byte each
+    const bool spread = total >= kSpreadMin && at::get_num_threads() > 1;
+    const size_t all = spread ? add_for_reading(a, r, total) : total;
+    std::vector<uint8_t> bad(lists_.size() + reads_.size(), 0);  // written by the region's threads, a byte each
     auto check = [&](size_t begin, size_t end) {
       size_t l = std::upper_bound(starts_.begin(), starts_.end(), begin) - starts_.begin() - 1;
-      for (; begin < end; ++l) {
+      for (; begin < end && begin < total; ++l) {
         const size_t stop = std::min(end, starts_[l + 1]);
         if (stop > begin && !__atomic_load_n(&bad[l], __ATOMIC_RELAXED) &&
             !lists_[l]->unchanged_in(begin - starts_[l], stop - starts_[l], grad_on)) {
@@ -202,15 +219,25 @@ class HeldCheck {
         }
         begin = stop;
       }
+      for (size_t f = 0; f < reads_.size() && begin < end; ++f) {
+        ForReading& rd = reads_[f];
+        const size_t lo = std::max(begin, rd.start), hi = std::min(end, rd.start + rd.tensors.size());
+        if (lo >= hi) continue;
+        if (!rd.tensors.describe_for_reading(lo - rd.start, hi - rd.start,
+                                             [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); })) {
+          __atomic_store_n(&bad[lists_.size() + f], uint8_t(1), __ATOMIC_RELAXED);
+        }
+      }
     };
-    if (total >= kSpreadMin && at::get_num_threads() > 1) {
-      at::parallel_for(0, static_cast<int64_t>(total), kSpreadGrain,
+    if (spread) {
+      at::parallel_for(0, static_cast<int64_t>(all), kSpreadGrain,
                        [&](int64_t b, int64_t e) { check(static_cast<size_t>(b), static_cast<size_t>(e)); });
     } else {
       check(0, total);
     }
     ok_.resize(lists_.size());
     for (size_t l = 0; l < lists_.size(); ++l) ok_[l] = !bad[l];
+    for (size_t f = 0; f < reads_.size(); ++f) reads_[f].ok = !bad[lists_.size() + f];
   }
 
   // The held list `seq` when it was found unchanged, else nullptr.
@@ -221,12 +248,47 @@ class HeldCheck {
     return nullptr;
   }
 
+  // Argument `arg`, the list `seq`, when it was described for reading in the region.
+  ForReading* for_reading(size_t arg, PyObject* seq) {
+    for (ForReading& rd : reads_) {
+      if (rd.arg == arg && rd.seq == seq) return &rd;
+    }
+    return nullptr;
+  }
+
  private:
   static constexpr size_t kSpreadMin = 4096;
   static constexpr int64_t kSpreadGrain = 2048;
+
+  // Queues the arguments that are lists (or tuples) of tensors and not held, from index `at` of
+  // the region on; returns the end of the region's range.
+  size_t add_for_reading(const py::args& a, const std::unordered_map<PyObject*, std::shared_ptr<HeldList>>& r,
+                         size_t at) {
+    thread_local std::vector<const Tensor*> tensors;
+    for (size_t k = 0; k < a.size(); ++k) {
+      PyObject* seq = a[k].ptr();
+      if (!(PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) || r.count(seq) != 0) continue;
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+      PyObject** items = PySequence_Fast_ITEMS(seq);
+      tensors.clear();
+      bool all_tensors = n > 0;
+      for (Py_ssize_t i = 0; i < n && all_tensors; ++i) {
+        if (i + 8 < n) __builtin_prefetch(items[i + 8]);  // cold on a large tree: ask ahead
+        all_tensors = THPVariable_Check(items[i]);
+        if (all_tensors) tensors.push_back(&THPVariable_Unpack(items[i]));
+      }
+      if (!all_tensors) continue;
+      reads_.push_back(ForReading{k, seq, at, Tensors(), true});
+      reads_.back().tensors.point_at(tensors.data(), tensors.size());
+      at += tensors.size();
+    }
+    return at;
+  }
+
   std::vector<std::shared_ptr<HeldList>> lists_;
   std::vector<size_t> starts_;
   std::vector<bool> ok_;
+  std::vector<ForReading> reads_;
 };
 
 // ampfunc.ops.held_lists: holds `lists` (Python lists of tensors) for the direct door.

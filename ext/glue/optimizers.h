@@ -351,7 +351,7 @@ py::object optim(const py::args& a) {
   Args x(a);
   OptimCall<Op> c;
   c.P = x.list();
-  c.G = x.list();
+  c.G = x.read_list();
   for (int k = 0; k < Op::kState; ++k) c.S[k] = x.list();
   if (F != OptimForm::kUpdate) c.M = x.list();
   const Tensor *step = x.tensor(), *gs = x.tensor();
