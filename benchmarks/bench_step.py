@@ -65,8 +65,8 @@ Sections:
           does): one prefetched pass over the step's tensor objects, cold (ops.bump_versions
           over params, grads and both moments), against the 1.2x target's budget. And the held
           op under no_grad with the params and gradients copied into one buffer each, as views
-          in address order and in a shuffled order: where the tensors lie moves the data
-          kernel's time on 10,000 short segments, with nothing else changed.
+          in address order and in a shuffled order, and the step_ likewise: where the tensors
+          lie moves the data kernel's time on 10,000 short segments, with nothing else changed.
 
     python benchmarks/bench_step.py --only h       # section (h) alone
 
@@ -739,6 +739,15 @@ def held_step_laid_out(order):
     return make
 
 
+def step_laid_out(order):
+    """``mixed_step(..., inplace=True)`` (the engine's ``step_``) on the tree with its params and
+    gradients laid out by :func:`laid_out`."""
+    def make(params, grads):
+        return mixed_step(dict(zip(params, laid_out(list(params.values()), order))),
+                          dict(zip(grads, laid_out(list(grads.values()), order))), True)
+    return make
+
+
 def object_pass(params, grads):
     """One look at each tensor object of ``ops_adam_step_``'s call (its Python object,
     TensorImpl and version counter; the moments packed as init packs them, so their views
@@ -766,6 +775,8 @@ def leaves_section(table, timer, device, total, n_few, n_many):
                     None),
         "shuffled": ("the held op, no_grad, params and grads views in shuffled order",
                      held_step_laid_out("shuffled"), None),
+        "step_ordered": ("step_, params and grads views in address order", step_laid_out("address"), 1.2),
+        "step_shuffled": ("step_, params and grads views in shuffled order", step_laid_out("shuffled"), None),
         "objects": ("one look at each of the step's tensors (ops.bump_versions)", object_pass, None),
     }
     fns = {}
