@@ -280,8 +280,9 @@ def zeros_packed(tree: PyTree, dtype: torch.dtype | Callable[[torch.dtype], torc
 
     A kernel step over 10,000 separately allocated leaves reads each list as 10,000 short runs
     scattered over the heap; over views of one buffer it reads one run. The views are ordinary
-    tensors (each its own version counter) that share one storage: ``torch.save`` of the whole
-    state stores it once, of a single leaf stores the whole buffer. Leaves that cannot be views
+    views of that buffer: they share its storage (``torch.save`` of the whole state stores it
+    once, of a single leaf stores the whole buffer) and, as torch's views do, its version counter
+    (an in-place write to one leaf moves every leaf's ``_version``). Leaves that cannot be views
     of a plain buffer (tensor subclasses such as ``DTensor``, ``torch.func`` wrappers,
     non-contiguous or sparse tensors) and any leaf while a ``torch.compile`` trace or a
     dispatch/function mode is active get their own ``torch.zeros_like``. Every leaf must be a

@@ -197,6 +197,13 @@ def test_init_under_vmap_gives_batched_zeros_not_a_shared_buffer():
     assert exp_avg["w"].stride()[0] != 0 and exp_avg["b"].stride()[0] != 0
 
 
+def test_packed_leaves_are_views_sharing_their_buffer_version_counter():
+    z = zeros_packed({"a": torch.ones(4), "b": torch.ones(2, 2)})
+    before = z["b"]._version
+    z["a"].add_(1)  # as for any views of one tensor
+    assert z["b"]._version == before + 1 and torch.equal(z["b"], torch.zeros(2, 2))
+
+
 def test_copy_packed_copies_each_leaf_into_one_buffer_per_device_and_dtype():
     from ampfunc.flat import copy_packed
     tree = {"a": torch.randn(3, dtype=torch.float16), "b": torch.randn(5), "c": torch.randn(2, dtype=torch.float64),
