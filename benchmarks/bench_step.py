@@ -719,22 +719,23 @@ def laid_out(tensors: list, order: str) -> list:
     return [buf[s:s + t.numel()].view_as(t).copy_(t) for s, t in zip(starts, tensors)]
 
 
+def _laid_out_trees(params, grads, order):
+    """The tree's params and gradients as :func:`laid_out` places them, under their keys."""
+    return (dict(zip(params, laid_out(list(params.values()), order))),
+            dict(zip(grads, laid_out(list(grads.values()), order))))
+
+
 def held_step_laid_out(order):
     """``ops_adam_step_held`` under no_grad (as the engine calls it), its params and gradients
     laid out by :func:`laid_out`: the same tensors and the same kernel, in other places. The
     data kernel's passes over many short segments depend on where the segments lie."""
     def make(params, grads):
-        p, g = laid_out(list(params.values()), order), laid_out(list(grads.values()), order)
-        state = af.adamw(LR).init(dict(zip(params, p)))
-        m, v = list(state.exp_avg.values()), list(state.exp_avg_sq.values())
-        step, scale, finite = torch.zeros(()), torch.ones(()), torch.ones((), dtype=torch.bool)
-        held = ops.held_lists([p, m, v])
+        held_step = ops_adam_step_held(*_laid_out_trees(params, grads, order))
 
         def run():
             with torch.no_grad():
-                ops.adam_step_(p, g, m, v, None, None, step, scale, finite, lr=LR, weight_decay=0.01,
-                               decoupled_weight_decay=True)
-        run.held = held  # lives as long as the row
+                held_step()
+        run.held = held_step.held  # lives as long as the row
         return run
     return make
 
@@ -743,8 +744,7 @@ def step_laid_out(order):
     """``mixed_step(..., inplace=True)`` (the engine's ``step_``) on the tree with its params and
     gradients laid out by :func:`laid_out`."""
     def make(params, grads):
-        return mixed_step(dict(zip(params, laid_out(list(params.values()), order))),
-                          dict(zip(grads, laid_out(list(grads.values()), order))), True)
+        return mixed_step(*_laid_out_trees(params, grads, order), True)
     return make
 
 

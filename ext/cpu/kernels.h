@@ -165,18 +165,9 @@ class Tensors {
   // list is only read (`for_reading`: see describe_for_reading).
   template <typename Ok>
   bool take_all(const at::Tensor* const* ts, size_t n, Ok ok, bool for_reading = false) {
-    reserve(n);
-    p_.assign(ts, ts + n);
-    d_.resize(n);
-    bool all_ok = true, any_cow = false;
-    for (size_t i = 0; i < n; ++i) {
-      if (i + kImplAhead < n) prefetch_impl(*p_[i + kImplAhead]);
-      if (i + kStorageAhead < n) prefetch_storage(*p_[i + kStorageAhead]);
-      const at::Tensor& t = *p_[i];
-      all_ok = ok(t) && all_ok;
-      d_[i] = describe(t, for_reading ? Access::kRead : Access::kWriteLater);
-      any_cow = any_cow || d_[i].data == kCow;
-    }
+    point_at(ts, n);
+    bool any_cow = false;
+    const bool all_ok = describe_range(0, n, ok, for_reading ? Access::kRead : Access::kWriteLater, &any_cow);
     if (any_cow) {
       for (size_t i = 0; i < n; ++i) {
         if (d_[i].data == kCow) d_[i] = describe(*p_[i]);
@@ -196,15 +187,7 @@ class Tensors {
   }
   template <typename Ok>
   bool describe_for_reading(size_t begin, size_t end, Ok ok) {
-    bool all_ok = true;
-    for (size_t i = begin; i < end; ++i) {
-      if (i + kImplAhead < end) prefetch_impl(*p_[i + kImplAhead]);
-      if (i + kStorageAhead < end) prefetch_storage(*p_[i + kStorageAhead]);
-      const at::Tensor& t = *p_[i];
-      all_ok = ok(t) && all_ok;
-      d_[i] = describe(t, Access::kRead);
-    }
-    return all_ok;
+    return describe_range(begin, end, ok, Access::kRead, nullptr);
   }
   size_t size() const { return p_.size(); }
   bool empty() const { return p_.empty(); }
@@ -235,6 +218,23 @@ class Tensors {
   // kWrite: the data pointer for writing (a copy-on-write storage materialized); kWriteLater:
   // the kCow marker instead of materializing; kRead: the data pointer for reading.
   enum class Access { kWrite, kWriteLater, kRead };
+
+  // Descriptors [begin, end) of the tensors point_at() took, prefetched two stages ahead (see
+  // take_all); `ok(t)` is asked of each, `any_cow` (nullable) set when one got the kCow marker.
+  template <typename Ok>
+  bool describe_range(size_t begin, size_t end, Ok ok, Access access, bool* any_cow) {
+    bool all_ok = true, cow = false;
+    for (size_t i = begin; i < end; ++i) {
+      if (i + kImplAhead < end) prefetch_impl(*p_[i + kImplAhead]);
+      if (i + kStorageAhead < end) prefetch_storage(*p_[i + kStorageAhead]);
+      const at::Tensor& t = *p_[i];
+      all_ok = ok(t) && all_ok;
+      d_[i] = describe(t, access);
+      cow = cow || d_[i].data == kCow;
+    }
+    if (any_cow != nullptr) *any_cow = cow;
+    return all_ok;
+  }
 
   static Desc describe(const at::Tensor& t, Access access = Access::kWrite) {
     Desc d{nullptr, 0, at::kFloat, true, false, at::Device(at::kCPU), -1, {0, 0, 0, 0}};

@@ -84,63 +84,6 @@ class Args {
     return std::move(rd->tensors);
   }
 
-  // `for_reading`: the call only reads the list (a copy-on-write storage is read where it is).
-  Tensors list_of(PyObject* seq, bool for_reading = false) {
-    Tensors out;
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-      ok = false;
-      return out;
-    }
-    // A held list (held.h) whose tensors are unchanged: its descriptors, and the held list's
-    // references keep its tensors alive for the call.
-    const bool grad_on = at::GradMode::is_enabled();
-    std::shared_ptr<HeldList> held = held_check_.unchanged(seq);
-    if (held != nullptr) {
-      out.reserve(held->tensors.size());
-      out = held->tensors;
-      out.held_tag = held->tag;
-      out.held_versions = held->versions->data();
-      counters_.push_back(held->versions);
-      any_tensor_ = any_tensor_ || !out.empty();
-      held_.push_back(std::move(held));
-      return out;
-    }
-    // The items are held (one reference each, dropped in ~Args with the GIL) so that they stay
-    // valid while the GIL is released, whatever another thread does to the list. A C array of
-    // references rather than a tuple copy: no Python allocation, nothing for the cyclic GC.
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    items_.reserve(items_.size() + static_cast<size_t>(n));
-    // The Python objects, on this thread (they are the interpreter's): type, reference, tensor.
-    thread_local std::vector<const Tensor*> tensors;
-    tensors.clear();
-    tensors.reserve(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (i + 8 < n) __builtin_prefetch(items[i + 8]);  // cold on a large tree: ask ahead
-      PyObject* o = items[i];
-      if (!THPVariable_Check(o)) {
-        ok = false;
-        return out;
-      }
-      Py_INCREF(o);
-      items_.push_back(o);
-      tensors.push_back(&THPVariable_Unpack(o));
-    }
-    // The tensors themselves (TensorImpls, storages): checked and described in one prefetching
-    // pass (Tensors::take_all). Grad mode is this thread's, read here once.
-    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); },
-                      for_reading)) {
-      ok = false;
-      return out;
-    }
-    // A held list whose tensors changed (a `.data` assignment, say): described anew above, its
-    // Marks are taken again. Its items are the same objects, so no reference changes hands.
-    held = held_list(seq);
-    if (held != nullptr && held->same_items(seq)) held->remark(out);
-    any_tensor_ = any_tensor_ || n > 0;
-    return out;
-  }
-
   const Tensor* tensor() {
     PyObject* o = next();
     if (!ok) return nullptr;
@@ -211,6 +154,63 @@ class Args {
   bool ok = true;
 
  private:
+  // `for_reading`: the call only reads the list (a copy-on-write storage is read where it is).
+  Tensors list_of(PyObject* seq, bool for_reading = false) {
+    Tensors out;
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+      ok = false;
+      return out;
+    }
+    // A held list (held.h) whose tensors are unchanged: its descriptors, and the held list's
+    // references keep its tensors alive for the call.
+    const bool grad_on = at::GradMode::is_enabled();
+    std::shared_ptr<HeldList> held = held_check_.unchanged(seq);
+    if (held != nullptr) {
+      out.reserve(held->tensors.size());
+      out = held->tensors;
+      out.held_tag = held->tag;
+      out.held_versions = held->versions->data();
+      counters_.push_back(held->versions);
+      any_tensor_ = any_tensor_ || !out.empty();
+      held_.push_back(std::move(held));
+      return out;
+    }
+    // The items are held (one reference each, dropped in ~Args with the GIL) so that they stay
+    // valid while the GIL is released, whatever another thread does to the list. A C array of
+    // references rather than a tuple copy: no Python allocation, nothing for the cyclic GC.
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    items_.reserve(items_.size() + static_cast<size_t>(n));
+    // The Python objects, on this thread (they are the interpreter's): type, reference, tensor.
+    thread_local std::vector<const Tensor*> tensors;
+    tensors.clear();
+    tensors.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 8 < n) __builtin_prefetch(items[i + 8]);  // cold on a large tree: ask ahead
+      PyObject* o = items[i];
+      if (!THPVariable_Check(o)) {
+        ok = false;
+        return out;
+      }
+      Py_INCREF(o);
+      items_.push_back(o);
+      tensors.push_back(&THPVariable_Unpack(o));
+    }
+    // The tensors themselves (TensorImpls, storages): checked and described in one prefetching
+    // pass (Tensors::take_all). Grad mode is this thread's, read here once.
+    if (!out.take_all(tensors.data(), tensors.size(), [grad_on](const Tensor& t) { return plain_cpu(t, grad_on); },
+                      for_reading)) {
+      ok = false;
+      return out;
+    }
+    // A held list whose tensors changed (a `.data` assignment, say): described anew above, its
+    // Marks are taken again. Its items are the same objects, so no reference changes hands.
+    held = held_list(seq);
+    if (held != nullptr && held->same_items(seq)) held->remark(out);
+    any_tensor_ = any_tensor_ || n > 0;
+    return out;
+  }
+
   PyObject* next() {
     if (!ok || i_ >= a_.size()) {
       ok = false;
@@ -629,8 +629,7 @@ py::object dict_values_aligned(const py::list& trees, const py::object& known) {
   dict_entries(first, keys[0], values[0]);
   for (Py_ssize_t k = 1; k < n; ++k) {
     PyObject* t = PyList_GET_ITEM(trees.ptr(), k);
-    dict_entries(t, keys[k], values[k]);
-    if (keys[k].size() != keys[0].size()) return py::none();  // (a dict's size is its entry count)
+    dict_entries(t, keys[k], values[k]);  // (as many entries as the first: its size was compared)
     const int same = t == first ? 1 : same_str_keys(keys[0], keys[k]);
     if (same == 0) return py::none();
     if (same < 0) return dict_values_aligned_general(trees, known);

@@ -305,10 +305,10 @@ class HeldLists {
       const Py_ssize_t len = PyList_GET_SIZE(seq);
       std::vector<const Tensor*> ts;
       bool all_tensors = true;
-      for (Py_ssize_t i = 0; i < len && all_tensors; ++i) {
+      for (Py_ssize_t i = 0; i < len; ++i) {
         PyObject* o = PyList_GET_ITEM(seq, i);
         all_tensors = THPVariable_Check(o);
-        if (!all_tensors) break;
+        if (!all_tensors) break;  // (the references taken go with h)
         Py_INCREF(o);
         h->raw.push_back(o);
         ts.push_back(&THPVariable_Unpack(o));
